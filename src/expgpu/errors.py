@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class UserError(Exception):
     """Bad input from the user (config value, environment variable, GPU id, cluster setting).
@@ -22,10 +24,10 @@ def env_int(env, name: str, *, minimum: int = 0) -> int:
     raw = env.get(name)
     if raw is None:
         raise UserError(f"environment variable {name} is not set")
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise UserError(f"environment variable {name}={raw!r} is not an integer") from None
+    # int() alone would also take "1_0" and non-ASCII digits, which no launcher writes
+    if not re.fullmatch(r"-?[0-9]+", raw.strip()):
+        raise UserError(f"environment variable {name}={raw!r} is not an integer (must be an integer >= {minimum})")
+    value = int(raw)
     if value < minimum:
         raise UserError(f"environment variable {name}={raw!r} must be >= {minimum}")
     return value

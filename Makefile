@@ -1,0 +1,21 @@
+# make run   -> set up .venv on first use, then: python -m expgpu task=a gpu_map=ranked
+# make test  -> set up .venv on first use, then: the test suite
+# Extra arguments: make run ARGS="launch.nproc_per_node=2"   make test ARGS="-k ranks"
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.expgpu-setup
+
+.PHONY: run test setup bench
+run: $(STAMP)
+	$(PY) -m expgpu task=a gpu_map=ranked $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+bench: $(STAMP)
+	$(PY) bench/bench_ddp_overhead.py $(ARGS)
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup-env.sh
+	bash scripts/setup-env.sh $(VENV)

@@ -1,0 +1,99 @@
+"""`python -m expgpu [overrides]`: Hydra composes the config, expgpu.app runs it.
+
+User errors (a wrong key, value, group option, environment variable, GPU id) end in
+one line naming what is wrong and what is allowed, and exit code 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import time
+
+_T0 = time.time()  # startup_s counts from here, in this process and in spawned workers
+
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from expgpu.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+
+
+def conf_dir() -> str:
+    """conf/ ships inside the wheel as expgpu/conf; a checkout has it at the top."""
+    packaged = Path(__file__).parent / "conf"
+    if packaged.is_dir():
+        return str(packaged)
+    return str(Path(__file__).resolve().parents[2] / "conf")
+
+
+def _one_line(e: BaseException) -> str | None:
+    """The message of a config error as one line, or None if it is not one."""
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(e, MissingConfigException):
+        text = str(e).replace("\n\t", ", ").replace("\n", " ")
+        return " ".join(text.split()).replace(": ,", ":")
+    cause = e
+    while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__
+    if isinstance(cause, OmegaConfBaseException):
+        from expgpu.config import schema_keys
+
+        key = getattr(cause, "full_key", None) or ""
+        msg = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        if type(cause).__name__ in ("ConfigKeyError", "ConfigAttributeError") and key:
+            parent = key.rsplit(".", 1)[0] if "." in key else ""
+            allowed = schema_keys(parent)
+            if allowed is not None:
+                return f"{key}: unknown key; allowed under {parent or 'the root'}: {', '.join(allowed)}"
+        return f"{key}: {msg}" if key else msg
+    if isinstance(e, (HydraException, OverrideParseException)):
+        return " ".join(str(e).split())
+    return None
+
+
+def main() -> None:
+    os.environ.setdefault("EXPGPU_START_TIME", str(_T0))
+    # Let Hydra's errors reach us instead of its multi-line report with exit code 1.
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    import hydra
+
+    from expgpu import config, rundir
+
+    config.register()
+    rundir.register()
+
+    @hydra.main(config_path=conf_dir(), config_name="config", version_base="1.3")
+    def _run(cfg) -> dict | None:
+        from hydra.core.hydra_config import HydraConfig
+
+        from expgpu import app
+
+        return app.run(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+    try:
+        _run()
+    except UserError as e:
+        print(f"expgpu: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        print("expgpu: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:
+        from expgpu.app import Stopped, WorkerFailed
+
+        if isinstance(e, WorkerFailed):
+            print(f"expgpu: {e}", file=sys.stderr)
+            sys.exit(1)
+        if isinstance(e, Stopped):
+            print(f"expgpu: {e}", file=sys.stderr)
+            sys.exit(130 if e.result.get("stop_signal") == "SIGINT" else 143)
+        line = _one_line(e)
+        if line is None:
+            raise
+        print(f"expgpu: error: {line}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
+if __name__ == "__main__":
+    main()

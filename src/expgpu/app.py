@@ -1,0 +1,105 @@
+"""What `python -m expgpu` does with a composed config: plan, then train here or spawn.
+
+Three cases, decided by who started this process and by launch.nproc_per_node:
+- dry_run: print the node plan, write plan.json, stop (no torch, no CUDA);
+- nproc_per_node > 1: this process is only a supervisor: it plans the node once and
+  starts the workers (expgpu.spawn), one per local rank;
+- otherwise this process is a rank itself (alone, or one of torchrun's/srun's).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from expgpu import config, placement, ranks, spawn, worker
+from expgpu.checkpoint import atomic_write_bytes
+from expgpu.errors import UserError
+
+log = logging.getLogger("expgpu")
+
+
+class Stopped(Exception):
+    """Training stopped early on a signal; the checkpoint in the run dir resumes it."""
+
+    def __init__(self, result: dict):
+        sig = result.get("stop_signal") or "a signal"
+        super().__init__(f"stopped at step {result['steps']} of {result['max_steps']} by {sig}; "
+                         f"checkpoint saved. Resume with the same overrides plus "
+                         f"hydra.run.dir={result['run_dir']}")
+        self.result = result
+
+
+class WorkerFailed(Exception):
+    def __init__(self, failure: spawn.Failure):
+        super().__init__(f"rank {failure.rank} failed: {failure.message}")
+        self.failure = failure
+
+
+def _task_name(cfg: dict) -> str:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.choices.get("task") or "task"
+
+
+def _write_plan(run_dir: Path, node, info: ranks.RankInfo, extra: dict | None = None) -> list[dict]:
+    rows = placement.rows(node, info.node_rank)
+    doc = {"host": socket.gethostname(), "strategy": node.strategy, "ranks": rows,
+           "node": node.to_dict(), **(extra or {})}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(run_dir / worker.PLAN_FILE, (json.dumps(doc, indent=2) + "\n").encode())
+    return rows
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict | None:
+    config.check(cfg)
+    plain = config.plain(cfg)
+    if not plain["task"]["name"]:
+        plain["task"]["name"] = _task_name(plain)
+    info = ranks.detect()
+    nproc = plain["launch"]["nproc_per_node"]
+    if nproc > 1 and info.local_world_size > 1:
+        raise UserError(f"launch.nproc_per_node={nproc}, but {info.source} already started "
+                        f"{info.local_world_size} processes on this node; let one launcher start "
+                        "them: launch.nproc_per_node=1 under torchrun/srun/mpirun")
+    local_ranks = nproc if nproc > 1 else info.local_world_size
+
+    if plain["dry_run"]:
+        node = placement.compute(plain, local_ranks)
+        if info.local_rank == 0:
+            rows = _write_plan(run_dir, node, info)
+            print(placement.table(rows, node.strategy), flush=True)
+            print(f"plan written to {run_dir / worker.PLAN_FILE} (dry run: nothing trained)", flush=True)
+            return {"status": "dry_run", "plan": rows}
+        return None
+
+    if nproc == 1:
+        return _finished(worker.run(plain, info, run_dir))
+
+    # Supervisor: one plan for the node, written where the workers read it.
+    node = placement.compute(plain, nproc)
+    _write_plan(run_dir, node, info)
+    state = run_dir / ".expgpu"
+    state.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(state / worker.CONFIG_FILE, json.dumps(plain).encode())
+    multi_node = info.world_size > 1  # one supervisor per node (e.g. srun --ntasks-per-node=1)
+    failure = spawn.run(nproc, run_dir, node_rank=info.rank, nnodes=info.world_size,
+                        master_addr=info.master_addr if multi_node else "127.0.0.1",
+                        master_port=info.master_port if multi_node else 0)
+    if failure is not None:
+        if failure.user_error:
+            raise UserError(failure.message)
+        raise WorkerFailed(failure)
+    if info.rank == 0:
+        return _finished(json.loads((run_dir / "result.json").read_text()))
+    return None
+
+
+def _finished(result: dict | None) -> dict | None:
+    if result is not None and result["status"] == "stopped":
+        raise Stopped(result)
+    return result

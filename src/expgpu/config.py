@@ -1,0 +1,209 @@
+"""Typed schema of an expgpu run, registered in Hydra's ConfigStore.
+
+conf/config.yaml lists `expgpu_schema` first in its defaults, so every YAML file and
+command-line override is merged onto these dataclasses: a misspelt key or a value of
+the wrong type is rejected while Hydra composes, before anything runs. Enums give the
+allowed values in the error message. `check()` adds the range checks a type cannot say.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from expgpu.errors import UserError
+
+
+class Strategy(enum.Enum):
+    sequential = "sequential"
+    custom = "custom"
+    ranked = "ranked"
+    free_memory = "free_memory"
+
+
+class ScoreSource(enum.Enum):
+    spec = "spec"          # SM count x max clock (then memory), or gpu_map.scores
+    measured = "measured"  # a short matmul benchmark per GPU, cached per UUID
+
+
+class Backend(enum.Enum):
+    auto = "auto"
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class Isolation(enum.Enum):
+    visible_devices = "visible_devices"
+    set_device = "set_device"
+
+
+class Wrap(enum.Enum):
+    ddp = "ddp"
+    dp = "dp"
+    none = "none"
+
+
+class Shard(enum.Enum):
+    uniform = "uniform"
+    proportional = "proportional"
+    auto = "auto"
+
+
+class FaultKind(enum.Enum):
+    exception = "exception"  # the rank raises RuntimeError
+    kill = "kill"     # the rank SIGKILLs itself (a segfault, the OOM killer)
+
+
+@dataclass
+class TaskConfig:
+    # The seven keys a task file must give (loss may be left at mse):
+    model: Any = MISSING        # {_target_: ..., ...}: an nn.Module
+    dataset: Any = MISSING      # {_target_: ...}: a map-style Dataset of (input, target)
+    optimizer: Any = MISSING    # {_target_: torch.optim.X, _partial_: true, lr: ...}
+    loss: Any = "mse"           # mse | cross_entropy | {_target_: ...} (a callable (output, target) -> loss)
+    batch_size: int = MISSING   # per rank; the global batch is batch_size x world size
+    max_steps: int = MISSING    # optimizer steps in all
+    seed: int = 0               # model init and data order
+    # Optional:
+    name: Optional[str] = None  # defaults to the task group's choice (task=a -> "a")
+    eval_dataset: Any = None    # held-out split; accuracy is reported for cross_entropy tasks
+    log_every: int = 10         # steps between loss lines / metrics.jsonl rows
+
+
+@dataclass
+class GpuMapConfig:
+    strategy: Strategy = Strategy.sequential
+    gpus: Optional[List[int]] = None            # custom: NVML index per local rank
+    scores: Dict[Any, float] = field(default_factory=dict)  # ranked: by index, name or UUID
+    score: ScoreSource = ScoreSource.spec       # ranked: where default scores come from
+    min_free_mb: int = 0                        # free_memory: skip GPUs with less free memory
+    max_util: int = 100                         # free_memory: skip GPUs busier than this (%)
+    gpus_per_rank: int = 1
+    share: bool = False                         # allow more ranks than GPUs (round-robin)
+
+
+@dataclass
+class BackendConfig:
+    name: Backend = Backend.auto   # auto: nccl when every rank has its own CUDA device, else gloo
+    timeout_s: float = 300.0       # process-group init and every collective
+
+
+@dataclass
+class LaunchConfig:
+    nproc_per_node: int = 1                       # >1: expgpu starts this many local workers
+    isolation: Isolation = Isolation.visible_devices
+    wrap: Wrap = Wrap.ddp                         # dp: DataParallel over a rank's GPUs (1 rank only)
+
+
+@dataclass
+class InventoryConfig:
+    # A list of {name, memory_mb, free_mb?, util?, sm_count?, clock_mhz?, score?}
+    # that replaces NVML, to preview or test a plan on any machine. The run itself
+    # then trains on the CPU.
+    simulate: Optional[List[Any]] = None
+
+
+@dataclass
+class DataConfig:
+    shard: Shard = Shard.uniform
+    num_workers: int = 0   # DataLoader workers per rank
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0   # 0: only when stopped (signal, preemption) and at the end
+    resume: bool = True    # resume from the run dir's checkpoint when there is one
+    poll_every: int = 10   # steps between the ranks' agreement on a stop request
+
+
+@dataclass
+class FaultsConfig:
+    crash_rank: Optional[int] = None  # inject a crash on this rank ...
+    crash_step: Optional[int] = None  # ... at this step (both needed)
+    kind: FaultKind = FaultKind.exception
+
+
+@dataclass
+class Config:
+    task: TaskConfig = field(default_factory=TaskConfig)
+    gpu_map: GpuMapConfig = field(default_factory=GpuMapConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    inventory: InventoryConfig = field(default_factory=InventoryConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    dry_run: bool = False  # print the rank -> GPU plan, write plan.json, exit without CUDA
+
+
+def register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="expgpu_schema", node=Config)
+
+
+def typed(cfg: Any) -> DictConfig:
+    """A plain (already resolved) config merged onto the schema: how workers reload it."""
+    return OmegaConf.merge(OmegaConf.structured(Config), cfg)
+
+
+def check(cfg: DictConfig) -> None:
+    """Range checks that types cannot express; one line naming the key on failure."""
+    def need(ok: bool, key: str, allowed: str) -> None:
+        if not ok:
+            raise UserError(f"{key}={OmegaConf.select(cfg, key)!r} is not allowed: {allowed}")
+
+    t = cfg.task
+    need(t.batch_size >= 1, "task.batch_size", "an integer >= 1")
+    need(t.max_steps >= 1, "task.max_steps", "an integer >= 1")
+    need(t.log_every >= 1, "task.log_every", "an integer >= 1")
+    if isinstance(t.loss, str):
+        need(t.loss in ("mse", "cross_entropy"), "task.loss", "mse, cross_entropy or {_target_: ...}")
+    elif not (isinstance(t.loss, DictConfig) and "_target_" in t.loss):
+        need(False, "task.loss", "mse, cross_entropy or {_target_: ...}")
+    for key in ("model", "dataset", "optimizer"):
+        node = t[key]
+        need(isinstance(node, DictConfig) and "_target_" in node, f"task.{key}", "a mapping with _target_")
+    need(cfg.launch.nproc_per_node >= 1, "launch.nproc_per_node", "an integer >= 1")
+    need(cfg.backend.timeout_s > 0, "backend.timeout_s", "seconds > 0")
+    need(cfg.gpu_map.gpus_per_rank >= 1, "gpu_map.gpus_per_rank", "an integer >= 1")
+    need(0 <= cfg.gpu_map.max_util <= 100, "gpu_map.max_util", "a percentage 0..100")
+    need(cfg.gpu_map.min_free_mb >= 0, "gpu_map.min_free_mb", "megabytes >= 0")
+    need(cfg.data.num_workers >= 0, "data.num_workers", "an integer >= 0")
+    need(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "0 (off) or a step count")
+    need(cfg.checkpoint.poll_every >= 1, "checkpoint.poll_every", "an integer >= 1")
+    f = cfg.faults
+    need((f.crash_rank is None) == (f.crash_step is None), "faults.crash_step",
+         "set faults.crash_rank and faults.crash_step together")
+    if f.crash_rank is not None:
+        need(f.crash_rank >= 0, "faults.crash_rank", "a rank >= 0")
+        need(f.crash_step >= 0, "faults.crash_step", "a step >= 0")
+    if cfg.launch.wrap is Wrap.dp and cfg.launch.nproc_per_node > 1:
+        need(False, "launch.wrap", "dp (DataParallel) runs in one process; use ddp with several ranks")
+
+
+def plain(cfg: DictConfig) -> dict:
+    """Resolved, enum-free dict: what pure functions and child processes receive."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def schema_keys(path: str) -> list[str] | None:
+    """The allowed keys under a dotted path of the schema (for 'unknown key' messages)."""
+    import dataclasses
+
+    node: Any = Config
+    for part in [p for p in path.split(".") if p]:
+        if not dataclasses.is_dataclass(node):
+            return None
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields:
+            return None
+        f = fields[part]
+        node = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        node = type(node) if dataclasses.is_dataclass(node) else node
+    if dataclasses.is_dataclass(node):
+        return [f.name for f in dataclasses.fields(node)]
+    return None

@@ -1,0 +1,110 @@
+"""With whom: backend choice, process-group init and teardown, model wrapping."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from expgpu.errors import UserError
+from expgpu.ranks import RankInfo
+
+
+def choose_backend(requested: str, node_gpus: Sequence[Sequence], cuda_available: bool) -> str:
+    """nccl only when every local rank owns a CUDA device of its own; gloo otherwise.
+
+    `node_gpus` is the plan of this node: the GPU indices of every local rank.
+    """
+    own_gpu = bool(node_gpus) and all(len(g) > 0 for g in node_gpus)
+    firsts = [g[0] for g in node_gpus if g]
+    shared = len(set(firsts)) < len(firsts)
+    if requested == "auto":
+        return "nccl" if cuda_available and own_gpu and not shared else "gloo"
+    if requested == "nccl":
+        if not cuda_available or not own_gpu:
+            raise UserError("backend=nccl needs a CUDA GPU for every rank, but this node has "
+                            f"{'no usable CUDA' if not cuda_available else 'ranks without a GPU'}; "
+                            "use backend=gloo or backend=auto")
+        if shared:
+            raise UserError("backend=nccl cannot put two ranks of one node on one GPU (NCCL refuses "
+                            "duplicate devices); give each rank its own GPU or use backend=gloo")
+    return requested
+
+
+def _local_store_port(info: RankInfo, run_dir: Path, timeout_s: float):
+    """expgpu's own spawn: rank 0 binds a free port and publishes it in the run dir.
+
+    Picking a port in the parent and handing it down leaves a window in which a
+    concurrent run can take it; binding it where it is used does not.
+    """
+    import torch.distributed as dist
+
+    launch = os.environ.get("EXPGPU_LAUNCH_ID", "0")
+    port_file = run_dir / ".expgpu" / f"store-{launch}.port"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if info.rank == 0:
+        store = dist.TCPStore(info.master_addr, 0, info.world_size, True, timeout=timeout,
+                              wait_for_workers=False)
+        from expgpu.checkpoint import atomic_write_bytes
+
+        port_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(port_file, str(store.port).encode())
+        return store
+    deadline = time.monotonic() + timeout_s
+    while not port_file.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {info.rank}: rank 0 published no store port within "
+                               f"{timeout_s:.0f}s ({port_file})")
+        time.sleep(0.01)
+    port = int(port_file.read_text())
+    return dist.TCPStore(info.master_addr, port, info.world_size, False, timeout=timeout)
+
+
+@contextlib.contextmanager
+def process_group(info: RankInfo, backend: str, timeout_s: float, run_dir: Path,
+                  device=None) -> Iterator[None]:
+    """init_process_group with a timeout on every wait; destroy it whatever happens."""
+    if info.world_size == 1:
+        yield
+        return
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs: dict = dict(backend=backend, rank=info.rank, world_size=info.world_size, timeout=timeout)
+    if backend == "nccl" and device is not None:
+        kwargs["device_id"] = device  # bind now: no NCCL context on another GPU
+    if info.source == "local" and info.master_port == 0:
+        kwargs["store"] = _local_store_port(info, run_dir, timeout_s)
+    elif info.source == "torchrun":
+        kwargs["init_method"] = "env://"  # the torchrun agent hosts the store
+    else:
+        kwargs["init_method"] = f"tcp://{info.master_addr}:{info.master_port}"
+    dist.init_process_group(**kwargs)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def wrap(model, device, mode: str, world_size: int, n_gpus: int):
+    """DDP across ranks (device_ids for CUDA), DataParallel over one rank's GPUs, or nothing."""
+    import torch
+
+    if mode == "dp":
+        if device.type == "cuda" and n_gpus > 1:
+            return torch.nn.DataParallel(model, device_ids=list(range(n_gpus)))
+        return model
+    if mode == "ddp" and world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index or 0] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    return model
+
+
+def unwrap(model):
+    return getattr(model, "module", model)

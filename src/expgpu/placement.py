@@ -1,0 +1,99 @@
+"""This node's plan, the same in every local process, and the dry-run view of it.
+
+Every process of a node must agree on who gets which GPU. Strategies are pure, but
+their input is not always stable: free memory and utilization change while the
+first ranks start. So when the local ranks are separate processes started by a
+launcher (torchrun, srun), local rank 0 computes the plan once and publishes it in
+the run directory; the others read it. expgpu's own spawn computes it in the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Mapping
+
+from expgpu.checkpoint import atomic_write_bytes
+from expgpu.gpus import NodePlan, inventory, plan
+from expgpu.ranks import RankInfo
+
+
+def launch_id(env: Mapping[str, str]) -> str | None:
+    """What is shared by the processes of one launch, and differs after a restart."""
+    if env.get("EXPGPU_LAUNCH_ID"):
+        return env["EXPGPU_LAUNCH_ID"]
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun-{env['TORCHELASTIC_RUN_ID']}-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}.{env.get('SLURM_RESTART_COUNT', '0')}"
+    return None
+
+
+def compute(cfg: dict, local_world_size: int) -> NodePlan:
+    gpus = inventory(cfg["inventory"]["simulate"])
+    return plan(gpus, local_world_size, gpu_map_params(cfg))
+
+
+def gpu_map_params(cfg: dict) -> dict:
+    params = dict(cfg["gpu_map"])
+    # Config keys arrive as strings from the command line ("0"), as ints from YAML (0).
+    params["scores"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v
+                        for k, v in (params.get("scores") or {}).items()}
+    return params
+
+
+def plan_path(run_dir: Path, launch: str) -> Path:
+    return run_dir / ".expgpu" / f"plan-{socket.gethostname()}-{launch}.json"
+
+
+def shared(cfg: dict, info: RankInfo, run_dir: Path, timeout_s: float,
+           env: Mapping[str, str] | None = None) -> NodePlan:
+    env = os.environ if env is None else env
+    launch = launch_id(env)
+    if info.local_world_size == 1 or launch is None:
+        return compute(cfg, info.local_world_size)
+    path = plan_path(run_dir, launch)
+    if info.local_rank == 0:
+        node = compute(cfg, info.local_world_size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, json.dumps(node.to_dict()).encode())
+        return node
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"local rank {info.local_rank}: local rank 0 published no GPU plan "
+                               f"within {timeout_s:.0f}s ({path})")
+        time.sleep(0.02)
+    return NodePlan.from_dict(json.loads(path.read_text()))
+
+
+def rows(node: NodePlan, node_rank: int, host: str | None = None) -> list[dict]:
+    """One row per local rank: what the dry-run table shows and plan.json stores."""
+    host = host or socket.gethostname()
+    n = len(node.assignments)
+    out = []
+    for local_rank, gpus in enumerate(node.assignments):
+        out.append({
+            "rank": node_rank * n + local_rank, "host": host, "local_rank": local_rank,
+            "gpus": [g.index for g in gpus], "names": [g.name for g in gpus],
+            "memory_mb": [g.memory_total_mb for g in gpus],
+            "scores": [node.scores.get(g.index) for g in gpus],
+            "device": "cuda" if gpus else "cpu",
+        })
+    return out
+
+
+def table(plan_rows: list[dict], strategy: str) -> str:
+    header = ("rank", "host", "local", "gpu", "name", "memory", "score")
+    lines = [header]
+    for r in plan_rows:
+        fmt = lambda xs, f=str: ",".join(f(x) for x in xs) or "-"  # noqa: E731
+        lines.append((str(r["rank"]), r["host"], str(r["local_rank"]), fmt(r["gpus"]) if r["gpus"] else "cpu",
+                      fmt(r["names"]), fmt(r["memory_mb"], lambda m: f"{m / 1024:.0f} GiB"),
+                      fmt(r["scores"], lambda s: "-" if s is None else f"{s:.4g}")))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    text = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines]
+    return f"gpu_map={strategy}\n" + "\n".join(text)

@@ -1,0 +1,107 @@
+"""RankInfo, the answer to "who am I?", and the checks every rank source shares."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from expgpu.errors import UserError, env_int
+
+SOURCES = ("local", "torchrun", "slurm", "mpi", "single")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int  # global rank, 0 .. world_size - 1
+    local_rank: int  # rank among the processes of this job on this node
+    world_size: int  # processes in the job, all nodes
+    local_world_size: int  # processes of this job on this node
+    node_rank: int  # index of this node among the job's nodes, 0 .. num_nodes - 1
+    master_addr: str  # host of rank 0, where the rendezvous store listens
+    # its TCP port; 0 = none chosen yet: fine for one process, and for expgpu's local spawn, where
+    # rank 0 binds a free port and publishes it in the run dir (expgpu.dist); an error elsewhere
+    master_port: int
+    source: str  # who told us: one of SOURCES
+    # 0 = derive as ceil(world_size / local_world_size), which assumes every node runs as many
+    # processes as this one; sources that know better (SLURM_NNODES, GROUP_WORLD_SIZE) pass it.
+    num_nodes: int = 0
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"RankInfo.source={self.source!r} must be one of {', '.join(SOURCES)}")
+        if self.num_nodes == 0 and self.local_world_size > 0:
+            object.__setattr__(self, "num_nodes", -(-self.world_size // self.local_world_size))
+        check(dataclasses.asdict(self), {})
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def check(fields: Mapping[str, Any], names: Mapping[str, str]) -> None:
+    """Raise UserError on fields that cannot describe a real job.
+
+    ``names`` maps a field to the environment variable it was read from, so the message names
+    what the user can fix; a field missing from it is called by its own name.
+    """
+
+    def name(field: str) -> str:
+        return names.get(field, field)
+
+    def fail(field: str, rule: str) -> None:
+        raise UserError(f"{name(field)}='{fields[field]}' {rule}")
+
+    for field in ("world_size", "local_world_size"):
+        if fields[field] < 1:
+            fail(field, "must be >= 1")
+    for field in ("rank", "local_rank", "node_rank"):
+        if fields[field] < 0:
+            fail(field, "must be >= 0")
+    for small, big in (("rank", "world_size"), ("local_rank", "local_world_size"), ("node_rank", "num_nodes")):
+        if fields.get(big) and fields[small] >= fields[big]:
+            fail(small, f"must be < {name(big)}={fields[big]}")
+    if fields["local_world_size"] > fields["world_size"]:
+        fail("local_world_size", f"must be <= {name('world_size')}={fields['world_size']}")
+    addr = fields["master_addr"]
+    if not addr or any(c.isspace() for c in addr):
+        fail("master_addr", "must be a host name or IP address without spaces")
+    port = fields["master_port"]
+    if not 0 <= port <= 65535 or (port == 0 and fields["world_size"] > 1 and fields["source"] != "local"):
+        fail("master_port", "must be a TCP port in 1..65535")
+
+
+def build(source: str, names: Mapping[str, str], **fields: Any) -> RankInfo:
+    """Check ``fields`` naming the variables in ``names``, then make the RankInfo."""
+    check({"num_nodes": 0, "source": source, **fields}, names)
+    return RankInfo(source=source, **fields)
+
+
+def is_set(env: Mapping[str, str], name: str) -> bool:
+    # An empty value is how shells and configs usually "unset" a variable; treat it so.
+    return bool(env.get(name, "").strip())
+
+
+def env_str(env: Mapping[str, str], name: str) -> str:
+    if not is_set(env, name):
+        raise UserError(f"environment variable {name} is not set (or empty)")
+    return env[name].strip()
+
+
+def env_port(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    """A port variable, or ``default`` when unset; check() rejects 0 for a world of several."""
+    if not is_set(env, name) and default is not None:
+        return default
+    raw = env_str(env, name)
+    if not re.fullmatch(r"[0-9]{1,5}", raw) or int(raw) > 65535:
+        raise UserError(f"{name}={env[name]!r} must be a TCP port in 1..65535")
+    return int(raw)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")

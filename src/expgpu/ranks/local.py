@@ -1,0 +1,45 @@
+"""expgpu's own local spawn: the supervisor (expgpu.spawn) tells each child who it is.
+
+This source is checked FIRST, before torchrun and SLURM: these variables are written by expgpu
+for exactly this child process, so they come from the innermost, most specific launcher. A child
+spawned inside an srun step still inherits that step's SLURM_PROCID, SLURM_NTASKS, ... and those
+describe the parent, not the child; they must not win.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from expgpu.errors import env_int
+from expgpu.ranks.info import RankInfo, build, env_port, env_str, is_set
+
+# RankInfo field -> the variable the supervisor sets; child_env() and detect() share it so the
+# two sides cannot drift apart.
+VARIABLES = {
+    "rank": "EXPGPU_RANK",
+    "local_rank": "EXPGPU_LOCAL_RANK",
+    "world_size": "EXPGPU_WORLD_SIZE",
+    "local_world_size": "EXPGPU_LOCAL_WORLD_SIZE",
+    "node_rank": "EXPGPU_NODE_RANK",
+    "master_addr": "EXPGPU_MASTER_ADDR",
+    "master_port": "EXPGPU_MASTER_PORT",
+}
+_SIZES = ("world_size", "local_world_size")
+
+
+def detect(env: Mapping[str, str]) -> RankInfo | None:
+    if not is_set(env, VARIABLES["rank"]):
+        return None
+    fields = {
+        field: env_int(env, var, minimum=int(field in _SIZES))
+        for field, var in VARIABLES.items()
+        if field not in ("master_addr", "master_port")
+    }
+    fields["master_addr"] = env_str(env, VARIABLES["master_addr"])
+    fields["master_port"] = env_port(env, VARIABLES["master_port"])
+    return build("local", VARIABLES, **fields)
+
+
+def child_env(info: RankInfo) -> dict[str, str]:
+    """The variables that make detect() in a child return ``info`` (source "local")."""
+    return {var: str(getattr(info, field)) for field, var in VARIABLES.items()}

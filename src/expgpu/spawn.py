@@ -1,0 +1,135 @@
+"""expgpu's own local launcher: N worker processes, fail-fast, no orphans.
+
+Each worker is a fresh `python -m expgpu.worker RUN_DIR` that learns its rank from
+EXPGPU_* variables and isolates its GPU before it imports torch. The parent never
+imports torch (workers start sooner) and only watches: when one worker fails,
+the others are stopped at once (SIGTERM, then SIGKILL after a grace period) and the
+failure is reported with the rank and its error. Workers die with the parent
+(PR_SET_PDEATHSIG), so a killed parent leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("expgpu")
+
+GRACE_S = 5.0  # a stopped worker gets this long to exit before SIGKILL
+
+
+def failure_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / ".expgpu" / f"rank{rank}.failure.json"
+
+
+def write_failure(run_dir: Path, rank: int, message: str, user_error: bool = False) -> None:
+    from expgpu.checkpoint import atomic_write_bytes
+
+    path = failure_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps({"rank": rank, "message": message, "user_error": user_error}).encode())
+
+
+@dataclass
+class Failure:
+    rank: int
+    message: str
+    user_error: bool
+    returncode: int
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _describe(run_dir: Path, rank: int, code: int) -> Failure:
+    try:
+        info = json.loads(failure_path(run_dir, rank).read_text())
+        return Failure(rank, info["message"], info["user_error"], code)
+    except (OSError, ValueError, KeyError):
+        if code < 0:
+            return Failure(rank, f"killed by {signal.Signals(-code).name}", False, code)
+        return Failure(rank, f"exited with code {code}", False, code)
+
+
+def _stop(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
+        node_rank: int = 0, nnodes: int = 1, master_addr: str = "127.0.0.1",
+        master_port: int = 0) -> Failure | None:
+    """Start nproc workers and wait; None when all succeeded, else the first failure."""
+    launch = uuid.uuid4().hex[:12]
+    world = nproc * nnodes
+    for stale in (run_dir / ".expgpu").glob("rank*.failure.json"):  # from a run this one resumes
+        stale.unlink()
+    procs: list[subprocess.Popen] = []
+    for local_rank in range(nproc):
+        env = dict(os.environ, **(env_extra or {}))
+        env.update({
+            "EXPGPU_RANK": str(node_rank * nproc + local_rank), "EXPGPU_LOCAL_RANK": str(local_rank),
+            "EXPGPU_WORLD_SIZE": str(world), "EXPGPU_LOCAL_WORLD_SIZE": str(nproc),
+            "EXPGPU_NODE_RANK": str(node_rank), "EXPGPU_MASTER_ADDR": master_addr,
+            "EXPGPU_MASTER_PORT": str(master_port),  # 0: rank 0 binds one and publishes it
+            "EXPGPU_LAUNCH_ID": launch,
+        })
+        procs.append(subprocess.Popen([sys.executable, "-m", "expgpu.worker", str(run_dir)], env=env,
+                                      preexec_fn=_die_with_parent))
+
+    # Ctrl-C reaches the workers too (same process group); they checkpoint and exit.
+    # A SIGTERM sent to this parent alone is passed on to them.
+    forwarded: list[int] = []
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    old[signal.SIGINT] = signal.signal(signal.SIGINT, lambda s, f: forwarded.append(s))
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                # The earliest failure is the cause; the others' errors are its echo
+                # ("connection closed by peer"). A rank killed outright wrote nothing:
+                # it went first.
+                rank, code = min(bad, key=lambda rc: _mtime(failure_path(run_dir, rc[0])))
+                _stop(procs)
+                return _describe(run_dir, rank, code)
+            if all(c == 0 for c in codes):
+                return None
+            time.sleep(0.05)
+    finally:
+        _stop(procs, signal.SIGKILL)  # nothing outlives the parent, whatever happened
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return float("-inf")

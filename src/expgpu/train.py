@@ -1,0 +1,261 @@
+"""The training loop: explicit, top to bottom, the same for 1 rank and for many.
+
+Nothing on the hot path that a plain PyTorch DDP loop would not do: the loss is read
+back (`.item()`) only every `log_every` steps, the stop flag is all-reduced only every
+`poll_every` steps, and timing syncs the GPU twice in all.
+
+Data order is a pure function of (seed, epoch), which is what DistributedSampler
+gives; a checkpoint stores (step, epoch, position in epoch), so a resumed run sees
+exactly the batches the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from expgpu import checkpoint
+from expgpu.ranks import RankInfo
+from expgpu.stopping import Stopper
+from expgpu.task import Task
+
+log = logging.getLogger("expgpu")
+
+
+@dataclass
+class Outcome:
+    status: str                   # finished | stopped
+    step: int
+    resumed_from_step: int | None
+    final_loss: float | None
+    accuracy: float | None
+    startup_s: float
+    train_s: float
+    steps_per_s: float | None
+    param_checksum: str
+    stop_signal: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class _Positions:
+    """The sampler's indices of one epoch, from a batch position on (exact resume)."""
+
+    def __init__(self, indices: list[int], start: int):
+        self.indices = indices[start:]
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self):
+        return len(self.indices)
+
+
+def param_checksum(model) -> str:
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().to("cpu").contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _gather(obj: Any, world_size: int) -> list:
+    if world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _rng_state(device) -> dict:
+    import torch
+
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device) -> None:
+    import torch
+
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+class _Progress:
+    """A live bar on rank 0 when stderr is a terminal; plain log lines otherwise."""
+
+    def __init__(self, enabled: bool, total: int, start: int):
+        self.bar, self.enabled = None, enabled
+        if enabled and sys.stderr.isatty():
+            from rich.progress import Progress
+
+            self.bar = Progress(transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task("training", total=total, completed=start)
+
+    def update(self, step: int, loss: float | None) -> None:
+        if self.bar is not None:
+            desc = f"training  loss {loss:.4f}" if loss is not None else "training"
+            self.bar.update(self.task, completed=step, description=desc)
+        elif self.enabled and loss is not None:
+            log.info("step %d  loss %.5f", step, loss)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def evaluate_accuracy(model, dataset, device, batch: int = 1024) -> float:
+    import torch
+    from torch.utils.data import DataLoader
+
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for x, y in DataLoader(dataset, batch_size=batch):
+            pred = model(x.to(device)).argmax(dim=1).cpu()
+            correct += int((pred == y).sum())
+            total += len(y)
+    model.train()
+    return correct / max(total, 1)
+
+
+def _inject_fault(faults: dict, rank: int, step: int) -> None:
+    if faults.get("crash_rank") == rank and faults.get("crash_step") == step:
+        if faults.get("kind") == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected crash (faults.crash_rank={rank} faults.crash_step={step})")
+
+
+def run(task: Task, model, raw_model, device, info: RankInfo, run_dir: Path, cfg: dict,
+        stopper: Stopper, t_start: float) -> Outcome:
+    """Train `model` (possibly DDP-wrapped `raw_model`) to task.max_steps or a stop request."""
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    is_main = info.rank == 0
+    ws = info.world_size
+    optimizer = task.make_optimizer(model.parameters())
+    ckpt_path = run_dir / checkpoint.FILENAME
+    expect = {"task": task.name, "world_size": ws, "fingerprint": task.fingerprint}
+
+    step = epoch = position = 0
+    resumed_from = None
+    if cfg["checkpoint"]["resume"] and ckpt_path.exists():
+        state = checkpoint.load(ckpt_path, expect)
+        raw_model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, epoch, position = state["step"], state["epoch"], state["position"]
+        _set_rng_state(state["rng"][info.rank], device)
+        resumed_from = step
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", ckpt_path, step, epoch, position)
+
+    def save(reason: str) -> None:
+        rng = _gather(_rng_state(device), ws)  # collective: every rank calls save()
+        if is_main:
+            checkpoint.save(ckpt_path, {
+                **expect, "step": step, "epoch": epoch, "position": position, "rng": rng,
+                "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+            })
+            log.info("checkpoint at step %d (%s): %s", step, reason, ckpt_path)
+
+    sampler = DistributedSampler(task.dataset, num_replicas=ws, rank=info.rank, shuffle=True,
+                                 seed=task.seed, drop_last=False)
+    bs = task.batch_size
+    if len(sampler) < bs:
+        from expgpu.errors import UserError
+
+        raise UserError(f"task.batch_size={bs} is larger than a rank's share of the dataset "
+                        f"({len(task.dataset)} examples / {ws} ranks = {len(sampler)}); lower it")
+
+    faults = cfg["faults"]
+    every = cfg["checkpoint"]["every_steps"]
+    metrics = open(run_dir / "metrics.jsonl", "a") if is_main else None
+    progress = _Progress(is_main, task.max_steps, step)
+    pin = device.type == "cuda"
+    loss = None
+    status, start_step = "finished", step
+    t_first = time.time()
+    t10 = None  # steps/s is measured after the first 10 steps (warm-up)
+    try:
+        while step < task.max_steps and status == "finished":
+            sampler.set_epoch(epoch)
+            loader = DataLoader(task.dataset, batch_size=bs, drop_last=True, pin_memory=pin,
+                                sampler=_Positions(list(sampler), position * bs),
+                                num_workers=cfg["data"]["num_workers"])
+            for x, y in loader:
+                _inject_fault(faults, info.rank, step)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                optimizer.zero_grad(set_to_none=True)
+                loss = task.loss_fn(model(x), y)
+                loss.backward()
+                optimizer.step()
+                step += 1
+                position += 1
+                if step - start_step == 10:
+                    _sync(device)
+                    t10 = time.time()
+                if step % task.log_every == 0 or step == task.max_steps:
+                    value = loss.item()
+                    progress.update(step, value)
+                    if metrics:
+                        metrics.write(json.dumps({"step": step, "loss": value, "epoch": epoch,
+                                                  "time": round(time.time(), 3)}) + "\n")
+                        metrics.flush()
+                if every and step % every == 0 and step < task.max_steps:
+                    save("every_steps")
+                if stopper.should_stop(step):
+                    status = "stopped"
+                    break
+                if step >= task.max_steps:
+                    break
+            else:
+                epoch, position = epoch + 1, 0
+        _sync(device)
+        t_end = time.time()
+    finally:
+        progress.close()
+        if metrics:
+            metrics.close()
+
+    save("stop requested" if status == "stopped" else "end of training")
+    final_loss = None
+    if loss is not None:
+        reduced = loss.detach().clone()
+        if ws > 1:
+            import torch.distributed as dist
+
+            if dist.get_backend() == "nccl":
+                reduced = reduced.to(device)
+            dist.all_reduce(reduced)
+            reduced /= ws
+        final_loss = float(reduced)
+    accuracy = None
+    if status == "finished" and task.classification and is_main:
+        accuracy = evaluate_accuracy(raw_model, task.eval_dataset or task.dataset, device)
+    timed = step - start_step - 10
+    return Outcome(
+        status=status, step=step, resumed_from_step=resumed_from, final_loss=final_loss,
+        accuracy=accuracy, startup_s=round(t_first - t_start, 3), train_s=round(t_end - t_first, 3),
+        steps_per_s=round(timed / (t_end - t10), 2) if t10 and timed > 0 else None,
+        param_checksum=param_checksum(raw_model), stop_signal=stopper.received,
+    )

@@ -1,0 +1,128 @@
+"""One rank, from "who am I" to result.json: the straight line of design.md.
+
+    ranks.detect() -> placement (inventory + strategy) -> gpus.apply -> dist.process_group
+        -> task.build -> dist.wrap -> train.run -> result.json (rank 0)
+
+Started in-process by `python -m expgpu` (single process, torchrun, srun, mpirun), or
+as `python -m expgpu.worker RUN_DIR` by expgpu's own spawn, which hands down the
+resolved config and the node plan in RUN_DIR/.expgpu/.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from expgpu import placement
+from expgpu.checkpoint import atomic_write_bytes
+from expgpu.gpus import NodePlan, apply
+from expgpu.ranks import RankInfo
+
+log = logging.getLogger("expgpu")
+
+CONFIG_FILE = "config.json"   # under RUN_DIR/.expgpu: the resolved config for spawned workers
+PLAN_FILE = "plan.json"       # under RUN_DIR: the node plan (dry run and spawn)
+
+
+def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
+        t_start: float | None = None) -> dict | None:
+    """Train as this rank; returns the result dict on rank 0."""
+    t_start = t_start or float(os.environ.get("EXPGPU_START_TIME", time.time()))
+    timeout = cfg["backend"]["timeout_s"]
+    if node is None:
+        node = placement.shared(cfg, info, run_dir, timeout)
+    simulated = cfg["inventory"]["simulate"] is not None
+    my_gpus = node.gpus_of(info.local_rank)
+    # Before anything imports torch.cuda: this process must only ever see its GPU(s).
+    device = apply(node, info.local_rank, cfg["launch"]["isolation"])
+    import torch
+
+    if simulated:
+        device = torch.device("cpu")  # simulated GPUs are planned and leased, not used
+    host = socket.gethostname()
+    log.info("rank %d/%d on %s -> %s%s", info.rank, info.world_size, host, device,
+             f" (GPU {','.join(str(g.index) for g in my_gpus)}: {my_gpus[0].name})" if my_gpus else "")
+
+    from expgpu import dist, task as tasks, train
+    from expgpu.stopping import Stopper
+
+    backend = dist.choose_backend(cfg["backend"]["name"], [[g.index for g in a] for a in node.assignments],
+                                  cuda_available=device.type == "cuda")
+    stopper = Stopper(cfg["checkpoint"]["poll_every"], info.world_size).install()
+    try:
+        with dist.process_group(info, backend, timeout, run_dir, device):
+            task = tasks.build(cfg["task"])
+            raw = task.model.to(device)
+            model = dist.wrap(raw, device, cfg["launch"]["wrap"], info.world_size, len(my_gpus))
+            outcome = train.run(task, model, raw, device, info, run_dir, cfg, stopper, t_start)
+            me = {"rank": info.rank, "host": host, "device": str(device),
+                  "gpus": [g.index for g in my_gpus], "names": [g.name for g in my_gpus],
+                  "param_checksum": outcome.param_checksum}
+            ranks = train._gather(me, info.world_size)
+    finally:
+        stopper.uninstall()
+    if info.rank != 0:
+        return None
+    result = {
+        "status": outcome.status, "task": task.name, "source": info.source,
+        "world_size": info.world_size, "backend": backend, "strategy": node.strategy,
+        "plan": ranks,
+        "metrics": {"final_loss": outcome.final_loss, "accuracy": outcome.accuracy},
+        "steps": outcome.step, "max_steps": task.max_steps,
+        "resumed_from_step": outcome.resumed_from_step, "stop_signal": outcome.stop_signal,
+        "timing": {"startup_s": outcome.startup_s, "train_s": outcome.train_s,
+                   "steps_per_s": outcome.steps_per_s},
+        "param_checksum": outcome.param_checksum,
+        "rank_checksums": [r["param_checksum"] for r in ranks],
+        "run_dir": str(run_dir),
+    }
+    atomic_write_bytes(run_dir / "result.json", (json.dumps(result, indent=2) + "\n").encode())
+    return result
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    fmt = logging.Formatter(f"[%(asctime)s][rank {rank}] %(message)s", "%H:%M:%S")
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(fmt)
+    root.addHandler(stream)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    file = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    file.setFormatter(fmt)
+    root.addHandler(file)
+
+
+def main() -> None:
+    """Entry of a worker started by expgpu.spawn (never by users)."""
+    from expgpu import ranks
+    from expgpu.errors import EXIT_USER_ERROR, UserError
+    from expgpu.spawn import write_failure
+
+    run_dir = Path(sys.argv[1])
+    rank = int(os.environ.get("EXPGPU_RANK", "0"))
+    setup_logging(run_dir, rank)
+    try:
+        info = ranks.detect()
+        cfg = json.loads((run_dir / ".expgpu" / CONFIG_FILE).read_text())
+        node = NodePlan.from_dict(json.loads((run_dir / PLAN_FILE).read_text())["node"])
+        run(cfg, info, run_dir, node)
+    except UserError as e:
+        write_failure(run_dir, rank, str(e), user_error=True)
+        print(f"expgpu: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        write_failure(run_dir, rank, "interrupted (second Ctrl-C)")
+        sys.exit(130)
+    except BaseException as e:
+        write_failure(run_dir, rank, f"{type(e).__name__}: {e}")
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Shared helpers: run the real CLI in a subprocess, read what a run left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Variables a launcher around the test run (srun, torchrun, an expgpu spawn) may have
+# set: a test decides for itself who started its processes.
+LAUNCHER_PREFIXES = ("SLURM_", "EXPGPU_", "TORCHELASTIC_", "OMPI_", "PMI_", "MPI_LOCAL")
+LAUNCHER_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "HYDRA_FULL_ERROR"}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    @property
+    def result(self) -> dict:
+        return json.loads((self.run_dir / "result.json").read_text())
+
+    def metrics(self) -> list[dict]:
+        return [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def expgpu(args: list[str], run_dir: Path, env: dict | None = None, timeout: float = 240,
+           cmd: list[str] | None = None, cwd: Path = REPO) -> Run:
+    """`python -m expgpu ARGS hydra.run.dir=RUN_DIR`, as a user would type it."""
+    cmd = cmd or [sys.executable, "-m", "expgpu"]
+    proc = subprocess.run(cmd + list(args) + [f"hydra.run.dir={run_dir}"], cwd=cwd,
+                          env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+    return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+def pytest_collection_modifyitems(config, items):
+    # Decided without touching CUDA in this process (torch.cuda.is_available() may create
+    # a context on GPU 0 in the test runner itself).
+    from expgpu.gpus import inventory
+
+    if inventory():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (NVML found none)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,176 @@
+"""The CLI end to end on CPU: real processes, a real gloo process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import REPO, clean_env, expgpu
+
+MIXED_NODE = ("inventory.simulate=[{name:V100,memory_mb:16384},{name:H100,memory_mb:81559},"
+              "{name:T4,memory_mb:15360},{name:A100,memory_mb:40960}]")
+
+
+def test_single_rank_trains_and_writes_result(tmp_path):
+    run = expgpu(["task=a", "task.max_steps=60", "gpu_map=ranked"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    res = run.result
+    assert res["status"] == "finished" and res["source"] == "single" and res["world_size"] == 1
+    assert res["steps"] == 60 and res["plan"][0]["device"] == "cpu"
+    losses = [m["loss"] for m in run.metrics()]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert res["timing"]["steps_per_s"] > 0 and res["timing"]["startup_s"] > 0
+    assert "rank 0/1 on" in run.output and "-> cpu" in run.output
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
+
+
+def test_two_local_ranks_hold_identical_parameters(tmp_path):
+    run = expgpu(["task=b", "task.max_steps=40", "launch.nproc_per_node=2"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    res = run.result
+    assert res["world_size"] == 2 and res["source"] == "local" and res["backend"] == "gloo"
+    assert len(res["rank_checksums"]) == 2
+    assert res["rank_checksums"][0] == res["rank_checksums"][1] == res["param_checksum"]
+    losses = [m["loss"] for m in run.metrics()]
+    assert losses[-1] < losses[0]
+    assert "rank 1/2 on" in run.output
+    assert {r["rank"] for r in res["plan"]} == {0, 1}
+
+
+def test_digits_reaches_test_accuracy(tmp_path):
+    run = expgpu(["task=digits"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    assert run.result["metrics"]["accuracy"] > 0.9
+
+
+def _descendants_alive(pid_file_pattern: str) -> list:
+    return [p for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] and pid_file_pattern in " ".join(p.info["cmdline"])]
+
+
+@pytest.mark.parametrize("kind", ["exception", "kill"])
+def test_a_crashing_rank_ends_the_group_quickly(tmp_path, kind):
+    run_dir = tmp_path / f"crash-{kind}"
+    t0 = time.monotonic()
+    run = expgpu(["task=a", "task.max_steps=100000", "launch.nproc_per_node=2", "faults.crash_rank=1",
+                  "faults.crash_step=20", f"faults.kind={kind}", "backend.timeout_s=30"], run_dir, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert run.returncode == 1, (run.returncode, run.stderr)
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("expgpu: rank 1 failed:"), last
+    if kind == "exception":
+        assert "injected crash" in last
+    else:
+        assert "SIGKILL" in last
+    assert elapsed < 30, elapsed
+    assert not _descendants_alive(str(run_dir)), "workers outlived the run"
+
+
+def test_torchrun_two_processes(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "expgpu"]
+    run = expgpu(["task=a", "task.max_steps=30"], run_dir, cmd=cmd)
+    assert run.returncode == 0, run.stderr
+    res = run.result
+    assert res["source"] == "torchrun" and res["world_size"] == 2
+    assert res["rank_checksums"][0] == res["rank_checksums"][1]
+
+
+def test_two_processes_given_slurm_variables(tmp_path):
+    """What srun -n2 gives each task (the test plays srun); both share one run dir."""
+    procs, port = [], str(_free_port())
+    for rank in range(2):
+        env = clean_env(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID=str(rank), SLURM_NTASKS="2",
+                        SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NNODES="1",
+                        SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost",
+                        SLURM_STEP_NODELIST="localhost", SLURM_STEP_NUM_TASKS="2",
+                        SLURM_STEP_TASKS_PER_NODE="2", SLURM_STEP_NUM_NODES="1",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, "-m", "expgpu", "task=a", "task.max_steps=30"],
+                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+        time.sleep(1.0 * rank)  # ranks start apart, as on a real cluster
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    run_dir = tmp_path / "outputs" / "slurm" / "4242"
+    res = json.loads((run_dir / "result.json").read_text())
+    assert res["source"] == "slurm" and res["world_size"] == 2
+    assert res["rank_checksums"][0] == res["rank_checksums"][1]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dry_run_prints_plan_without_training(tmp_path):
+    run = expgpu(["dry_run=true", "gpu_map=ranked", "launch.nproc_per_node=2", MIXED_NODE], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "gpu_map=ranked"
+    rows = [line.split() for line in lines[2:4]]
+    assert rows[0][0] == "0" and rows[0][3] == "1" and rows[0][4] == "H100"
+    assert rows[1][0] == "1" and rows[1][3] == "3" and rows[1][4] == "A100"
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert [r["gpus"] for r in plan["ranks"]] == [[1], [3]]
+    assert not (tmp_path / "run" / "result.json").exists()
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_dry_run_never_imports_torch(tmp_path):
+    code = ("import sys, runpy; sys.argv=['expgpu','dry_run=true','hydra.run.dir=" + str(tmp_path / "r") + "'];"
+            "import atexit; atexit.register(lambda: print('TORCH' if 'torch' in sys.modules else 'NOTORCH'));"
+            "runpy.run_module('expgpu', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("NOTORCH")
+
+
+def test_user_task_from_own_config_dir(tmp_path):
+    env = clean_env(PYTHONPATH=str(REPO / "examples"))
+    run = expgpu(["--config-dir", str(REPO / "examples" / "conf"), "task=linreg"], tmp_path / "run", env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.result["task"] == "linreg" and run.result["metrics"]["final_loss"] < 0.05
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["task.batch_sise=3"], "task.batch_sise: unknown key; allowed under task: model, dataset"),
+    (["task.batch_size=abc"], "task.batch_size"),
+    (["task=nope"], "task/nope"),
+    (["gpu_map=ranked", "gpu_map.strategy=fastest"], "gpu_map.strategy"),
+    (["task.batch_size=0"], "task.batch_size=0"),
+    (["gpu_map=custom", "gpu_map.gpus=[0,0]", "launch.nproc_per_node=2", "dry_run=true",
+      "inventory.simulate=[{name:A100,memory_mb:40960},{name:A100,memory_mb:40960}]"], "gpu_map.gpus"),
+    (["gpu_map=custom", "gpu_map.gpus=[5]", "dry_run=true",
+      "inventory.simulate=[{name:A100,memory_mb:40960}]"], "gpu_map.gpus"),
+    (["inventory.simulate=[{name:A100}]", "dry_run=true"], "inventory.simulate[0].memory_mb"),
+    (["backend=nccl"], "backend=nccl"),
+    (["task.model._target_=torch.nn.Nope"], "task.model"),
+    (["launch.isolation=magic"], "launch.isolation"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
+    run = expgpu(args, tmp_path / "run")
+    assert run.returncode == 2, (run.returncode, run.stderr)
+    assert "Traceback" not in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("expgpu: error:")]
+    assert len(lines) == 1 and needle in lines[0], run.stderr
+
+
+@pytest.mark.parametrize("var, value", [("SLURM_PROCID", "x"), ("SLURM_NTASKS", "-2"), ("SLURM_PROCID", "7")])
+def test_bad_environment_is_one_line_and_exit_2(tmp_path, var, value):
+    env = clean_env(SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0",
+                    SLURM_NODEID="0", SLURM_NNODES="1", SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost")
+    env[var] = value
+    run = expgpu(["task=a"], tmp_path / "run", env=env)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert var in run.stderr.strip().splitlines()[-1]
