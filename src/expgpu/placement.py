@@ -37,6 +37,20 @@ def compute(cfg: dict, local_world_size: int) -> NodePlan:
     return plan(gpus, local_world_size, gpu_map_params(cfg))
 
 
+def pinned(cfg: dict, info: RankInfo, env: Mapping[str, str]) -> NodePlan | None:
+    """The launcher already gave this process a GPU of its own (srun --gpus-per-task,
+    torchrun --virtual-local-rank): a mask showing exactly one GPU while the node has
+    several local ranks. Then that GPU is this rank's, whatever its local rank, and the
+    other ranks' GPUs are not this process's to plan."""
+    if info.local_world_size == 1 or not env.get("CUDA_VISIBLE_DEVICES"):
+        return None
+    gpus = inventory(cfg["inventory"]["simulate"], env)
+    if len(gpus) != 1:
+        return None
+    mine = tuple((gpus[0],) if r == info.local_rank else () for r in range(info.local_world_size))
+    return NodePlan("inherited", mine, {}, tuple(gpus))
+
+
 def gpu_map_params(cfg: dict) -> dict:
     params = dict(cfg["gpu_map"])
     # Config keys arrive as strings from the command line ("0"), as ints from YAML (0).
@@ -52,6 +66,9 @@ def plan_path(run_dir: Path, launch: str) -> Path:
 def shared(cfg: dict, info: RankInfo, run_dir: Path, timeout_s: float,
            env: Mapping[str, str] | None = None) -> NodePlan:
     env = os.environ if env is None else env
+    own = pinned(cfg, info, env)
+    if own is not None:
+        return own
     launch = launch_id(env)
     if info.local_world_size == 1 or launch is None:
         return compute(cfg, info.local_world_size)

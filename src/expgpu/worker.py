@@ -39,11 +39,13 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
     simulated = cfg["inventory"]["simulate"] is not None
     my_gpus = node.gpus_of(info.local_rank)
     # Before anything imports torch.cuda: this process must only ever see its GPU(s).
-    device = apply(node, info.local_rank, cfg["launch"]["isolation"])
+    # Simulated GPUs are planned and masked (what the pool tests observe), never used.
+    isolation = "visible_devices" if simulated else cfg["launch"]["isolation"]
+    device = apply(node, info.local_rank, isolation)
     import torch
 
     if simulated:
-        device = torch.device("cpu")  # simulated GPUs are planned and leased, not used
+        device = torch.device("cpu")
     host = socket.gethostname()
     log.info("rank %d/%d on %s -> %s%s", info.rank, info.world_size, host, device,
              f" (GPU {','.join(str(g.index) for g in my_gpus)}: {my_gpus[0].name})" if my_gpus else "")
@@ -51,8 +53,10 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
     from expgpu import dist, task as tasks, train
     from expgpu.stopping import Stopper
 
-    backend = dist.choose_backend(cfg["backend"]["name"], [[g.index for g in a] for a in node.assignments],
-                                  cuda_available=device.type == "cuda")
+    # A pinned rank ("inherited") knows only its own GPU; the launcher gave each rank one.
+    node_gpus = ([[g.index for g in my_gpus]] if node.strategy == "inherited"
+                 else [[g.index for g in a] for a in node.assignments])
+    backend = dist.choose_backend(cfg["backend"]["name"], node_gpus, cuda_available=device.type == "cuda")
     stopper = Stopper(cfg["checkpoint"]["poll_every"], info.world_size).install()
     try:
         with dist.process_group(info, backend, timeout, run_dir, device):
