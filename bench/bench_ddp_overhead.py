@@ -1,0 +1,78 @@
+"""expgpu against a plain PyTorch DDP script: training speed and startup overhead.
+
+2 ranks, gloo, CPU, task a's model/data/batch. Runs alternate (expgpu, torchrun+plain,
+mp.spawn+plain, expgpu, ...) so that machine noise hits all alike; medians are compared.
+
+    python bench/bench_ddp_overhead.py [--rounds 5] [--steps 1500]
+
+steps/s ratio  = expgpu / plain           (goal >= 0.98)
+startup extra  = expgpu - plain, seconds from launch to the first training step (goal <= 0.3 s)
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def env() -> dict:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_", "TORCHELASTIC_"))}
+    e.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    return e
+
+
+def run_expgpu(steps: int, tmp: Path, n: int) -> tuple[float, float]:
+    run_dir = tmp / f"expgpu{n}"
+    t0 = time.time()
+    subprocess.run([sys.executable, "-m", "expgpu", "task=a", f"task.max_steps={steps}", "launch.nproc_per_node=2",
+                    f"hydra.run.dir={run_dir}", "checkpoint.resume=false"],
+                   check=True, env=env(), cwd=REPO, capture_output=True)
+    timing = json.loads((run_dir / "result.json").read_text())["timing"]
+    return timing["first_step_at"] - t0, timing["steps_per_s"]
+
+
+def run_plain(steps: int, launcher: str, port: int) -> tuple[float, float]:
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(REPO / "bench" / "plain_ddp.py"), str(steps)]
+    else:
+        cmd = [sys.executable, str(REPO / "bench" / "plain_ddp.py"), str(steps), "--spawn", "2"]
+    e = env()
+    e["MASTER_PORT"] = str(port)
+    t0 = time.time()
+    out = subprocess.run(cmd, check=True, env=e, cwd=REPO, capture_output=True, text=True).stdout
+    line = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
+    return line["first_step_at"] - t0, line["steps_per_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=1500)
+    args = ap.parse_args()
+    results = {"expgpu": [], "torchrun": [], "mp.spawn": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            results["expgpu"].append(run_expgpu(args.steps, Path(tmp), i))
+            results["torchrun"].append(run_plain(args.steps, "torchrun", 29600 + i))
+            results["mp.spawn"].append(run_plain(args.steps, "spawn", 29700 + i))
+            print(f"round {i + 1}/{args.rounds}: " + "  ".join(
+                f"{k} start {v[-1][0]:.2f}s {v[-1][1]:.0f} steps/s" for k, v in results.items()), flush=True)
+    med = {k: (statistics.median(s for s, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
+    print(f"\n2 ranks, gloo, CPU, task a, {args.steps} steps, median of {args.rounds} alternating rounds")
+    for base in ("torchrun", "mp.spawn"):
+        ratio = med["expgpu"][1] / med[base][1]
+        extra = med["expgpu"][0] - med[base][0]
+        print(f"vs plain script under {base:8s}: steps/s ratio {ratio:.3f} (goal >= 0.98), "
+              f"startup {med['expgpu'][0]:.2f}s vs {med[base][0]:.2f}s: extra {extra:+.2f}s (goal <= +0.30s)")
+
+
+if __name__ == "__main__":
+    main()
