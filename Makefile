@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.expgpu-setup
 
-.PHONY: run test setup bench
+.PHONY: run test setup bench slurm-up slurm-down
 run: $(STAMP)
 	$(PY) -m expgpu task=a gpu_map=ranked $(ARGS)
 
@@ -19,3 +19,11 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml scripts/setup-env.sh
 	bash scripts/setup-env.sh $(VENV)
+
+# A one-node SLURM cluster on this machine (root, Debian): scripts/slurm-local/README.md
+slurm-up:
+	bash scripts/slurm-local/start.sh
+	@echo "now: export SLURM_CONF=/tmp/expgpu-slurm/slurm.conf"
+
+slurm-down:
+	bash scripts/slurm-local/stop.sh

@@ -1,0 +1,242 @@
+"""launch() of expgpu's submitit launchers: check everything, then submit every job or none, then wait.
+
+hydra-submitit-launcher's own launch() submits first and asks questions later: a bad tasks_per_node
+fails in every rank after the job waited in the queue, an unknown partition fails with sbatch's
+multi-line error, and without accounting (sacct) a cancelled job is waited for forever. Here:
+1. every job's config is composed and checked, and its tasks/GPUs per node derived (resources.py);
+2. the cluster is asked (cluster.py): tools on PATH, controller answering, partition known;
+3. dry_run=true prints the sbatch script and the plans (preview.py) and submits nothing;
+4. jobs are submitted as one array per distinct resource shape (usually one); if a later sbatch
+   fails, the arrays already submitted are cancelled;
+5. results are awaited; a job that left the queue without a result fails the sweep after lost_after_s.
+What runs inside a job is hydra-submitit-launcher's unchanged __call__ (run_job on every srun task).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from expgpu.app import WorkerFailed
+from expgpu.errors import UserError
+from expgpu.slurm import cluster, preview, resources
+
+log = logging.getLogger("expgpu")
+
+OWN_KEYS = ("ping_timeout_s", "lost_after_s")   # expgpu's, not submitit's parameters
+INIT_KEYS = ("submitit_folder", "max_num_timeout")
+
+
+class JobLost(WorkerFailed):
+    """A submitted job ended without a result (scancel, node failure, SIGKILL, time limit): its ranks
+    are gone like failed workers, and the CLI reports it the same way (one line, exit code 1)."""
+
+    def __init__(self, message: str):
+        Exception.__init__(self, message)
+        self.failure = None
+
+
+@dataclass
+class Job:
+    num: int                 # hydra.job.num
+    overrides: list[str]
+    cfg: Any                 # the composed sweep config
+    parts: dict              # resolved gpu_map / launch / inventory sections
+    res: resources.Resources
+    visible: tuple[int, ...] = ()   # local launcher: the GPUs (NVML indices) the job may see
+    handle: Any = None
+
+    @property
+    def label(self) -> str:
+        from hydra.core.utils import filter_overrides
+
+        return f"#{self.num} ({' '.join(filter_overrides(self.overrides)) or 'no overrides'})"
+
+
+def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
+    from expgpu import config
+
+    kind = launcher._EXECUTOR   # "slurm" or "local"
+    name = "slurm" if kind == "slurm" else "submitit_local"
+    params = dict(launcher.params)
+    own = {k: params.pop(k) for k in OWN_KEYS if k in params}
+    init = {k: params.pop(k) for k in INIT_KEYS if k in params}
+
+    jobs = []
+    for i, overrides in enumerate(job_overrides):
+        cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+        config.check(cfg)
+        parts = {k: _resolved(cfg, k) for k in ("gpu_map", "launch", "inventory")}
+        visible: tuple[int, ...] = ()
+        if kind == "local":
+            from expgpu.gpus import inventory
+
+            visible = tuple(g.index for g in inventory(parts["inventory"]["simulate"]))
+        res = resources.derive(params, parts, name, visible_gpus=len(visible) if kind == "local" else None)
+        jobs.append(Job(initial_job_idx + i, list(overrides), cfg, parts, res, visible))
+
+    dry = any(bool(j.cfg.dry_run) for j in jobs)
+    partition = params.get("partition")
+    if kind == "slurm":
+        if dry and any(shutil.which(t) is None for t in cluster.TOOLS):
+            log.warning("dry run: SLURM is not installed here, so the cluster was not asked (partition, controller)")
+        else:
+            partition = cluster.check(partition, float(own.get("ping_timeout_s", 15.0)))
+
+    groups: dict[tuple, list[Job]] = defaultdict(list)
+    for job in jobs:
+        groups[(job.res, job.visible[:job.res.gpus_per_node or 0])].append(job)
+    if dry:
+        return _dry_run(groups, params, init, kind, partition)
+    _submit(launcher, groups, params, init, kind)
+    return _results(jobs, kind, float(own.get("lost_after_s", 60.0)))
+
+
+def _resolved(cfg, key: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg[key], resolve=True, enum_to_str=True)
+
+
+def _executor_params(params: dict, job: Job, kind: str) -> dict:
+    p = dict(params, nodes=job.res.nodes, tasks_per_node=job.res.tasks_per_node, gpus_per_node=job.res.gpus_per_node)
+    if kind == "local":
+        # submitit's local executor sets CUDA_VISIBLE_DEVICES to its first gpus_per_node of visible_gpus
+        # (0..n-1 when unset): name the GPUs this process sees, so a parent's mask is kept.
+        p["visible_gpus"] = list(job.visible)
+    return p
+
+
+def _dry_run(groups, params, init, kind, partition) -> list:
+    from hydra.core.utils import JobReturn, JobStatus
+
+    out = []
+    returns = {}
+    for (res, _), group in groups.items():
+        for job in group:
+            gpus = "GPUs from gres" if res.gpus_per_node is None else f"{res.gpus_per_node} GPU(s)"
+            out.append(f"job {job.label}: {res.nodes} node(s) x {res.tasks_per_node} task(s), {gpus} per node"
+                       + (f", partition {partition}" if partition else ""))
+            out.append(preview.plan_table(job.parts, res))
+            returns[job.num] = JobReturn(overrides=job.overrides, status=JobStatus.COMPLETED,
+                                         task_name=str(job.cfg.hydra.job.name),
+                                         _return_value={"status": "dry_run", "resources": res.__dict__})
+        if kind == "slurm":
+            folder = str(init.get("submitit_folder", ".submitit/%j"))
+            script = preview.sbatch_script(_executor_params(params, group[0], kind), folder, len(group))
+            jobs_text = "job " + group[0].label if len(group) == 1 else f"an array of {len(group)} jobs"
+            out.append(f"--- sbatch script for {jobs_text} ---\n{script.rstrip()}\n---")
+    out.append("dry run: nothing submitted")
+    print("\n".join(out), flush=True)
+    return [returns[num] for num in sorted(returns)]
+
+
+def _submit(launcher, groups, params, init, kind) -> None:
+    import submitit
+    from hydra.core.singleton import Singleton
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from omegaconf import OmegaConf
+
+    sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    if "mode" in launcher.config.hydra.sweep:
+        os.chmod(sweep_dir, mode=int(str(launcher.config.hydra.sweep.mode), 8))
+    generic = set(OmegaConf.structured(BaseQueueConf).keys())
+    submitted = []
+    try:
+        for _, group in groups.items():
+            if kind == "local":
+                # AutoExecutor refuses local_visible_gpus (submitit 1.5 lists only `setup` as valid),
+                # which LocalExecutor itself takes.
+                executor = submitit.LocalExecutor(folder=init["submitit_folder"])
+                executor.update_parameters(**{k: v for k, v in _executor_params(params, group[0], kind).items()
+                                              if v is not None})
+            else:
+                extra = {"slurm_max_num_timeout": init["max_num_timeout"]} if "max_num_timeout" in init else {}
+                executor = submitit.AutoExecutor(folder=init["submitit_folder"], cluster=kind, **extra)
+                executor.update_parameters(**{k if k in generic else f"{kind}_{k}": v
+                                              for k, v in _executor_params(params, group[0], kind).items()})
+            args = [(job.overrides, "hydra.sweep.dir", job.num, f"job_id_for_{job.num}", Singleton.get_state())
+                    for job in group]
+            handles = executor.map_array(launcher, *zip(*args))
+            for job, handle in zip(group, handles):
+                job.handle = handle
+                submitted.append(job)
+                res = job.res
+                log.info("%s -> %s job %s: %d node(s) x %d task(s), %s GPU(s) per node; log %s", job.label, kind,
+                         handle.job_id, res.nodes, res.tasks_per_node,
+                         "gres" if res.gpus_per_node is None else res.gpus_per_node, handle.paths.stdout)
+    except submitit.core.utils.FailedJobError as e:
+        _cancel([j.handle for j in submitted], kind)
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        reason = next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else "no message")
+        undone = f"; cancelled the {len(submitted)} job(s) already submitted" if submitted else ""
+        raise UserError(f"sbatch refused the job: {reason.strip()}{undone}") from None
+    log.info("submitit '%s' sweep output dir: %s", kind, sweep_dir)
+
+
+def _cancel(handles, kind: str) -> None:
+    for handle in handles:
+        try:
+            handle.cancel(check=False)
+        except Exception as e:   # best effort: we are already failing
+            log.warning("could not cancel job %s: %s", handle.job_id, e)
+
+
+def _in_queue(job_ids: list[str]) -> set[str] | None:
+    """The ids (array elements as 12_3) squeue still lists; None when squeue could not say."""
+    bases = sorted({j.split("_")[0] for j in job_ids})
+    try:
+        proc = subprocess.run(["squeue", "-h", "-r", "-o", "%i", "-j", ",".join(bases)],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return set() if "Invalid job id" in proc.stderr else None
+    return set(proc.stdout.split())
+
+
+def _results(jobs: list[Job], kind: str, lost_after_s: float) -> list:
+    import submitit
+
+    from expgpu import stopping
+
+    gone_since: dict[str, float] = {}
+    try:
+        while True:
+            left = [j for j in jobs if not j.handle.done()]
+            if not left:
+                break
+            stopper = stopping.current()   # the CLI turns Ctrl-C / SIGTERM into a stop request
+            if stopper is not None and stopper.received:
+                raise KeyboardInterrupt
+            if kind == "slurm":
+                queued = _in_queue([j.handle.job_id for j in left])
+                now = time.monotonic()
+                for job in left if queued is not None else ():
+                    jid = job.handle.job_id
+                    if jid in queued:
+                        gone_since.pop(jid, None)
+                    elif now - gone_since.setdefault(jid, now) > lost_after_s:
+                        raise JobLost(f"SLURM job {jid} {job.label} left the queue {lost_after_s:g} s ago without a "
+                                      f"result (scancel, node failure or time limit?); its log: {job.handle.paths.stdout}")
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        ids = " ".join(j.handle.job_id for j in jobs if not j.handle.done())
+        log.warning("interrupted: the jobs keep running; stop them with: scancel %s", ids)
+        raise
+    out = []
+    for job in jobs:
+        try:
+            out.append(job.handle.results()[0])
+        except submitit.core.utils.UncompletedJobError as e:
+            raise JobLost(f"job {job.handle.job_id} {job.label} ended without a result: "
+                          f"{str(e).splitlines()[0]}; its log: {job.handle.paths.stdout}") from None
+    return out

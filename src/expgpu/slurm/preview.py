@@ -1,0 +1,58 @@
+"""The dry run of `hydra/launcher=slurm`: the sbatch script submitit would submit, and each job's plan.
+
+The script comes from submitit's own renderer (the function its SlurmExecutor writes submission files
+with), fed the parameters the launcher would give it, so the preview is what sbatch would receive;
+it needs no SLURM on this machine. The plan is the job's gpu_map applied to the GPUs the job asks for:
+inventory.simulate when set, else `gpus_per_node` GPUs of unknown kind (SLURM picks which at run time).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Mapping
+
+from expgpu.slurm.resources import Resources
+
+
+def sbatch_script(params: Mapping, folder: str, array: int, python: str | None = None) -> str:
+    """`params`: hydra.launcher's unprefixed submitit parameters (timeout_min, tasks_per_node, partition...)."""
+    from submitit.slurm import slurm as submitit_slurm
+
+    renames = submitit_slurm.SlurmExecutor._equivalence_dict()
+    args = {}
+    for key, value in params.items():
+        if value is None:
+            continue   # submitit's AutoExecutor treats None as unset
+        key = renames.get(key, key)
+        args[key] = submitit_slurm._convert_mem(value) if key == "mem" else value
+    if array > 1:
+        args["map_count"] = array
+    folder = str(Path(folder).expanduser().absolute())   # as submitit's executors hold it
+    command = " ".join([python or shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(folder)])
+    return submitit_slurm._make_sbatch_string(command=command, folder=folder, **args)
+
+
+def plan_table(cfg: Mapping, res: Resources) -> str:
+    """`cfg`: the job's resolved gpu_map, launch and inventory sections."""
+    from expgpu import placement
+    from expgpu.gpus import inventory, plan
+
+    if res.gpus_per_node is None:
+        return "plan: made in the job, from the GPUs the gres / gpus_per_task request gives each node"
+    simulate = cfg["inventory"]["simulate"]
+    if simulate is not None:
+        gpus, unknown = inventory(simulate, env={})[:res.gpus_per_node], False
+    else:
+        gpus, unknown = inventory([{"name": "?", "memory_mb": 1}] * res.gpus_per_node, env={}), True
+    node = plan(gpus, res.ranks_per_node, placement.gpu_map_params(cfg))
+    rows = []
+    for node_rank in range(res.nodes):
+        for row in placement.rows(node, node_rank, host=f"node{node_rank}"):
+            if unknown:
+                row.update(names=["?"] * len(row["gpus"]), memory_mb=[], scores=[])
+            rows.append(row)
+    note = ("" if not res.gpus_per_node else
+            "\n(GPU: the job's GPUs in CUDA order, numbered from 0 on each node; SLURM picks which of the node's)")
+    return placement.table(rows, node.strategy) + note
