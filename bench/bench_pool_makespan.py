@@ -1,0 +1,132 @@
+"""gpu_pool's makespan for a sweep of jobs of known durations, against the ideal and Hydra's basic launcher.
+
+The jobs sleep (a tiny Hydra app written to a temp dir, no torch): what is measured is the launcher,
+its per-job process start-up and how fast it refills a free slot, not the training. Three launchers
+run the same sweep, alternating (basic, pool on CPU slots, pool on leased simulated GPUs, basic, ...)
+so machine noise hits all alike; medians are compared.
+
+    python bench/bench_pool_makespan.py [--slots 4] [--rounds 2] [--scale 1.0]
+
+makespan   = first job start to last job end, as the jobs themselves recorded it; for the pool it
+             includes each job's process start-up (the launcher's first Popen to the last exit).
+ideal      = max(total duration / slots, longest job)              (the pool's goal: <= 1.05 x ideal)
+end-to-end = the whole command, Hydra's own start-up included
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+APP = '''
+import json, time
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import hydra
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class Inventory:
+    simulate: Optional[List[Any]] = None   # read by gpu_pool: the simulated GPUs it leases
+
+
+@dataclass
+class Bench:
+    job: int = 0
+    durations: List[float] = field(default_factory=list)
+    log: str = ""
+    inventory: Inventory = field(default_factory=Inventory)
+
+
+ConfigStore.instance().store(name="bench", node=Bench)
+
+
+@hydra.main(version_base="1.3", config_path=None, config_name="bench")
+def main(cfg) -> int:
+    t0 = time.time()
+    time.sleep(cfg.durations[cfg.job])
+    with open(cfg.log, "a") as f:
+        f.write(json.dumps({"job": cfg.job, "t0": t0, "t1": time.time()}) + "\\n")
+    return cfg.job
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def env() -> dict:
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(("SLURM_", "EXPGPU_", "TORCHELASTIC_")) and k != "CUDA_VISIBLE_DEVICES"}
+    e.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    return e
+
+
+def run(kind: str, durations: list[float], slots: int, tmp: Path, n: int) -> tuple[float, float]:
+    """(makespan, end-to-end) seconds of one sweep with launcher `kind`."""
+    log = tmp / f"{kind}{n}.jsonl"
+    args = [sys.executable, str(tmp / "app.py"), "-m", f"job=range({len(durations)})",
+            f"durations=[{','.join(map(str, durations))}]", f"log={log}", f"hydra.sweep.dir={tmp / f'{kind}{n}'}"]
+    if kind == "pool_cpu":
+        args += ["hydra/launcher=gpu_pool", f"hydra.launcher.cpu_slots={slots}"]
+    elif kind == "pool_gpu":
+        sim = ",".join(["{name:A100,memory_mb:40960}"] * slots)
+        args += ["hydra/launcher=gpu_pool", f"inventory.simulate=[{sim}]", f"hydra.launcher.lease_dir={tmp / 'leases'}"]
+    t0 = time.time()
+    done = subprocess.run(args, env=env(), cwd=tmp, capture_output=True, text=True)
+    wall = time.time() - t0
+    if done.returncode != 0:
+        sys.exit(f"{kind} sweep failed:\n{done.stderr[-3000:]}")
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(recs) == len(durations), f"{kind}: {len(recs)} of {len(durations)} jobs ran"
+    if kind == "basic":
+        return max(r["t1"] for r in recs) - min(r["t0"] for r in recs), wall
+    jobs = json.loads((tmp / f"{kind}{n}" / "pool.json").read_text())["jobs"]
+    return max(j["ended"] for j in jobs) - min(j["started"] for j in jobs), wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every job duration by this")
+    args = ap.parse_args()
+    # Four waves of `slots` jobs, longest first: a schedule in sweep order can reach the ideal.
+    base = [5.0] * args.slots + [3.0] * args.slots + [2.0] * args.slots + [1.0] * args.slots
+    durations = [round(d * args.scale, 3) for d in base]
+    ideal = max(sum(durations) / args.slots, max(durations))
+    kinds = ("basic", "pool_cpu", "pool_gpu")
+    results: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        (tmp / "app.py").write_text(APP)
+        for n in range(args.rounds):
+            for kind in kinds:
+                results[kind].append(run(kind, durations, args.slots, tmp, n))
+                span, wall = results[kind][-1]
+                print(f"  round {n}: {kind:8s} makespan {span:6.2f}s  end-to-end {wall:6.2f}s", flush=True)
+    basic_span = statistics.median(s for s, _ in results["basic"])
+    basic_wall = statistics.median(w for _, w in results["basic"])
+    print(f"\n{len(durations)} jobs, {sum(durations):g}s of work, {args.slots} slots: ideal makespan {ideal:g}s "
+          f"(median of {args.rounds} rounds)")
+    print(f"{'launcher':10s} {'makespan':>9s} {'x ideal':>8s} {'x basic':>8s} {'end-to-end':>11s} {'x basic':>8s}")
+    for kind in kinds:
+        span = statistics.median(s for s, _ in results[kind])
+        wall = statistics.median(w for _, w in results[kind])
+        print(f"{kind:10s} {span:8.2f}s {span / ideal:8.3f} {span / basic_span:8.3f} {wall:10.2f}s "
+              f"{wall / basic_wall:8.3f}")
+    pool = max(statistics.median(s for s, _ in results[k]) for k in ("pool_cpu", "pool_gpu"))
+    print(f"\npool makespan / ideal = {pool / ideal:.3f} (goal <= 1.05)")
+
+
+if __name__ == "__main__":
+    main()

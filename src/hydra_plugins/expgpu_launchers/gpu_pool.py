@@ -1,0 +1,63 @@
+"""`hydra/launcher=gpu_pool`: a local sweep, one job per free GPU (or CPU slot), in parallel.
+
+    python -m expgpu -m hydra/launcher=gpu_pool task=a,b,digits task.optimizer.lr=1e-3,1e-2
+
+Each job is a fresh process that sees only its GPU(s) (CUDA_VISIBLE_DEVICES set before it starts);
+the next job starts the moment GPUs free up; GPUs are leased machine-wide, so two sweeps never
+share one. Hydra imports this module on every start: the work lives in expgpu.pool, imported
+inside launch().
+"""
+
+# No `from __future__ import annotations`: Hydra executes plugin modules without registering
+# them in sys.modules, and dataclasses cannot resolve string annotations there.
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from hydra.core.config_store import ConfigStore
+from hydra.plugins.launcher import Launcher
+
+
+@dataclass
+class GpuPoolLauncherConf:
+    _target_: str = "hydra_plugins.expgpu_launchers.gpu_pool.GpuPoolLauncher"
+    # "all", or a list of NVML indices (as nvidia-smi numbers them) the sweep may use. An inherited
+    # CUDA_VISIBLE_DEVICES narrows "all"; with inventory.simulate the simulated GPUs are the pool.
+    gpus: Any = "all"
+    # GPUs per job. null: what each job's config asks for, launch.nproc_per_node x gpu_map.gpus_per_rank
+    # (gpus_per_rank alone with gpu_map.share=true; 1 for a non-expgpu app). 0: jobs take CPU slots.
+    gpus_per_job: Optional[int] = None
+    # At most this many jobs at once (null: as many as the GPUs / CPU slots allow).
+    max_parallel: Optional[int] = None
+    # Jobs at once that use no GPU: on a machine (or a `gpus: []` pool) without GPUs, or gpus_per_job=0.
+    cpu_slots: int = 1
+    # Where the per-GPU lock files live (null: $EXPGPU_LEASE_DIR, else ~/.cache/expgpu/leases).
+    # Sweeps that must not share GPUs (two terminals, two users) use the same directory.
+    lease_dir: Optional[str] = None
+    # Give up on queued jobs (they fail) after waiting this long for GPUs leased by other sweeps
+    # while none of this sweep's jobs runs (null: wait as long as those leases are held).
+    wait_timeout_s: Optional[float] = None
+    # After Ctrl-C / SIGTERM: how long running jobs get to checkpoint and exit before SIGKILL.
+    grace_s: float = 15.0
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="gpu_pool", node=GpuPoolLauncherConf,
+                             provider="expgpu")
+
+
+class GpuPoolLauncher(Launcher):
+    def __init__(self, **params: Any) -> None:
+        self.params = params
+        self.config = None
+        self.hydra_context = None
+        self.task_function = None
+
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
+        from expgpu import pool
+
+        return pool.launch(self.params, self.hydra_context, self.task_function, self.config,
+                           job_overrides, initial_job_idx)

@@ -1,0 +1,433 @@
+"""hydra/launcher=gpu_pool: parallel sweeps, one job per leased GPU or CPU slot.
+
+Scheduling tests run a tiny task whose model sleeps a known time and records what its process saw
+(CUDA_VISIBLE_DEVICES, the lease, the CPU slot, when it ran); one test runs real training jobs.
+All run the real CLI in real processes; GPUs are simulated (inventory.simulate) except in the
+test marked gpu.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import clean_env
+
+from expgpu import leases
+from expgpu.gpus import inventory
+from expgpu.pool import Scheduler
+
+SLEEP_TASK = '''
+import json, os, signal, time
+import torch
+
+
+def _log(rec):
+    with open(os.environ["POOL_TEST_LOG"], "a") as f:
+        f.write(json.dumps(rec) + "\\n")
+
+
+class Sleep(torch.nn.Linear):
+    """Records what this job's process sees, sleeps, then trains like any model (or fails)."""
+
+    def __init__(self, seconds=1.0, fail="", tag=0):
+        super().__init__(4, 1)
+        self.fail = fail
+        me = {"job": int(os.environ.get("EXPGPU_POOL_JOB", "-1")), "pid": os.getpid(), "tag": tag,
+              "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"), "lease": os.environ.get("EXPGPU_POOL_GPUS"),
+              "slot": os.environ.get("EXPGPU_POOL_SLOT")}
+        _log({**me, "event": "start", "t": time.time()})
+        time.sleep(seconds)
+        _log({**me, "event": "end", "t": time.time()})
+
+    def forward(self, x):
+        if self.fail == "raise":
+            raise RuntimeError("this job fails on purpose")
+        if self.fail == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(x)
+'''
+
+SLEEP_YAML = '''
+model:
+  _target_: pool_task.Sleep
+  seconds: 1.0
+  fail: ""
+  tag: 0
+dataset:
+  _target_: expgpu.tasks.data.SmoothRegression
+  size: 64
+  in_features: 4
+  out_features: 1
+optimizer:
+  _target_: torch.optim.SGD
+  _partial_: true
+  lr: 0.01
+loss: mse
+batch_size: 16
+max_steps: 1
+seed: 0
+'''
+
+
+def simulate(n: int) -> str:
+    return "inventory.simulate=[" + ",".join(["{name:A100,memory_mb:40960}"] * n) + "]"
+
+
+class Sweep:
+    """One `python -m expgpu -m hydra/launcher=gpu_pool ...` with its sweep dir, records and leases."""
+
+    def __init__(self, tmp: Path, name: str = "sweep", lease_dir: Path | None = None):
+        self.tmp, self.dir = tmp, tmp / name
+        self.log = tmp / f"{name}.jsonl"
+        self.lease_dir = lease_dir or tmp / "leases"
+        code = tmp / "code"
+        (code / "conf" / "task").mkdir(parents=True, exist_ok=True)
+        (code / "pool_task.py").write_text(SLEEP_TASK)
+        (code / "conf" / "task" / "sleep.yaml").write_text(SLEEP_YAML)
+        self.code = code
+        self.env = clean_env(PYTHONPATH=str(code), POOL_TEST_LOG=str(self.log),
+                             EXPGPU_LEASE_DIR=str(self.lease_dir))
+        self.proc: subprocess.Popen | None = None
+
+    def args(self, overrides: list[str]) -> list[str]:
+        return [sys.executable, "-m", "expgpu", "-m", "--config-dir", str(self.code / "conf"),
+                "hydra/launcher=gpu_pool", f"hydra.sweep.dir={self.dir}", *overrides]
+
+    def start(self, overrides: list[str]) -> "Sweep":
+        # Its own process group, as a shell gives a foreground command: Ctrl-C goes to the group.
+        self.proc = subprocess.Popen(self.args(overrides), cwd=self.tmp, env=self.env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        return self
+
+    def wait(self, timeout: float = 180) -> subprocess.CompletedProcess:
+        out, err = self.proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+
+    def run(self, overrides: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+        return self.start(overrides).wait(timeout)
+
+    def records(self, event: str = "end") -> list[dict]:
+        if not self.log.exists():
+            return []
+        return [r for r in map(json.loads, self.log.read_text().splitlines()) if r["event"] == event]
+
+    def pool(self) -> dict:
+        return json.loads((self.dir / "pool.json").read_text())
+
+
+def runs(sweep: Sweep) -> list[dict]:
+    """One row per job: what its process saw (its record) and when the launcher ran it (pool.json).
+
+    The launcher's start..end covers the job's whole process, so two rows whose spans do not
+    overlap never ran at once."""
+    pool = {j["num"]: j for j in sweep.pool()["jobs"]}
+    return [{**r, "t0": pool[r["job"]]["started"], "t1": pool[r["job"]]["ended"]} for r in sweep.records("end")]
+
+
+def windows(sweep: Sweep) -> list[dict]:
+    """One row per job: from its model's start to the end of its sleep, as the job's process saw
+    it. Across sweeps this is the evidence: a job holds its lease from before this window to after
+    it, while each launcher only learns a moment later that a job has ended."""
+    starts = {r["pid"]: r for r in sweep.records("start")}
+    return [{**r, "t0": starts[r["pid"]]["t"], "t1": r["t"]} for r in sweep.records("end")]
+
+
+def overlapping(intervals: list[dict]) -> list[tuple[dict, dict]]:
+    return [(a, b) for a, b in itertools.combinations(intervals, 2) if a["t0"] < b["t1"] and b["t0"] < a["t1"]]
+
+
+def most_at_once(intervals: list[dict]) -> int:
+    return max(sum(1 for o in intervals if o["t0"] <= i["t0"] < o["t1"]) for i in intervals)
+
+
+def gpus_of(record: dict) -> set[int]:
+    return {int(x) for x in record["cvd"].split(",") if x != ""}
+
+
+# ---------------------------------------------------------------------------------------------
+# The scheduler alone (pure)
+
+def test_scheduler_fills_free_gpus_in_order_and_mixes_sizes():
+    s = Scheduler(patience=4)
+    starts = s.pick([("a", 2), ("b", 1), ("c", 2), ("d", 1)], [0, 1, 2, 3], [], room=10)
+    assert starts == [("a", (0, 1), None), ("b", (2,), None), ("d", (3,), None)]  # c waits: 1 GPU left
+    # c needs 2, only 1 free: later 1-GPU jobs pass it...
+    assert s.pick([("c", 2), ("e", 1)], [1], [], room=10) == [("e", (1,), None)]
+    # ...and c starts as soon as 2 are free.
+    assert s.pick([("c", 2), ("f", 1)], [0, 3], [], room=10) == [("c", (0, 3), None)]
+
+
+def test_scheduler_stops_passing_a_blocked_job_after_patience():
+    s = Scheduler(patience=2)
+    queue = [("big", 2)] + [(f"small{i}", 1) for i in range(6)]
+    assert s.pick(queue, [0], [], 10) == [("small0", (0,), None)]
+    assert s.pick(queue[:1] + queue[2:], [1], [], 10) == [("small1", (1,), None)]
+    assert s.pick(queue[:1] + queue[3:], [0], [], 10) == []          # passed twice: GPUs are kept
+    assert s.pick(queue[:1] + queue[3:], [0, 1], [], 10) == [("big", (0, 1), None)]
+
+
+def test_scheduler_cpu_slots_and_room():
+    s = Scheduler(patience=1)
+    assert s.pick([("a", 0), ("b", 0), ("c", 0)], [], [0, 1], room=10) == [("a", (), 0), ("b", (), 1)]
+    assert s.pick([("a", 1), ("b", 1), ("c", 1)], [0, 1, 2], [], room=2) == [("a", (0,), None), ("b", (1,), None)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweeps
+
+@pytest.mark.timeout(240)
+def test_cpu_slots_run_six_jobs_two_at_a_time(tmp_path):
+    sweep = Sweep(tmp_path)
+    done = sweep.run(["task=sleep", "task.model.seconds=0.5", "task.model.tag=range(6)",
+                      "hydra.launcher.cpu_slots=2"])
+    assert done.returncode == 0, done.stderr
+    jobs = runs(sweep)
+    assert sorted(j["tag"] for j in jobs) == list(range(6))
+    assert most_at_once(jobs) == 2, "six jobs, two CPU slots: two at a time, never three"
+    assert {j["slot"] for j in jobs} == {"0", "1"}
+    for a, b in overlapping(jobs):
+        assert a["slot"] != b["slot"], f"jobs #{a['job']} and #{b['job']} ran at once on one slot"
+    # Hydra's usual multirun layout, one dir per job, each a finished expgpu run.
+    assert (sweep.dir / "multirun.yaml").exists()
+    for n in range(6):
+        assert (sweep.dir / str(n) / ".hydra" / "overrides.yaml").exists()
+        assert json.loads((sweep.dir / str(n) / "result.json").read_text())["status"] == "finished"
+    assert [j["state"] for j in sweep.pool()["jobs"]] == ["finished"] * 6
+
+
+@pytest.mark.timeout(240)
+def test_each_job_sees_exactly_its_leased_gpus_and_sizes_mix(tmp_path):
+    sweep = Sweep(tmp_path)
+    # Jobs of 1 and 2 GPUs (gpu_map.gpus_per_rank) on a pool of 3: they must mix without deadlock.
+    done = sweep.run(["task=sleep", "task.model.seconds=0.5", "gpu_map.gpus_per_rank=2,1",
+                      "task.model.tag=range(2)", simulate(3)])
+    assert done.returncode == 0, done.stderr
+    jobs = runs(sweep)
+    assert len(jobs) == 4
+    pool = {j["num"]: j for j in sweep.pool()["jobs"]}
+    for j in jobs:
+        leased = pool[j["job"]]["gpus"]
+        assert j["cvd"] == j["lease"] == ",".join(map(str, leased)), j
+        assert len(leased) == pool[j["job"]]["need"] == (2 if "gpu_map.gpus_per_rank=2" in
+                                                         pool[j["job"]]["overrides"] else 1)
+        plan = json.loads((sweep.dir / str(j["job"]) / "result.json").read_text())["plan"]
+        assert plan[0]["gpus"] == leased   # expgpu inside the job planned on its lease only
+    for a, b in overlapping(jobs):
+        assert not gpus_of(a) & gpus_of(b), f"jobs #{a['job']} and #{b['job']} shared a GPU"
+    assert most_at_once(jobs) >= 2, "a 2-GPU and a 1-GPU job fit at once on 3 GPUs"
+    _all_leases_free(sweep, 3)
+
+
+@pytest.mark.timeout(300)
+def test_two_sweeps_at_once_never_share_a_gpu(tmp_path):
+    one = Sweep(tmp_path, "one")
+    two = Sweep(tmp_path, "two", lease_dir=one.lease_dir)
+    overrides = ["task=sleep", "task.model.seconds=1.5", "task.model.tag=range(2)", simulate(2)]
+    one.start(overrides)
+    two.start(overrides)
+    a, b = one.wait(), two.wait()
+    assert a.returncode == 0, a.stderr
+    assert b.returncode == 0, b.stderr
+    jobs = [{**j, "sweep": "one"} for j in windows(one)] + [{**j, "sweep": "two"} for j in windows(two)]
+    assert len(jobs) == 4
+    assert {j["sweep"] for j in jobs} == {"one", "two"}
+    for x, y in overlapping(jobs):
+        assert not gpus_of(x) & gpus_of(y), f"{x['sweep']} #{x['job']} and {y['sweep']} #{y['job']} shared a GPU"
+    assert most_at_once(jobs) <= 2
+
+
+@pytest.mark.timeout(240)
+def test_a_failing_job_is_reported_frees_its_gpu_and_the_sweep_goes_on(tmp_path):
+    sweep = Sweep(tmp_path)
+    # One GPU: the job after a crash can only run if the crashed job's lease was freed.
+    done = sweep.run(["task=sleep", "task.model.seconds=0", "task.model.fail=kill,raise,''", simulate(1)])
+    assert done.returncode == 1, done.stderr
+    states = [(j["state"], j["error"]) for j in sweep.pool()["jobs"]]
+    assert states[0] == ("failed", "killed by SIGKILL")
+    assert states[1][0] == "failed" and "this job fails on purpose" in states[1][1]
+    assert states[2] == ("finished", None)
+    assert json.loads((sweep.dir / "2" / "result.json").read_text())["plan"][0]["gpus"] == [0]
+    # One line per failure, then the exit says the sweep did not all succeed.
+    assert "expgpu: job #0 (task=sleep task.model.seconds=0 task.model.fail=kill" in done.stderr
+    assert "Traceback" not in done.stderr.split("Error executing job")[-1]
+    assert "this job fails on purpose" in (sweep.dir / "1" / "console.log").read_text()
+    _all_leases_free(sweep, 1)
+    assert _report(sweep) == [("0", "failed", "GPU 0 (sim)"), ("1", "failed", "GPU 0 (sim)"),
+                              ("2", "finished", "GPU 0 (sim)")]
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_every_job_and_leaves_no_process_and_no_lease(tmp_path):
+    sweep = Sweep(tmp_path)
+    sweep.start(["task=sleep", "task.model.seconds=120", "task.model.tag=range(4)", simulate(2),
+                 "hydra.launcher.grace_s=2"])
+    _wait_for(lambda: len(sweep.records("start")) == 2, 90, sweep)
+    pids = [r["pid"] for r in sweep.records("start")]
+    assert set(pids) <= set(_processes_of(sweep.proc.pid))
+    t = time.monotonic()
+    sweep.proc.send_signal(signal.SIGINT)   # what a terminal's Ctrl-C sends to the foreground group
+    done = sweep.wait(60)
+    assert done.returncode == 130, done.stderr
+    assert time.monotonic() - t < 30
+    assert "expgpu: interrupted" in done.stderr
+    states = sorted(j["state"] for j in sweep.pool()["jobs"])
+    assert states == ["not_started", "not_started", "stopped", "stopped"]
+    for pid in pids:
+        assert not _alive(pid), f"job process {pid} outlived the sweep"
+    assert not _processes_of(sweep.proc.pid), "a job process (or a warm spare) outlived the sweep"
+    _all_leases_free(sweep, 2)
+    assert sorted(status for _, status, _ in _report(sweep)) == ["not_started", "not_started", "stopped", "stopped"]
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_launcher_takes_its_jobs_and_leases_with_it(tmp_path):
+    sweep = Sweep(tmp_path)
+    sweep.start(["task=sleep", "task.model.seconds=120", "task.model.tag=range(2)", simulate(2)])
+    _wait_for(lambda: len(sweep.records("start")) == 2, 90, sweep)
+    pids = [r["pid"] for r in sweep.records("start")]
+    sweep.proc.send_signal(signal.SIGKILL)
+    sweep.wait(30)
+    _wait_for(lambda: not any(_alive(p) for p in pids), 20)
+    _wait_for(lambda: not _processes_of(sweep.proc.pid), 20)
+    _all_leases_free(sweep, 2)
+
+
+@pytest.mark.timeout(120)
+def test_jobs_wait_for_a_gpu_leased_by_someone_else(tmp_path):
+    sweep = Sweep(tmp_path)
+    gpu = inventory([{"name": "A100", "memory_mb": 40960}], env={})[0]
+    theirs = leases.try_acquire(leases.lease_dir(str(sweep.lease_dir)), gpu)
+    theirs.note(pid=12345, sweep="another sweep", job=7)
+    try:
+        # With a time limit: the queued jobs give up, naming who holds the GPU.
+        done = sweep.run(["task=sleep", "task.model.seconds=0", "task.model.tag=0,1", simulate(1),
+                          "hydra.launcher.wait_timeout_s=1"], timeout=60)
+        assert done.returncode == 1
+        assert "waiting for GPUs leased by others (GPU 0: pid 12345 (job #7 of another sweep))" in done.stdout
+        assert [j["state"] for j in sweep.pool()["jobs"]] == ["failed", "failed"]
+        assert "hydra.launcher.wait_timeout_s=1s" in sweep.pool()["jobs"][0]["error"]
+        # Without one they wait, and start as soon as the GPU is free.
+        later = Sweep(tmp_path, "later", lease_dir=sweep.lease_dir)
+        later.start(["task=sleep", "task.model.seconds=0", "task.model.tag=0,1", simulate(1)])
+        _wait_for(lambda: (later.dir / "pool.json").exists(), 60, later)
+        time.sleep(2)
+        assert [j["state"] for j in later.pool()["jobs"]] == ["queued", "queued"]
+    finally:
+        theirs.release()
+    done = later.wait(120)
+    assert done.returncode == 0, done.stderr
+    assert [j["state"] for j in later.pool()["jobs"]] == ["finished", "finished"]
+
+
+@pytest.mark.timeout(240)
+def test_real_training_jobs_on_a_simulated_pool(tmp_path):
+    sweep = Sweep(tmp_path)
+    done = sweep.run(["task=a,b", "task.max_steps=20", "task.log_every=5", simulate(2)])
+    assert done.returncode == 0, done.stderr
+    seen = []
+    for n in (0, 1):
+        result = json.loads((sweep.dir / str(n) / "result.json").read_text())
+        assert result["status"] == "finished" and result["steps"] == 20
+        assert result["metrics"]["final_loss"] is not None
+        assert result["plan"][0]["gpus"] == sweep.pool()["jobs"][n]["gpus"]
+        seen.append(result["task"])
+        rows = (sweep.dir / str(n) / "metrics.jsonl").read_text().splitlines()
+        assert len(rows) == 4
+    assert seen == ["a", "b"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("hydra.launcher.gpus=[7]", "hydra.launcher.gpus: GPU 7 is not on this machine; allowed: all, or a list of 0, 1"),
+    ("hydra.launcher.cpu_slots=0", "hydra.launcher.cpu_slots=0 is not allowed: an integer >= 1"),
+    ("hydra.launcher.gpus=[0,0]", "hydra.launcher.gpus=[0, 0]: a GPU is listed twice"),
+    ("launch.nproc_per_node=3", "needs 3 GPUs (launch.nproc_per_node x gpu_map.gpus_per_rank), but the pool has 2"),
+    ("hydra.launcher.gpus_per_job=-1", "hydra.launcher.gpus_per_job=-1 is not allowed: an integer >= 0 or null"),
+])
+@pytest.mark.timeout(60)
+def test_bad_launcher_settings_are_one_line_errors(tmp_path, override, message):
+    sweep = Sweep(tmp_path)
+    done = sweep.run(["task=sleep", "task.model.tag=0,1", simulate(2), override], timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "expgpu: error: " in done.stderr and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not sweep.records("start"), "no job may start"
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_real_gpus_one_job_per_gpu(tmp_path):
+    n = len(inventory(env={}))
+    sweep = Sweep(tmp_path, lease_dir=tmp_path / "gpu-leases")
+    done = sweep.run(["task=a,b,digits", "task.max_steps=50", "task.optimizer.lr=1e-3,1e-2"], timeout=280)
+    assert done.returncode == 0, done.stderr
+    jobs = sweep.pool()["jobs"]
+    assert len(jobs) == 6
+    spans = []
+    for j in jobs:
+        result = json.loads((Path(j["dir"]) / "result.json").read_text())
+        assert result["plan"][0]["device"].startswith("cuda")
+        assert result["plan"][0]["gpus"] == j["gpus"] and len(j["gpus"]) == 1
+        spans.append({"t0": j["started"], "t1": j["ended"], "cvd": ",".join(map(str, j["gpus"])), "job": j["num"]})
+    for a, b in overlapping(spans):
+        assert not gpus_of(a) & gpus_of(b)
+    if n > 1:
+        assert most_at_once(spans) >= 2
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _wait_for(cond, timeout: float, sweep: Sweep | None = None) -> None:
+    """Until cond(); with a sweep, fail at once if it ended first."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if sweep is not None and sweep.proc.poll() is not None and not cond():
+            out, err = sweep.proc.communicate()
+            pytest.fail(f"the sweep ended early ({sweep.proc.returncode}): {err[-2000:]}")
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _report(sweep: Sweep) -> list[tuple[str, str, str]]:
+    """(job, status, devices) per row of `python -m expgpu.report` on the sweep dir."""
+    done = subprocess.run([sys.executable, "-m", "expgpu.report", str(sweep.dir), "--no-plot"], env=sweep.env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    with open(sweep.dir / "report.csv", newline="") as f:
+        return [(r["job"], r["status"], r["devices"]) for r in csv.DictReader(f)]
+
+
+def _processes_of(launcher: int) -> list[int]:
+    """Live processes the launcher started for its jobs (they carry its pid in their environment)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if "expgpu.pool_job" in (p.info["cmdline"] or []) and \
+                    p.environ().get("EXPGPU_POOL_PARENT") == str(launcher) and _alive(p.pid):
+                found.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _all_leases_free(sweep: Sweep, n: int) -> None:
+    gpus = inventory([{"name": "A100", "memory_mb": 40960}] * n, env={})
+    deadline = time.monotonic() + 10
+    while any(leases.holder(sweep.lease_dir, g) for g in gpus):
+        assert time.monotonic() < deadline, [leases.holder(sweep.lease_dir, g) for g in gpus]
+        time.sleep(0.05)
