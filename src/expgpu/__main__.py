@@ -53,7 +53,17 @@ def _one_line(e: BaseException) -> str | None:
 
 
 def main() -> None:
+    from expgpu import stopping
+
+    # Before Hydra and torch load (seconds): a SIGTERM/SIGUSR2 from SLURM or a Ctrl-C in that
+    # time is kept and stops the run at its first step, instead of killing it unsaved.
+    stopping.install()
     os.environ.setdefault("EXPGPU_START_TIME", str(_T0))
+    import warnings
+
+    # conf/hydra/launcher/submitit_local.yaml has the name of hydra-submitit-launcher's schema, so
+    # Hydra checks it against that schema and warns, three times, that such matching is deprecated.
+    warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_local' is validated against")
     # Let Hydra's errors reach us instead of its multi-line report with exit code 1.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     import hydra
@@ -87,7 +97,7 @@ def main() -> None:
             sys.exit(1)
         if isinstance(e, Stopped):
             print(f"expgpu: {e}", file=sys.stderr)
-            sys.exit(130 if e.result.get("stop_signal") == "SIGINT" else 143)
+            sys.exit(e.exit_code)
         line = _one_line(e)
         if line is None:
             raise

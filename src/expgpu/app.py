@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from expgpu import config, placement, ranks, spawn, worker
+from expgpu import config, placement, ranks, requeue, spawn, stopping, worker
 from expgpu.checkpoint import atomic_write_bytes
 from expgpu.errors import UserError
 
@@ -26,12 +26,13 @@ log = logging.getLogger("expgpu")
 class Stopped(Exception):
     """Training stopped early on a signal; the checkpoint in the run dir resumes it."""
 
-    def __init__(self, result: dict):
+    def __init__(self, result: dict, exit_code: int = 143, next_step: str = ""):
         sig = result.get("stop_signal") or "a signal"
+        next_step = next_step or (f"Resume with the same overrides plus hydra.run.dir={result['run_dir']}")
         super().__init__(f"stopped at step {result['steps']} of {result['max_steps']} by {sig}; "
-                         f"checkpoint saved. Resume with the same overrides plus "
-                         f"hydra.run.dir={result['run_dir']}")
+                         f"checkpoint saved. {next_step}")
         self.result = result
+        self.exit_code = exit_code  # 128 + the signal: 130 Ctrl-C, 143 SIGTERM, 140 SIGUSR2
 
 
 class WorkerFailed(Exception):
@@ -56,6 +57,7 @@ def _write_plan(run_dir: Path, node, info: ranks.RankInfo, extra: dict | None = 
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict | None:
+    stopping.install()  # here for launchers that call the task function (submitit); idempotent
     config.check(cfg)
     plain = config.plain(cfg)
     if not plain["task"]["name"]:
@@ -78,7 +80,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         return None
 
     if nproc == 1:
-        return _finished(worker.run(plain, info, run_dir))
+        return _finished(worker.run(plain, info, run_dir), info, run_dir)
 
     # Supervisor: one plan for the node, written where the workers read it.
     node = placement.compute(plain, nproc)
@@ -95,11 +97,30 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
             raise UserError(failure.message)
         raise WorkerFailed(failure)
     if info.rank == 0:
-        return _finished(json.loads((run_dir / "result.json").read_text()))
+        return _finished(json.loads((run_dir / "result.json").read_text()), info, run_dir)
     return None
 
 
-def _finished(result: dict | None) -> dict | None:
+def _finished(result: dict | None, info: ranks.RankInfo, run_dir: Path) -> dict | None:
+    """rank 0's result (None elsewhere) -> returned, or a stop handed on (requeue, exit code)."""
+    stopper = stopping.install()
     if result is not None and result["status"] == "stopped":
-        raise Stopped(result)
+        stopper.agreed = result["stop_signal"]  # a supervisor learns it from its workers
+    if stopper.agreed:  # stopped on a signal, checkpoint saved by all ranks
+        next_step = requeue.after_stop(stopper, info.rank, run_dir)
+        if result is None:
+            # Not rank 0: a clean exit, as rank 0 still reports (and may requeue); a non-zero
+            # code would make `srun --kill-on-bad-exit` kill rank 0 before it has.
+            return None
+        raise Stopped(result, stopper.exit_code, next_step)
+    if result is None:
+        return None
+    m = result["metrics"]
+    devices = sorted({r["device"] for r in result["plan"]})
+    score = f"final loss {m['final_loss']:.4g}" if m["final_loss"] is not None else "no steps run"
+    if m.get("accuracy") is not None:
+        score += f", accuracy {m['accuracy']:.3f}"
+    log.info("done: task %s, %d steps on %d rank(s) (%s, %s): %s -> %s", result["task"], result["steps"],
+             result["world_size"], ",".join(devices), result["backend"], score,
+             Path(result["run_dir"]) / "result.json")
     return result

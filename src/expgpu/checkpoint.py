@@ -31,11 +31,15 @@ def fsync_dir(path: Path) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a second Ctrl-C: the old file stays, the partial one goes
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
@@ -47,21 +51,51 @@ def save(path: Path, state: dict[str, Any]) -> None:
     atomic_write_bytes(Path(path), buf.getvalue())
 
 
+# What a checkpoint must hold besides the run-shape keys that load() compares.
+STATE_KEYS = ("step", "epoch", "position", "rng", "model", "optimizer")
+
+
+def _why_unreadable(e: BaseException) -> str:
+    """One line from torch.load's multi-paragraph errors."""
+    text = str(e).strip()
+    if "WeightsUnpickler error:" in text:  # not a pickle of tensors and plain containers
+        detail = text.split("WeightsUnpickler error:", 1)[1].strip().split(". ")[0]
+        return f"not loadable with torch.load(weights_only=True): {' '.join(detail.split())}"
+    if isinstance(e, EOFError):
+        return "the file ends early (empty or truncated)"
+    if isinstance(e, OSError):
+        return f"cannot be read: {e.strerror or text}"
+    first = text.splitlines()[0].split(". ")[0] if text else type(e).__name__
+    return first
+
+
 def load(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
-    """Load and check that the checkpoint belongs to this run shape (task, world size, ...)."""
+    """Load and check that the checkpoint belongs to this run shape (task, world size, ...).
+
+    Every failure is a UserError naming the file; the file itself is never touched, so
+    a user can look at it, move it away, or point the run elsewhere.
+    """
     import torch
 
     path = Path(path)
+    hint = "move it away to start over, or point hydra.run.dir at another run"
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # zip/pickle errors name no file; we do
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"checkpoint {path} is corrupt or truncated ({first}); "
-                        f"move it away to start over, or point hydra.run.dir at a good run") from None
+        raise UserError(f"checkpoint {path} is corrupt or truncated ({_why_unreadable(e)}); {hint}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UserError(f"checkpoint {path} is not an expgpu checkpoint of format {FORMAT}")
+        raise UserError(f"checkpoint {path} is not an expgpu checkpoint of format {FORMAT}; {hint}")
     for key, want in expect.items():
         if state.get(key) != want:
+            if key == "fingerprint":
+                from expgpu.task import IDENTITY_KEYS
+
+                raise UserError(f"checkpoint {path} was written with other task settings (one of "
+                                f"{', '.join('task.' + k for k in IDENTITY_KEYS)} differs); resume with "
+                                f"the same settings or use a new run dir")
             raise UserError(f"checkpoint {path} was written with {key}={state.get(key)!r}, "
                             f"this run has {key}={want!r}; resume with the same {key} or use a new run dir")
+    missing = [k for k in STATE_KEYS if k not in state]
+    if missing:
+        raise UserError(f"checkpoint {path} lacks {', '.join(missing)}; {hint}")
     return state

@@ -9,6 +9,7 @@ allowed values in the error message. `check()` adds the range checks a type cann
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -27,6 +28,12 @@ class Strategy(enum.Enum):
 class ScoreSource(enum.Enum):
     spec = "spec"          # SM count x max clock (then memory), or gpu_map.scores
     measured = "measured"  # a short matmul benchmark per GPU, cached per UUID
+
+
+class MeasureDtype(enum.Enum):
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
 
 
 class Backend(enum.Enum):
@@ -79,6 +86,7 @@ class GpuMapConfig:
     gpus: Optional[List[int]] = None            # custom: NVML index per local rank
     scores: Dict[Any, float] = field(default_factory=dict)  # ranked: by index, name or UUID
     score: ScoreSource = ScoreSource.spec       # ranked: where default scores come from
+    measure_dtype: MeasureDtype = MeasureDtype.float32  # score=measured: the dtype the task computes in
     min_free_mb: int = 0                        # free_memory: skip GPUs with less free memory
     max_util: int = 100                         # free_memory: skip GPUs busier than this (%)
     gpus_per_rank: int = 1
@@ -108,15 +116,20 @@ class InventoryConfig:
 
 @dataclass
 class DataConfig:
+    # uniform: every rank takes task.batch_size; proportional: each rank's share of the global
+    # batch (task.batch_size x world size) follows its speed (data.weights, else its GPU score);
+    # auto: measured over the first auto_steps steps, then rebalanced once. docs/proportional-batches.md
     shard: Shard = Shard.uniform
     num_workers: int = 0   # DataLoader workers per rank
+    weights: Optional[List[float]] = None  # proportional/auto: one relative speed per rank, rank 0 first
+    auto_steps: int = 20   # auto: steps measured before the rebalance
 
 
 @dataclass
 class CheckpointConfig:
     every_steps: int = 0   # 0: only when stopped (signal, preemption) and at the end
     resume: bool = True    # resume from the run dir's checkpoint when there is one
-    poll_every: int = 10   # steps between the ranks' agreement on a stop request
+    poll_every: int = 10   # steps between the ranks' stop polls; a signal stops them within 2x this
 
 
 @dataclass
@@ -124,6 +137,9 @@ class FaultsConfig:
     crash_rank: Optional[int] = None  # inject a crash on this rank ...
     crash_step: Optional[int] = None  # ... at this step (both needed)
     kind: FaultKind = FaultKind.exception
+    slow_rank: Optional[int] = None   # tests/bench: make this (CPU) rank ...
+    slow_factor: float = 1.0          # ... this many times slower (sleeps (f-1) x its compute time)
+    device_ms_per_example: float = 0.0  # bench: every rank sleeps this per example (an emulated device)
 
 
 @dataclass
@@ -173,6 +189,10 @@ def check(cfg: DictConfig) -> None:
     need(0 <= cfg.gpu_map.max_util <= 100, "gpu_map.max_util", "a percentage 0..100")
     need(cfg.gpu_map.min_free_mb >= 0, "gpu_map.min_free_mb", "megabytes >= 0")
     need(cfg.data.num_workers >= 0, "data.num_workers", "an integer >= 0")
+    need(cfg.data.auto_steps >= 2, "data.auto_steps", "an integer >= 2 (steps measured before the rebalance)")
+    if cfg.data.weights is not None:
+        need(len(cfg.data.weights) >= 1 and all(math.isfinite(w) and w > 0 for w in cfg.data.weights),
+             "data.weights", "a list of numbers > 0, one per rank, e.g. [3, 1]")
     need(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "0 (off) or a step count")
     need(cfg.checkpoint.poll_every >= 1, "checkpoint.poll_every", "an integer >= 1")
     f = cfg.faults
@@ -181,6 +201,11 @@ def check(cfg: DictConfig) -> None:
     if f.crash_rank is not None:
         need(f.crash_rank >= 0, "faults.crash_rank", "a rank >= 0")
         need(f.crash_step >= 0, "faults.crash_step", "a step >= 0")
+    need(math.isfinite(f.slow_factor) and f.slow_factor >= 1, "faults.slow_factor", "a number >= 1")
+    need(math.isfinite(f.device_ms_per_example) and f.device_ms_per_example >= 0,
+         "faults.device_ms_per_example", "milliseconds >= 0")
+    if f.slow_rank is not None:
+        need(f.slow_rank >= 0, "faults.slow_rank", "a rank >= 0")
     if cfg.launch.wrap is Wrap.dp and cfg.launch.nproc_per_node > 1:
         need(False, "launch.wrap", "dp (DataParallel) runs in one process; use ddp with several ranks")
 

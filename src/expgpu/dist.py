@@ -85,6 +85,10 @@ def process_group(info: RankInfo, backend: str, timeout_s: float, run_dir: Path,
     dist.init_process_group(**kwargs)
     try:
         yield
+        # Tearing gloo down while a peer still sends its last messages can abort the
+        # process (SIGABRT, "terminate called without an active exception"): meet first.
+        # Only on the normal path: after an error the peers may never come.
+        dist.barrier()
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()

@@ -33,8 +33,21 @@ def launch_id(env: Mapping[str, str]) -> str | None:
 
 
 def compute(cfg: dict, local_world_size: int) -> NodePlan:
-    gpus = inventory(cfg["inventory"]["simulate"])
+    gpus = scored(cfg, inventory(cfg["inventory"]["simulate"]))
     return plan(gpus, local_world_size, gpu_map_params(cfg))
+
+
+def scored(cfg: dict, gpus: list) -> list:
+    """gpu_map.score=measured: every GPU's score becomes its measured TFLOP/s (expgpu.gpus.measure:
+    child processes and a cache, so this process starts no CUDA), which ranked orders by and
+    data.shard=proportional sizes batches by."""
+    gpu_map = cfg["gpu_map"]
+    if not gpus or getattr(gpu_map.get("score"), "value", gpu_map.get("score")) != "measured":
+        return gpus
+    from expgpu.gpus import measure
+
+    return measure.scored(gpus, gpu_map.get("measure_dtype") or "float32",
+                          simulated=cfg["inventory"]["simulate"] is not None)
 
 
 def pinned(cfg: dict, info: RankInfo, env: Mapping[str, str]) -> NodePlan | None:
@@ -47,6 +60,7 @@ def pinned(cfg: dict, info: RankInfo, env: Mapping[str, str]) -> NodePlan | None
     gpus = inventory(cfg["inventory"]["simulate"], env)
     if len(gpus) != 1:
         return None
+    gpus = scored(cfg, gpus)
     mine = tuple((gpus[0],) if r == info.local_rank else () for r in range(info.local_world_size))
     return NodePlan("inherited", mine, {}, tuple(gpus))
 

@@ -22,6 +22,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from expgpu import stopping
+
 log = logging.getLogger("expgpu")
 
 GRACE_S = 5.0  # a stopped worker gets this long to exit before SIGKILL
@@ -50,6 +52,9 @@ class Failure:
 def _die_with_parent() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    # A stop signal that lands before the worker installs its handler would kill it
+    # unsaved (SIGTERM's, SIGUSR2's default action): hold them until worker.main does.
+    stopping.block_in_child()
 
 
 def _describe(run_dir: Path, rank: int, code: int) -> Failure:
@@ -83,6 +88,8 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
     world = nproc * nnodes
     for stale in (run_dir / ".expgpu").glob("rank*.failure.json"):  # from a run this one resumes
         stale.unlink()
+    stopper = stopping.current()
+    early = stopper.received if stopper else None  # a signal while Hydra composed: pass it on
     procs: list[subprocess.Popen] = []
     for local_rank in range(nproc):
         env = dict(os.environ, **(env_extra or {}))
@@ -93,6 +100,8 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
             "EXPGPU_MASTER_PORT": str(master_port),  # 0: rank 0 binds one and publishes it
             "EXPGPU_LAUNCH_ID": launch,
         })
+        if stopper is not None:  # workers stop on what this process stops on (stopping.Stopper.install)
+            env[stopping.ENV_SIGNALS] = ",".join(stopper.owned)
         procs.append(subprocess.Popen([sys.executable, "-m", "expgpu.worker", str(run_dir)], env=env,
                                       preexec_fn=_die_with_parent))
 
@@ -106,8 +115,14 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
             if p.poll() is None:
                 p.send_signal(signum)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    passed_on = [s for s in (signal.SIGTERM, signal.SIGUSR2) if stopper is None or s.name in stopper.owned]
+    old = {s: signal.signal(s, forward) for s in passed_on}
     old[signal.SIGINT] = signal.signal(signal.SIGINT, lambda s, f: forwarded.append(s))
+    # Workers hold stop signals until their handler is in (block_in_child), so none is lost.
+    late = stopper.received if stopper else None  # while the workers were being started
+    for name in {early, late if late != "SIGINT" else None} - {None}:  # Ctrl-C reached them itself
+        for p in procs:
+            p.send_signal(signal.Signals[name])
     try:
         while True:
             codes = [p.poll() for p in procs]

@@ -3,55 +3,156 @@
 A signal (Ctrl-C, SIGTERM from `kill` or SLURM, SIGUSR2 before a SLURM time limit
 or preemption) may reach one rank or all of them, at different moments. Stopping
 where the signal lands would leave the ranks at different steps; so the handler only
-records the request, and every `poll_every` steps the ranks all-reduce the flag and
-stop together at the same step, where a checkpoint is consistent.
+records the request, and every `poll_every` steps the ranks all-reduce it and stop
+together at the same step, where a checkpoint is consistent.
 SIGUSR1 is left alone: NCCL's watchdog and some launchers use it.
+
+One Stopper per process, installed as early as possible (the CLI entry, a spawned
+worker's first line, app.run under a launcher that calls the task function): a signal
+that arrives while Hydra composes or torch imports is kept, not lost to the default
+action (which, for SIGUSR2, kills the process and with it the chance to requeue).
+The handlers that were there before are remembered: under submitit they are its
+requeue logic, which expgpu.requeue calls once the checkpoint is on disk.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 from typing import Callable
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+# In increasing precedence: when ranks saw different signals they agree on the strongest.
+# SIGTERM means SLURM (scontrol requeue, preemption, scancel, the time limit) or a user is
+# ending the job and decides what comes next, so it wins over SIGUSR2, which asks expgpu
+# to requeue; SIGINT is a person at a terminal.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGUSR2, signal.SIGTERM)
+# The signals a worker started by expgpu.spawn stops on: its supervisor's (see Stopper.install).
+ENV_SIGNALS = "EXPGPU_STOP_SIGNALS"
 
 
 class Stopper:
-    def __init__(self, poll_every: int = 10, world_size: int = 1):
-        self.poll_every = poll_every
-        self.world_size = world_size
-        self.received: str | None = None  # name of the first signal seen
+    def __init__(self) -> None:
+        self.poll_every = 10
+        self.world_size = 1
+        self.received: str | None = None   # the strongest signal this process saw
+        self.agreed: str | None = None     # the signal all ranks stopped on (set once they stop)
+        self._ctrl_c = False
+        self._pending = None  # (work, flag) of the stop poll in flight
         self._previous: dict[int, Callable | int | None] = {}
+        self.owned: tuple[str, ...] = ()   # the signals that stop this run
 
-    def install(self) -> "Stopper":
+    def install(self, only: str | None = None) -> "Stopper":
+        """Handle the stop signals; `only` (comma-separated names) limits them to a supervisor's.
+
+        A SIGTERM handler someone installed before expgpu stays: submitit's ignores SIGTERM
+        (SLURM sends it before the SIGUSR2 of a preemption, and on an external `scontrol
+        requeue`, which reruns the job anyway) and acts on SIGUSR2 alone; stopping on the
+        SIGTERM would end the job before SIGUSR2 could requeue it.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return self  # a launcher running jobs in threads: signals stay with its main thread
+        wanted = None if only is None else set(only.split(","))
         for sig in STOP_SIGNALS:
+            current = signal.getsignal(sig)
+            if wanted is not None and sig.name not in wanted:
+                self._previous[sig] = signal.signal(sig, signal.SIG_IGN)  # as the supervisor's owner does
+                continue
+            if sig == signal.SIGTERM and callable(current):
+                continue
             self._previous[sig] = signal.signal(sig, self._on_signal)
+            self.owned += (sig.name,)
+        # expgpu.spawn starts workers with these signals blocked (block_in_child), so one that
+        # arrives before this point waits, pending, and is delivered to the handler now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return self
 
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
+    def previous_handler(self, sig: int) -> Callable | None:
+        """The Python handler someone installed for `sig` before expgpu (submitit's), if any."""
+        handler = self._previous.get(sig)
+        return handler if callable(handler) and handler is not signal.default_int_handler else None
 
     def _on_signal(self, signum: int, frame) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, no checkpoint
-        self.received = self.received or signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            if self._ctrl_c:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now, no checkpoint
+            self._ctrl_c = True
+        if self.received is None or _rank(signum) > _rank(signal.Signals[self.received]):
+            self.received = signal.Signals(signum).name
 
-    def should_stop(self, step: int) -> bool:
-        """Called after every step; collective every poll_every steps when world_size > 1."""
+    def should_stop(self, step: int, force: bool = False) -> bool:
+        """Called after every step by every rank; True on all ranks at the same step.
+
+        With several ranks the flags are all-reduced every poll_every steps, without a
+        stall: the reduction started at one poll is read at the next (a request is acted on
+        within 2 x poll_every steps), so the ranks' compute hides its latency. `force` (the
+        start of training) reduces and reads at once.
+        """
         if self.world_size == 1:
+            self.agreed = self.received
             return self.received is not None
-        if step % self.poll_every:
+        if step % self.poll_every and not force:
             return False
+        strongest = 0
+        if force:
+            self._pending = None  # of an earlier run in this process, if any: its group is gone
+            strongest = self._reduce(async_op=False)[1]
+        elif self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            strongest = int(flag.item())
+            self._pending = None
+        if strongest:
+            self.agreed = STOP_SIGNALS[strongest - 1].name
+            return True
+        if not force:
+            self._pending = self._reduce(async_op=True)
+        return False
+
+    def settle(self) -> None:
+        """Wait for the poll in flight (every rank started it, so it completes at once); a
+        collective left pending when the process group is destroyed aborts the process."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+    def _reduce(self, async_op: bool):
+        """All-reduce (max) this rank's strongest signal: (work, flag), or (None, value) when blocking."""
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
+        mine = _rank(signal.Signals[self.received]) if self.received else 0
+        flag = torch.tensor([mine], dtype=torch.int32)
         if dist.get_backend() == "nccl":
             flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        stop = bool(flag.item())
-        if stop and self.received is None:
-            self.received = "peer"
-        return stop
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=async_op)
+        return (work, flag) if async_op else (None, int(flag.item()))
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal, as a shell reports a process ended by it (130 Ctrl-C, 143 SIGTERM)."""
+        return 128 + int(signal.Signals[self.agreed or self.received or "SIGTERM"])
+
+
+def block_in_child() -> None:
+    """For a child between fork and exec: hold stop signals until its Stopper is installed."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def _rank(sig: int) -> int:
+    return STOP_SIGNALS.index(sig) + 1
+
+
+_current: Stopper | None = None
+
+
+def install() -> Stopper:
+    """This process's Stopper, installed on first use (idempotent)."""
+    global _current
+    if _current is None:
+        _current = Stopper().install(os.environ.get(ENV_SIGNALS))
+    return _current
+
+
+def current() -> Stopper | None:
+    return _current

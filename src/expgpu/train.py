@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from expgpu import checkpoint
+from expgpu import checkpoint, shard
 from expgpu.ranks import RankInfo
 from expgpu.stopping import Stopper
 from expgpu.task import Task
@@ -38,6 +38,7 @@ class Outcome:
     final_loss: float | None
     accuracy: float | None
     startup_s: float
+    first_step_at: float          # unix time: the benchmark compares launch-to-first-step
     train_s: float
     steps_per_s: float | None
     param_checksum: str
@@ -64,6 +65,24 @@ def param_checksum(model) -> str:
         h.update(name.encode())
         h.update(tensor.detach().to("cpu").contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def _trim_metrics(path: Path, step: int) -> None:
+    """Drop the rows a run is about to redo (logged after the checkpoint it resumes, before a
+    crash; all of them when it starts over), so metrics.jsonl reads like one uninterrupted run."""
+    if not path.exists():
+        return
+
+    def before(line: str) -> bool:
+        try:
+            return json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):  # a line torn by a kill mid-write
+            return False
+
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [line for line in lines if before(line)]
+    if len(keep) != len(lines):
+        checkpoint.atomic_write_bytes(path, "".join(keep).encode())
 
 
 def _gather(obj: Any, world_size: int) -> list:
@@ -147,8 +166,11 @@ def _inject_fault(faults: dict, rank: int, step: int) -> None:
 
 
 def run(task: Task, model, raw_model, device, info: RankInfo, run_dir: Path, cfg: dict,
-        stopper: Stopper, t_start: float) -> Outcome:
-    """Train `model` (possibly DDP-wrapped `raw_model`) to task.max_steps or a stop request."""
+        stopper: Stopper, t_start: float, speed: float | None = None) -> Outcome:
+    """Train `model` (possibly DDP-wrapped `raw_model`) to task.max_steps or a stop request.
+
+    `speed`: this rank's GPU score from the node plan (None on a CPU rank), which
+    data.shard=proportional sizes its batch by."""
     import torch
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -159,13 +181,21 @@ def run(task: Task, model, raw_model, device, info: RankInfo, run_dir: Path, cfg
     expect = {"task": task.name, "world_size": ws, "fingerprint": task.fingerprint}
 
     step = epoch = position = 0
-    resumed_from = None
+    resumed_from = resumed_split = None
     if cfg["checkpoint"]["resume"] and ckpt_path.exists():
         state = checkpoint.load(ckpt_path, expect)
-        raw_model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        try:
+            raw_model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:  # same fingerprint, other code
+            from expgpu.errors import UserError
+
+            raise UserError(f"checkpoint {ckpt_path} does not fit this model or optimizer "
+                            f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
+                            "use a new run dir") from None
         step, epoch, position = state["step"], state["epoch"], state["position"]
         _set_rng_state(state["rng"][info.rank], device)
+        resumed_split = state.get("shard")
         resumed_from = step
         log.info("resumed from %s at step %d (epoch %d, batch %d)", ckpt_path, step, epoch, position)
 
@@ -174,14 +204,25 @@ def run(task: Task, model, raw_model, device, info: RankInfo, run_dir: Path, cfg
         if is_main:
             checkpoint.save(ckpt_path, {
                 **expect, "step": step, "epoch": epoch, "position": position, "rng": rng,
+                "shard": local.split.to_dict() if local else {"mode": "uniform"},
                 "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
             })
             log.info("checkpoint at step %d (%s): %s", step, reason, ckpt_path)
 
+    # data.shard: None keeps the plain DDP step; otherwise this rank's share of every global batch
+    # (same global batches as the uniform sampler's) and its loss weight (expgpu/shard.py).
+    local = shard.prepare(cfg, ws, info.rank, task.batch_size, task.loss_fn, device, speed, resumed_split,
+                          ddp=hasattr(model, "no_sync"), gather=lambda obj: _gather(obj, ws))
+    sharded = local is not None and local.split.mode != "uniform"
     sampler = DistributedSampler(task.dataset, num_replicas=ws, rank=info.rank, shuffle=True,
                                  seed=task.seed, drop_last=False)
     bs = task.batch_size
-    if len(sampler) < bs:
+    if sharded and len(task.dataset) < bs * ws:
+        from expgpu.errors import UserError
+
+        raise UserError(f"task.batch_size={bs} x {ws} ranks = a global batch of {bs * ws}, more than the "
+                        f"dataset's {len(task.dataset)} examples; lower it")
+    if not sharded and len(sampler) < bs:
         from expgpu.errors import UserError
 
         raise UserError(f"task.batch_size={bs} is larger than a rank's share of the dataset "
@@ -189,25 +230,38 @@ def run(task: Task, model, raw_model, device, info: RankInfo, run_dir: Path, cfg
 
     faults = cfg["faults"]
     every = cfg["checkpoint"]["every_steps"]
+    if is_main:
+        _trim_metrics(run_dir / "metrics.jsonl", step)
     metrics = open(run_dir / "metrics.jsonl", "a") if is_main else None
     progress = _Progress(is_main, task.max_steps, step)
     pin = device.type == "cuda"
     loss = None
     status, start_step = "finished", step
+    if stopper.should_stop(step, force=True):  # a signal while starting up: save, no steps
+        status = "stopped"
     t_first = time.time()
     t10 = None  # steps/s is measured after the first 10 steps (warm-up)
     try:
         while step < task.max_steps and status == "finished":
-            sampler.set_epoch(epoch)
-            loader = DataLoader(task.dataset, batch_size=bs, drop_last=True, pin_memory=pin,
-                                sampler=_Positions(list(sampler), position * bs),
-                                num_workers=cfg["data"]["num_workers"])
+            if sharded:
+                batches = shard.ShareBatchSampler(len(task.dataset), local.split.sizes, info.rank,
+                                                  task.seed, epoch, position)
+                loader = DataLoader(task.dataset, batch_sampler=batches, pin_memory=pin,
+                                    num_workers=cfg["data"]["num_workers"])
+            else:
+                sampler.set_epoch(epoch)
+                loader = DataLoader(task.dataset, batch_size=bs, drop_last=True, pin_memory=pin,
+                                    sampler=_Positions(list(sampler), position * bs),
+                                    num_workers=cfg["data"]["num_workers"])
             for x, y in loader:
                 _inject_fault(faults, info.rank, step)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
-                loss = task.loss_fn(model(x), y)
-                loss.backward()
+                if local is None:
+                    loss = task.loss_fn(model(x), y)
+                    loss.backward()
+                else:
+                    loss = local.forward_backward(model, task.loss_fn, x, y)
                 optimizer.step()
                 step += 1
                 position += 1
@@ -223,13 +277,17 @@ def run(task: Task, model, raw_model, device, info: RankInfo, run_dir: Path, cfg
                         metrics.flush()
                 if every and step % every == 0 and step < task.max_steps:
                     save("every_steps")
+                if step >= task.max_steps:  # done: a signal now changes nothing
+                    break
                 if stopper.should_stop(step):
                     status = "stopped"
                     break
-                if step >= task.max_steps:
-                    break
+                if local is not None and local.rebalance_due():
+                    local.rebalance(lambda obj: _gather(obj, ws))
+                    break  # a new loader takes the new split from this global batch on
             else:
                 epoch, position = epoch + 1, 0
+        stopper.settle()  # the stop poll still in flight: finished before the group goes
         _sync(device)
         t_end = time.time()
     finally:
@@ -240,7 +298,8 @@ def run(task: Task, model, raw_model, device, info: RankInfo, run_dir: Path, cfg
     save("stop requested" if status == "stopped" else "end of training")
     final_loss = None
     if loss is not None:
-        reduced = loss.detach().clone()
+        # weighted: the mean over the whole global batch, however it was split
+        reduced = loss.detach().clone() * (local.weight if local else 1.0)
         if ws > 1:
             import torch.distributed as dist
 
@@ -255,7 +314,8 @@ def run(task: Task, model, raw_model, device, info: RankInfo, run_dir: Path, cfg
     timed = step - start_step - 10
     return Outcome(
         status=status, step=step, resumed_from_step=resumed_from, final_loss=final_loss,
-        accuracy=accuracy, startup_s=round(t_first - t_start, 3), train_s=round(t_end - t_first, 3),
+        accuracy=accuracy, startup_s=round(t_first - t_start, 3), first_step_at=t_first, train_s=round(t_end - t_first, 3),
         steps_per_s=round(timed / (t_end - t10), 2) if t10 and timed > 0 else None,
-        param_checksum=param_checksum(raw_model), stop_signal=stopper.received,
+        param_checksum=param_checksum(raw_model), stop_signal=stopper.agreed if status == "stopped" else None,
+        extra={"shard": local.split.to_dict() if local else {"mode": "uniform", "sizes": [bs] * ws}},
     )

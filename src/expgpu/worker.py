@@ -50,26 +50,27 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
     log.info("rank %d/%d on %s -> %s%s", info.rank, info.world_size, host, device,
              f" (GPU {','.join(str(g.index) for g in my_gpus)}: {my_gpus[0].name})" if my_gpus else "")
 
-    from expgpu import dist, task as tasks, train
-    from expgpu.stopping import Stopper
+    from expgpu import dist, shard, stopping, task as tasks, train
 
     # A pinned rank ("inherited") knows only its own GPU; the launcher gave each rank one.
     node_gpus = ([[g.index for g in my_gpus]] if node.strategy == "inherited"
                  else [[g.index for g in a] for a in node.assignments])
     backend = dist.choose_backend(cfg["backend"]["name"], node_gpus, cuda_available=device.type == "cuda")
-    stopper = Stopper(cfg["checkpoint"]["poll_every"], info.world_size).install()
-    try:
-        with dist.process_group(info, backend, timeout, run_dir, device):
-            task = tasks.build(cfg["task"])
-            raw = task.model.to(device)
-            model = dist.wrap(raw, device, cfg["launch"]["wrap"], info.world_size, len(my_gpus))
-            outcome = train.run(task, model, raw, device, info, run_dir, cfg, stopper, t_start)
-            me = {"rank": info.rank, "host": host, "device": str(device),
-                  "gpus": [g.index for g in my_gpus], "names": [g.name for g in my_gpus],
-                  "param_checksum": outcome.param_checksum}
-            ranks = train._gather(me, info.world_size)
-    finally:
-        stopper.uninstall()
+    # Installed already by the CLI entry or worker.main (a signal during startup is kept);
+    # here when a launcher calls the task function itself. Left installed: a signal that
+    # lands after training (SLURM's own SIGTERM after a requeue) must not kill the exit path.
+    stopper = stopping.install()
+    stopper.poll_every, stopper.world_size = cfg["checkpoint"]["poll_every"], info.world_size
+    with dist.process_group(info, backend, timeout, run_dir, device):
+        task = tasks.build(cfg["task"])
+        raw = task.model.to(device)
+        model = dist.wrap(raw, device, cfg["launch"]["wrap"], info.world_size, len(my_gpus))
+        speed = shard.gpu_speed(node.scores, my_gpus, ranked=node.strategy == "ranked")
+        outcome = train.run(task, model, raw, device, info, run_dir, cfg, stopper, t_start, speed=speed)
+        me = {"rank": info.rank, "host": host, "device": str(device),
+              "gpus": [g.index for g in my_gpus], "names": [g.name for g in my_gpus],
+              "param_checksum": outcome.param_checksum}
+        ranks = train._gather(me, info.world_size)
     if info.rank != 0:
         return None
     result = {
@@ -79,9 +80,11 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
         "metrics": {"final_loss": outcome.final_loss, "accuracy": outcome.accuracy},
         "steps": outcome.step, "max_steps": task.max_steps,
         "resumed_from_step": outcome.resumed_from_step, "stop_signal": outcome.stop_signal,
-        "timing": {"startup_s": outcome.startup_s, "train_s": outcome.train_s,
+        "timing": {"startup_s": outcome.startup_s, "first_step_at": outcome.first_step_at,
+                   "train_s": outcome.train_s,
                    "steps_per_s": outcome.steps_per_s},
         "param_checksum": outcome.param_checksum,
+        "shard": outcome.extra.get("shard"),
         "rank_checksums": [r["param_checksum"] for r in ranks],
         "run_dir": str(run_dir),
     }
@@ -104,7 +107,10 @@ def setup_logging(run_dir: Path, rank: int) -> None:
 
 def main() -> None:
     """Entry of a worker started by expgpu.spawn (never by users)."""
-    from expgpu import ranks
+    from expgpu import ranks, stopping
+
+    stopping.install()  # first: spawn started this process with stop signals held until now
+
     from expgpu.errors import EXIT_USER_ERROR, UserError
     from expgpu.spawn import write_failure
 
@@ -117,8 +123,9 @@ def main() -> None:
         node = NodePlan.from_dict(json.loads((run_dir / PLAN_FILE).read_text())["node"])
         run(cfg, info, run_dir, node)
     except UserError as e:
+        # The supervisor prints it, once: every rank may hit the same bad input (a checkpoint
+        # of another world size), and the user should read one line, not one per rank.
         write_failure(run_dir, rank, str(e), user_error=True)
-        print(f"expgpu: error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
         write_failure(run_dir, rank, "interrupted (second Ctrl-C)")

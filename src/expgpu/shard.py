@@ -1,0 +1,333 @@
+"""Speed-proportional batches: each rank's share of a fixed global batch, and the loss weight
+that keeps the gradient equal to the uniform one (docs/proportional-batches.md has the maths).
+
+DDP makes every step wait for the slowest rank. With `data.shard=proportional` rank r takes
+b_r examples of each global batch of B = task.batch_size x W, b_r proportional to its speed,
+so all ranks finish their part at about the same time. `data.shard=auto` measures the ranks'
+own compute time over the first `data.auto_steps` steps and rebalances once.
+
+Global batch k of epoch e is always positions [kB, (k+1)B) of the permutation that
+torch's DistributedSampler draws for (seed + e): every mode trains on the same global batches,
+in the same order, and only who computes which part of them differs. Rank r takes the
+contiguous slice [o_r, o_r + b_r) of each global batch (o_r = b_0 + ... + b_{r-1}), so a split
+that changes between two steps, even mid-epoch, neither repeats nor skips an example.
+
+Nothing here runs unless data.shard is not uniform or a faults.slow_* knob is set: the uniform
+loop stays the plain DDP step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from expgpu.errors import UserError
+
+log = logging.getLogger("expgpu")
+
+MODES = ("uniform", "proportional", "auto")
+
+
+def split(total: int, speeds: Sequence[float]) -> list[int]:
+    """Per-rank batch sizes proportional to `speeds`, summing to `total`, every one >= 1.
+
+    Largest remainder: floor the quotas, then hand the leftover examples to the largest
+    fractional parts (ties to the lower rank). Pure and deterministic: every rank computes
+    the same split from the same gathered speeds.
+    """
+    n = len(speeds)
+    if n < 1 or total < n:
+        raise ValueError(f"cannot split {total} examples over {n} ranks with every rank >= 1")
+    for v in speeds:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"speeds must be finite numbers > 0, got {list(speeds)}")
+    whole = float(sum(speeds))
+    quotas = [total * v / whole for v in speeds]
+    sizes = [max(1, math.floor(q)) for q in quotas]
+    while sum(sizes) < total:
+        r = max(range(n), key=lambda i: (quotas[i] - sizes[i], -i))
+        sizes[r] += 1
+    while sum(sizes) > total:   # only when some quota was below 1 and got lifted to 1
+        r = max((i for i in range(n) if sizes[i] > 1), key=lambda i: (sizes[i] - quotas[i], -i))
+        sizes[r] -= 1
+    return sizes
+
+
+def loss_weight(sizes: Sequence[int], rank: int, reduction: str = "mean") -> float:
+    """The factor on rank `rank`'s loss that makes DDP's averaged gradient the gradient of the
+    mean loss over the whole global batch: b_r * W / B for a mean-reduced loss, 1 for a sum."""
+    if reduction == "sum":
+        return 1.0
+    return sizes[rank] * len(sizes) / sum(sizes)
+
+
+def loss_reduction(loss_fn: Any) -> str:
+    """'mean' or 'sum': how the task's loss reduces a batch. torch.nn losses say so in
+    `.reduction` (a functools.partial in its keywords); any other callable is taken to be a
+    mean, as the built-in losses are. A sum-reducing callable says `reduction = "sum"`."""
+    red = getattr(loss_fn, "reduction", None)
+    if red is None:
+        red = (getattr(loss_fn, "keywords", None) or {}).get("reduction", "mean")
+    if red not in ("mean", "sum"):
+        raise UserError(f"task.loss has reduction={red!r}: unequal per-rank batches need a scalar loss; "
+                        "allowed: reduction 'mean' or 'sum' (or data.shard=uniform)")
+    return red
+
+
+def batches_per_epoch(n: int, global_batch: int) -> int:
+    return n // global_batch
+
+
+class ShareBatchSampler:
+    """Rank `rank`'s slice of every global batch of one epoch, from global batch `start` on.
+
+    Yields lists of dataset indices (a DataLoader batch_sampler). The tail of n mod B examples
+    that fills no global batch is left out of the epoch, as DataLoader(drop_last=True) does;
+    it is a different tail each epoch because the permutation is.
+    """
+
+    def __init__(self, n: int, sizes: Sequence[int], rank: int, seed: int, epoch: int, start: int = 0):
+        self.n, self.sizes, self.rank = n, list(sizes), rank
+        self.seed, self.epoch, self.start = seed, epoch, start
+        self.global_batch = sum(self.sizes)
+        self.offset = sum(self.sizes[:rank])
+
+    def __len__(self) -> int:
+        return max(0, batches_per_epoch(self.n, self.global_batch) - self.start)
+
+    def __iter__(self):
+        import torch
+
+        # The very permutation DistributedSampler(shuffle=True, seed) draws for this epoch.
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        perm = torch.randperm(self.n, generator=g).tolist()
+        lo, b, size = self.offset, self.global_batch, self.sizes[self.rank]
+        for k in range(self.start, batches_per_epoch(self.n, b)):
+            yield perm[k * b + lo:k * b + lo + size]
+
+
+@dataclass
+class Split:
+    """The split in use: what a checkpoint records so a resumed run continues with it."""
+    mode: str
+    sizes: list[int]
+    measured: bool = False            # auto: the rebalance has happened
+    speeds: list[float] | None = None  # examples/s (auto) or weights/scores behind `sizes`
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "sizes": list(self.sizes), "measured": self.measured,
+                "speeds": None if self.speeds is None else [float(s) for s in self.speeds]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Split:
+        return cls(d["mode"], [int(s) for s in d["sizes"]], bool(d.get("measured")), d.get("speeds"))
+
+    def describe(self) -> str:
+        return ", ".join(f"rank {r} -> {b}" for r, b in enumerate(self.sizes))
+
+
+def initial_split(mode: str, batch_size: int, world_size: int, weights: Sequence[float] | None,
+                  speeds: Sequence[float | None]) -> Split:
+    """The split a run starts with. `speeds` are every rank's GPU score (None for a CPU rank),
+    gathered, so every rank decides alike.
+
+    proportional: data.weights when given, else the GPU scores; a CPU rank without weights
+    is an error (its speed is unknown: use auto). auto: starts from the same when known, else
+    uniform, and measures.
+    """
+    total = batch_size * world_size
+    uniform = Split(mode, [batch_size] * world_size)
+    if mode == "uniform":
+        return uniform
+    if weights is not None:
+        if len(weights) != world_size:
+            raise UserError(f"data.weights={list(weights)} has {len(weights)} entries but the run has "
+                            f"{world_size} ranks; give one weight per rank (rank 0 first)")
+        known = [float(w) for w in weights]
+    elif all(s is not None and s > 0 for s in speeds):
+        known = [float(s) for s in speeds]
+    elif mode == "auto":
+        return uniform
+    else:
+        cpu = [r for r, s in enumerate(speeds) if s is None or s <= 0]
+        raise UserError(f"data.shard=proportional: rank {cpu[0]} has no GPU score to size its batch by "
+                        f"(it runs on the CPU or its GPU's score is unknown); give data.weights=[...] "
+                        f"({world_size} numbers, one per rank) or use data.shard=auto to measure")
+    return Split(mode, split(total, known), speeds=known)
+
+
+def gpu_speed(scores: dict, gpus: Sequence[Any], ranked: bool) -> float | None:
+    """A rank's speed from its GPU(s): the ranked score when the plan is ranked, else each GPU's
+    own score (measured or simulated), else SM count x clock. None for a CPU rank."""
+    if not gpus:
+        return None
+    total = 0.0
+    for g in gpus:
+        s = scores.get(g.index) if ranked else None
+        if s is None:
+            s = g.score if g.score is not None else float(g.sm_count * g.clock_mhz)
+        total += s
+    return total if total > 0 else None
+
+
+@dataclass
+class Slowness:
+    """Test and bench/ knobs that stand in for slower devices on a CPU machine.
+
+    faults.slow_rank / faults.slow_factor: that rank sleeps (factor - 1) x the CPU time its
+    forward and backward took, so the extra time shrinks with its batch as a slower device's
+    would. faults.device_ms_per_example: every rank also sleeps this long per example of its
+    batch (x slow_factor on the slow rank), a device that computes while the CPU waits, as a
+    GPU does; it makes a bench on a small, shared CPU box measure the balancing rather than the
+    neighbours' load. Sleeping keeps the other ranks' cores free."""
+    factor: float = 1.0
+    ms_per_example: float = 0.0
+
+    def start(self) -> float:
+        return time.process_time()
+
+    def finish(self, started: float, batch: int) -> None:
+        cpu = time.process_time() - started
+        time.sleep((self.factor - 1.0) * cpu + self.factor * self.ms_per_example * batch / 1000.0)
+
+
+@dataclass
+class LocalStep:
+    """The forward/backward of one rank when batches are unequal, measured or slowed.
+
+    Outside the measurement window this is the DDP step with the loss scaled by `weight`. In
+    the window (auto) the backward runs under DDP's no_sync, so its wall time is this rank's
+    own compute and not the wait for the slowest rank; the gradients are then averaged by
+    hand, which is what DDP would have done.
+    """
+    split: Split
+    rank: int
+    world_size: int
+    reduction: str = "mean"
+    measure_steps: int = 0             # > 0: measure this many steps, then rebalance
+    slowness: Slowness | None = None
+    device: Any = None
+    times: list[float] = field(default_factory=list)
+    steps: int = 0
+
+    def __post_init__(self):
+        self.weight = loss_weight(self.split.sizes, self.rank, self.reduction)
+
+    @property
+    def measuring(self) -> bool:
+        return self.measure_steps > 0 and not self.split.measured
+
+    def forward_backward(self, model, loss_fn: Callable, x, y):
+        """Returns the rank's unweighted loss (for logging), after backward."""
+        measuring = self.measuring
+        if measuring:
+            _sync(self.device)
+            t0 = time.perf_counter()
+        cpu0 = self.slowness.start() if self.slowness else 0.0
+        with model.no_sync() if measuring else contextlib.nullcontext():
+            loss = loss_fn(model(x), y)
+            (loss * self.weight if self.weight != 1.0 else loss).backward()
+        if self.slowness:
+            self.slowness.finish(cpu0, len(y))
+        if measuring:
+            _sync(self.device)
+            self.times.append(time.perf_counter() - t0)
+            average_gradients(model.parameters(), self.world_size)
+        self.steps += 1
+        return loss
+
+    def rebalance_due(self) -> bool:
+        return self.measuring and self.steps >= self.measure_steps
+
+    def rebalance(self, gather: Callable[[Any], list]) -> Split:
+        """Collective: every rank's examples/s -> the new split (same on every rank)."""
+        # The first step pays for warm-up (allocator, kernels, caches): leave it out when we can.
+        times = self.times[1:] if len(self.times) > 2 else self.times
+        mine = self.split.sizes[self.rank] / max(statistics.median(times), 1e-9)
+        speeds = [float(s) for s in gather(mine)]
+        sizes = split(sum(self.split.sizes), speeds)
+        self.split = Split(self.split.mode, sizes, measured=True, speeds=speeds)
+        self.weight = loss_weight(sizes, self.rank, self.reduction)
+        self.times.clear()
+        if self.rank == 0:
+            rates = ", ".join(f"{s:.0f}" for s in speeds)
+            log.info("rebalanced split: %s (measured %s examples/s over %d steps)",
+                     self.split.describe(), rates, self.steps)
+        return self.split
+
+
+def prepare(cfg: dict, world_size: int, rank: int, batch_size: int, loss_fn: Any, device: Any,
+            speed: float | None, resumed: dict | None, ddp: bool,
+            gather: Callable[[Any], list]) -> LocalStep | None:
+    """This rank's LocalStep, or None when the plain uniform DDP step will do.
+
+    `speed` is this rank's GPU score (None on a CPU rank); `resumed` the split a checkpoint
+    recorded (a resumed run continues with it); `gather` all-gathers one object per rank.
+    Collective when data.shard is proportional or auto: every rank calls it.
+    """
+    data, faults = cfg["data"], cfg.get("faults") or {}
+    mode = _plain(data.get("shard", "uniform"))
+    factor = float(faults.get("slow_factor") or 1.0) if faults.get("slow_rank") == rank else 1.0
+    ms = float(faults.get("device_ms_per_example") or 0.0)
+    slow = Slowness(factor, ms) if factor > 1.0 or ms > 0 else None
+    if mode != "uniform" and world_size == 1:
+        log.info("data.shard=%s with one rank: nothing to balance, the whole batch is this rank's", mode)
+        mode = "uniform"
+    if resumed is not None and resumed.get("mode", "uniform") != mode:
+        raise UserError(f"data.shard={mode}: the checkpoint being resumed was trained with "
+                        f"data.shard={resumed.get('mode')}; resume with the same data.shard or use a new run dir")
+    if mode != "uniform" and not ddp:
+        raise UserError(f"data.shard={mode} balances DDP ranks; it needs launch.wrap=ddp "
+                        "(or data.shard=uniform)")
+    if mode == "uniform":
+        return None if slow is None else LocalStep(Split("uniform", [batch_size] * world_size), rank,
+                                                    world_size, slowness=slow, device=device)
+    reduction = loss_reduction(loss_fn)
+    if resumed is not None:
+        current = Split.from_dict(resumed)
+        if sum(current.sizes) != batch_size * world_size or len(current.sizes) != world_size:
+            raise UserError(f"the checkpoint's split {current.sizes} does not fit task.batch_size="
+                            f"{batch_size} x {world_size} ranks; resume with the same settings")
+    else:
+        weights = data.get("weights")
+        current = initial_split(mode, batch_size, world_size, weights, gather(speed))
+    if rank == 0:
+        log.info("data.shard=%s: split %s (global batch %d)", mode, current.describe(), sum(current.sizes))
+    steps = int(data.get("auto_steps") or 20) if mode == "auto" else 0
+    return LocalStep(current, rank, world_size, reduction, measure_steps=steps, slowness=slow, device=device)
+
+
+def _plain(value):
+    return getattr(value, "value", value)
+
+
+def average_gradients(parameters, world_size: int) -> None:
+    """All-reduce the gradients as one flat tensor and divide by the world size (DDP's mean)."""
+    import torch
+    import torch.distributed as dist
+
+    params = [p for p in parameters if p.requires_grad]
+    for p in params:
+        if p.grad is None:   # DDP would have reduced a zero gradient for it too
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= world_size
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
+
+
+def _sync(device) -> None:
+    if device is not None and getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)

@@ -1,0 +1,239 @@
+"""Stop, checkpoint, resume, on CPU with real processes: the resumed run ends exactly where
+an uninterrupted one does (same parameter checksum, same losses at every logged step).
+
+A run is interrupted by the signals a user or a scheduler sends: SIGTERM to the `python -m
+expgpu` process (as `kill` or SLURM does), SIGINT to its whole process group (as a
+terminal's Ctrl-C does), SIGUSR2 (SLURM's warning before a time limit); also a crashed
+rank with periodic checkpoints. Then a bad checkpoint: corrupt, truncated, of another
+task, of another world size: one line naming the file, exit 2, the file untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, Run, clean_env, expgpu
+
+pytestmark = pytest.mark.timeout(240)
+
+# Task a sized so that, at full speed on one core, a run still trains for a few seconds
+# after its first metrics row: the signal lands mid-training, not after the end.
+STEPS = 1200
+ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "backend.timeout_s=60"]
+
+
+def _nproc(n: int) -> list[str]:
+    return [f"launch.nproc_per_node={n}"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted runs (1 and 2 ranks), computed once."""
+    cache: dict[int, Run] = {}
+
+    def get(nproc: int) -> Run:
+        if nproc not in cache:
+            run = expgpu(ARGS + _nproc(nproc), tmp_path_factory.mktemp(f"ref{nproc}") / "run")
+            assert run.returncode == 0, run.stderr
+            assert run.result["status"] == "finished" and run.result["resumed_from_step"] is None
+            cache[nproc] = run
+        return cache[nproc]
+
+    return get
+
+
+def _losses(run: Run) -> dict[int, float]:
+    rows = run.metrics()
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), f"metrics.jsonl repeats or reorders steps: {steps}"
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def _start(args: list[str], run_dir: Path) -> subprocess.Popen:
+    # Its own session: a Ctrl-C sent to its process group does not reach pytest.
+    return subprocess.Popen([sys.executable, "-m", "expgpu", *args, f"hydra.run.dir={run_dir}"],
+                            cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _wait_for_progress(proc: subprocess.Popen, run_dir: Path, timeout: float = 90) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists() and metrics.read_text().count("\n") >= 1:
+            return
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the run ended (code {proc.returncode}) before it showed progress: {err[-2000:]}")
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail(f"no metrics row in {metrics} after {timeout:.0f}s")
+
+
+def _finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 90) -> Run:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the stopped run did not exit within {timeout:.0f}s: {err[-2000:]}")
+    return Run(proc.returncode, out, err, run_dir)
+
+
+def _interrupt(args: list[str], run_dir: Path, sig: signal.Signals, group: bool) -> Run:
+    proc = _start(args, run_dir)
+    _wait_for_progress(proc, run_dir)
+    if group:
+        os.killpg(proc.pid, sig)  # what a terminal does on Ctrl-C: every process of the job
+    else:
+        proc.send_signal(sig)     # `kill PID`, SLURM's signal to the step's process
+    return _finish(proc, run_dir)
+
+
+def _assert_stopped(run: Run, sig: signal.Signals) -> int:
+    assert run.returncode == 128 + sig, (run.returncode, run.stderr[-3000:])
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("expgpu: stopped at step ") and f"by {sig.name}" in last, last
+    assert f"hydra.run.dir={run.run_dir}" in last, last
+    assert (run.run_dir / "checkpoint.pt").exists()
+    res = run.result
+    assert res["status"] == "stopped" and res["stop_signal"] == sig.name, res
+    assert 0 < res["steps"] < STEPS, f"not stopped mid-training: {res['steps']}"
+    return res["steps"]
+
+
+def _assert_resumes_to_reference(args: list[str], run_dir: Path, stopped_at: int, ref: Run) -> None:
+    resumed = expgpu(args, run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    res = resumed.result
+    assert res["status"] == "finished" and res["steps"] == STEPS
+    assert res["resumed_from_step"] == stopped_at
+    assert res["param_checksum"] == ref.result["param_checksum"]
+    assert len(set(res["rank_checksums"])) == 1
+    # Data order resumed exactly: every logged loss after the resume is the uninterrupted run's
+    # (and the rows before it are the interrupted run's, kept, not repeated).
+    want, got = _losses(ref), _losses(resumed)
+    after = {s: v for s, v in want.items() if s > stopped_at}
+    assert after and {s: got.get(s) for s in after} == after
+    assert got == want
+
+
+@pytest.mark.parametrize("nproc,sig,group", [
+    (1, signal.SIGTERM, False),
+    (1, signal.SIGINT, True),
+    (2, signal.SIGTERM, False),   # to the supervisor alone: it forwards to its workers
+    (2, signal.SIGINT, True),     # Ctrl-C: supervisor and workers all get it
+    (1, signal.SIGUSR2, False),   # SLURM's time-limit warning, outside SLURM: stop, no requeue
+], ids=["1rank-SIGTERM", "1rank-ctrl-c", "2ranks-SIGTERM", "2ranks-ctrl-c", "1rank-SIGUSR2"])
+def test_interrupted_run_resumes_to_the_uninterrupted_parameters(tmp_path, reference, nproc, sig, group):
+    args = ARGS + _nproc(nproc)
+    ref = reference(nproc)
+    run_dir = tmp_path / "run"
+    stopped = _interrupt(args, run_dir, sig, group)
+    stopped_at = _assert_stopped(stopped, sig)
+    if nproc > 1:
+        assert stopped.result["rank_checksums"][0] == stopped.result["rank_checksums"][1]
+    _assert_resumes_to_reference(args, run_dir, stopped_at, ref)
+
+
+def _sig_caught(pid: int, sig: signal.Signals) -> bool:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line.split()[1] for line in text.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask & (1 << (sig - 1)))
+
+
+def test_sigterm_while_starting_up_is_kept(tmp_path, reference):
+    """A signal that lands while Hydra composes and torch imports stops the run at its first
+    step boundary, with a checkpoint, instead of killing it."""
+    run_dir = tmp_path / "run"
+    proc = _start(ARGS, run_dir)
+    deadline = time.monotonic() + 30
+    while not _sig_caught(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert not (run_dir / "metrics.jsonl").exists(), "too late: training already started"
+    proc.send_signal(signal.SIGTERM)
+    run = _finish(proc, run_dir)
+    assert run.returncode == 143, run.stderr[-3000:]
+    assert run.result["status"] == "stopped" and run.result["steps"] == 0
+    assert (run_dir / "checkpoint.pt").exists()
+    _assert_resumes_to_reference(ARGS, run_dir, 0, reference(1))
+
+
+def test_crashed_rank_resumes_from_the_periodic_checkpoint(tmp_path, reference):
+    # 2 ranks x 64 examples per batch: an epoch of task a is 32 steps, so the checkpoint at
+    # step 64 sits exactly on an epoch boundary (position == batches per epoch).
+    args = ARGS + _nproc(2)
+    run_dir = tmp_path / "run"
+    crashed = expgpu(args + ["checkpoint.every_steps=64", "faults.crash_rank=1", "faults.crash_step=100"],
+                     run_dir)
+    assert crashed.returncode == 1, crashed.stderr[-3000:]
+    assert "injected crash" in crashed.stderr.strip().splitlines()[-1]
+    assert not (run_dir / "result.json").exists()
+    logged = [r["step"] for r in crashed.metrics()]
+    assert max(logged) > 64, logged  # steps after the checkpoint were logged, and will be redone
+    _assert_resumes_to_reference(args, run_dir, 64, reference(2))
+
+
+# -- checkpoints that must not be resumed ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory) -> bytes:
+    run_dir = tmp_path_factory.mktemp("good") / "run"
+    run = expgpu(["task=a", "task.max_steps=20"], run_dir)
+    assert run.returncode == 0, run.stderr
+    return (run_dir / "checkpoint.pt").read_bytes()
+
+
+def _bad(good: bytes, kind: str) -> bytes:
+    if kind == "corrupt":
+        return os.urandom(len(good))
+    if kind == "truncated":
+        return good[: len(good) // 2]
+    return good
+
+
+@pytest.mark.parametrize("kind,args,says", [
+    ("corrupt", ["task=a"], "is corrupt or truncated"),
+    ("truncated", ["task=a"], "is corrupt or truncated"),
+    ("other task", ["task=b"], "was written with task='a', this run has task='b'"),
+    ("other world size", ["task=a", "launch.nproc_per_node=2"],
+     "was written with world_size=1, this run has world_size=2"),
+    ("other task settings", ["task=a", "task.batch_size=32"], "was written with other task settings"),
+])
+def test_bad_checkpoint_is_one_line_naming_the_file(tmp_path, good_checkpoint, kind, args, says):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ckpt = run_dir / "checkpoint.pt"
+    ckpt.write_bytes(_bad(good_checkpoint, kind))
+    before = hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    run = expgpu(args + ["task.max_steps=40"], run_dir, timeout=120)
+    assert run.returncode == 2, (run.returncode, run.stderr[-3000:])
+    errors = [line for line in run.stderr.splitlines() if line.startswith("expgpu: error:")]
+    assert len(errors) == 1 and errors[0] == run.stderr.strip().splitlines()[-1], run.stderr[-3000:]
+    assert f"checkpoint {ckpt} " in errors[0] and says in errors[0], errors[0]
+    assert "Traceback" not in run.stderr
+    assert hashlib.sha256(ckpt.read_bytes()).hexdigest() == before, "the checkpoint was changed"
+    assert not (run_dir / "result.json").exists(), "it trained anyway"
+
+
+def test_resume_false_starts_over_and_replaces_the_checkpoint(tmp_path, good_checkpoint):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoint.pt").write_bytes(os.urandom(100))
+    run = expgpu(["task=a", "task.max_steps=20", "checkpoint.resume=false"], run_dir)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.result["resumed_from_step"] is None
+    assert (run_dir / "checkpoint.pt").read_bytes() == good_checkpoint  # same seed, same weights
