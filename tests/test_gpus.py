@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from expgpu.errors import UserError
-from expgpu.gpus import (STRATEGIES, NodePlan, apply, inventory, parse_visible_devices, plan, set_device_ordinal,
+from expgpu.gpus import (STRATEGIES, NodePlan, apply, inventory, plan, set_device_ordinal,
                          visible_devices_env)
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -11,9 +11,7 @@ task, of another world size: one line naming the file, exit 2, the file untouche
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys

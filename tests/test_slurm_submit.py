@@ -4,7 +4,6 @@ its dry run, and the bad inputs that must fail in one line before anything is su
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -107,7 +106,7 @@ def test_bad_cluster_settings_fail_in_one_line_and_submit_nothing(slurm_cluster,
 
     # a controller that does not answer: the same cluster's config, pointing at a closed port
     conf = tmp_path / "slurm.conf"
-    conf.write_text("".join(f"SlurmctldPort=7999\n" if ln.startswith("SlurmctldPort=") else ln
+    conf.write_text("".join("SlurmctldPort=7999\n" if ln.startswith("SlurmctldPort=") else ln
                             for ln in Path(slurm_cluster.conf).read_text().splitlines(keepends=True)))
     line = error_line(multirun(base, tmp_path / "s2", {**slurm_cluster.env, "SLURM_CONF": str(conf)}))
     assert "controller is unreachable" in line and str(conf) in line

@@ -76,33 +76,51 @@ def main() -> None:
     @hydra.main(config_path=conf_dir(), config_name="config", version_base="1.3")
     def _run(cfg) -> dict | None:
         from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
 
         from expgpu import app
 
-        return app.run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        hc = HydraConfig.get()
+        try:
+            return app.run(cfg, Path(hc.runtime.output_dir))
+        except Exception as e:
+            # A single run ends here, so that Hydra adds no "Error executing job" line of its own
+            # (SystemExit passes through its job runner). In a sweep the launcher reports the job.
+            code = _report(e) if hc.mode == RunMode.RUN else None
+            if code is None:
+                raise
+            sys.exit(code)
 
     try:
         _run()
-    except UserError as e:
-        print(f"expgpu: error: {e}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
         print("expgpu: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as e:
-        from expgpu.app import Stopped, WorkerFailed
-
-        if isinstance(e, WorkerFailed):
-            print(f"expgpu: {e}", file=sys.stderr)
-            sys.exit(1)
-        if isinstance(e, Stopped):
-            print(f"expgpu: {e}", file=sys.stderr)
-            sys.exit(e.exit_code)
-        line = _one_line(e)
-        if line is None:
+        code = _report(e)
+        if code is None:
             raise
-        print(f"expgpu: error: {line}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+        sys.exit(code)
+
+
+def _report(e: BaseException) -> int | None:
+    """Print what ended the run as one line; its exit code, or None for a real bug (traceback)."""
+    from expgpu.app import Stopped, WorkerFailed
+
+    if isinstance(e, UserError):
+        print(f"expgpu: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if isinstance(e, WorkerFailed):
+        print(f"expgpu: {e}", file=sys.stderr)
+        return 1
+    if isinstance(e, Stopped):
+        print(f"expgpu: {e}", file=sys.stderr)
+        return e.exit_code
+    line = _one_line(e)
+    if line is None:
+        return None
+    print(f"expgpu: error: {line}", file=sys.stderr)
+    return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

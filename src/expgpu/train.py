@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from expgpu import checkpoint, shard
+from expgpu.errors import UserError
 from expgpu.ranks import RankInfo
 from expgpu.stopping import Stopper
 from expgpu.task import Task
@@ -171,7 +172,6 @@ def run(task: Task, model, raw_model, device, info: RankInfo, run_dir: Path, cfg
 
     `speed`: this rank's GPU score from the node plan (None on a CPU rank), which
     data.shard=proportional sizes its batch by."""
-    import torch
     from torch.utils.data import DataLoader, DistributedSampler
 
     is_main = info.rank == 0
@@ -188,8 +188,6 @@ def run(task: Task, model, raw_model, device, info: RankInfo, run_dir: Path, cfg
             raw_model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:  # same fingerprint, other code
-            from expgpu.errors import UserError
-
             raise UserError(f"checkpoint {ckpt_path} does not fit this model or optimizer "
                             f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
                             "use a new run dir") from None
@@ -218,13 +216,9 @@ def run(task: Task, model, raw_model, device, info: RankInfo, run_dir: Path, cfg
                                  seed=task.seed, drop_last=False)
     bs = task.batch_size
     if sharded and len(task.dataset) < bs * ws:
-        from expgpu.errors import UserError
-
         raise UserError(f"task.batch_size={bs} x {ws} ranks = a global batch of {bs * ws}, more than the "
                         f"dataset's {len(task.dataset)} examples; lower it")
     if not sharded and len(sampler) < bs:
-        from expgpu.errors import UserError
-
         raise UserError(f"task.batch_size={bs} is larger than a rank's share of the dataset "
                         f"({len(task.dataset)} examples / {ws} ranks = {len(sampler)}); lower it")
 

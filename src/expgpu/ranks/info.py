@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from expgpu.errors import UserError, env_int
+from expgpu.errors import UserError
 
 SOURCES = ("local", "torchrun", "slurm", "mpi", "single")
 
