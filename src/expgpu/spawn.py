@@ -80,6 +80,21 @@ def _stop(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
             p.wait()
 
 
+def _threads_per_worker(nproc: int) -> str | None:
+    """torch's intra-op threads per worker, unless the user chose (OMP_NUM_THREADS).
+
+    Each worker would otherwise start one thread per core: N workers oversubscribe the
+    cores N times over, and CPU training runs several times slower (torchrun sets 1).
+    Here each worker gets its share of the cores this process may run on.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // nproc)
+    log.info("OMP_NUM_THREADS=%d for each of %d workers (%d cores); set it to choose", threads, nproc, cores)
+    return str(threads)
+
+
 def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
         node_rank: int = 0, nnodes: int = 1, master_addr: str = "127.0.0.1",
         master_port: int = 0) -> Failure | None:
@@ -90,9 +105,12 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
         stale.unlink()
     stopper = stopping.current()
     early = stopper.received if stopper else None  # a signal while Hydra composed: pass it on
+    threads = _threads_per_worker(nproc)
     procs: list[subprocess.Popen] = []
     for local_rank in range(nproc):
         env = dict(os.environ, **(env_extra or {}))
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = threads
         env.update({
             "EXPGPU_RANK": str(node_rank * nproc + local_rank), "EXPGPU_LOCAL_RANK": str(local_rank),
             "EXPGPU_WORLD_SIZE": str(world), "EXPGPU_LOCAL_WORLD_SIZE": str(nproc),
