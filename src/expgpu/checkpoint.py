@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,19 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def wait_for_file(path: Path, timeout_s: float, what: str) -> str:
+    """The text of a file another process publishes with atomic_write_bytes (never half-written).
+
+    Raises RuntimeError naming `what` when it does not appear within timeout_s.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} within {timeout_s:.0f}s ({path})")
+        time.sleep(0.01)
+    return path.read_text()
 
 
 def save(path: Path, state: dict[str, Any]) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -42,24 +41,18 @@ def _local_store_port(info: RankInfo, run_dir: Path, timeout_s: float):
     """
     import torch.distributed as dist
 
+    from expgpu.checkpoint import atomic_write_bytes, wait_for_file
+
     launch = os.environ.get("EXPGPU_LAUNCH_ID", "0")
     port_file = run_dir / ".expgpu" / f"store-{launch}.port"
     timeout = datetime.timedelta(seconds=timeout_s)
     if info.rank == 0:
         store = dist.TCPStore(info.master_addr, 0, info.world_size, True, timeout=timeout,
                               wait_for_workers=False)
-        from expgpu.checkpoint import atomic_write_bytes
-
         port_file.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(port_file, str(store.port).encode())
         return store
-    deadline = time.monotonic() + timeout_s
-    while not port_file.exists():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"rank {info.rank}: rank 0 published no store port within "
-                               f"{timeout_s:.0f}s ({port_file})")
-        time.sleep(0.01)
-    port = int(port_file.read_text())
+    port = int(wait_for_file(port_file, timeout_s, f"rank {info.rank}: rank 0 published no store port"))
     return dist.TCPStore(info.master_addr, port, info.world_size, False, timeout=timeout)
 
 

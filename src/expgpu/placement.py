@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from pathlib import Path
 from typing import Mapping
 
-from expgpu.checkpoint import atomic_write_bytes
+from expgpu.checkpoint import atomic_write_bytes, wait_for_file
 from expgpu.gpus import NodePlan, inventory, plan
 from expgpu.ranks import RankInfo
 
@@ -92,13 +91,8 @@ def shared(cfg: dict, info: RankInfo, run_dir: Path, timeout_s: float,
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, json.dumps(node.to_dict()).encode())
         return node
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"local rank {info.local_rank}: local rank 0 published no GPU plan "
-                               f"within {timeout_s:.0f}s ({path})")
-        time.sleep(0.02)
-    return NodePlan.from_dict(json.loads(path.read_text()))
+    text = wait_for_file(path, timeout_s, f"local rank {info.local_rank}: local rank 0 published no GPU plan")
+    return NodePlan.from_dict(json.loads(text))
 
 
 def rows(node: NodePlan, node_rank: int, host: str | None = None) -> list[dict]:
