@@ -21,6 +21,7 @@ def test_single_rank_trains_and_writes_result(tmp_path):
     assert run.returncode == 0, run.stderr
     res = run.result
     assert res["status"] == "finished" and res["source"] == "single" and res["world_size"] == 1
+    assert res["backend"] is None and "no process group" in run.output  # one rank makes none
     assert res["steps"] == 60 and res["plan"][0]["device"] == "cpu"
     losses = [m["loss"] for m in run.metrics()]
     assert losses[-1] < 0.5 * losses[0], losses

@@ -10,6 +10,7 @@ import time
 
 _T0 = time.time()  # startup_s counts from here, in this process and in spawned workers
 
+import faulthandler  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -58,6 +59,7 @@ def main() -> None:
     # Before Hydra and torch load (seconds): a SIGTERM/SIGUSR2 from SLURM or a Ctrl-C in that
     # time is kept and stops the run at its first step, instead of killing it unsaved.
     stopping.install()
+    faulthandler.enable(all_threads=True)  # a rank killed in C++ still says where Python was
     os.environ.setdefault("EXPGPU_START_TIME", str(_T0))
     import warnings
 

@@ -121,6 +121,6 @@ def _finished(result: dict | None, info: ranks.RankInfo, run_dir: Path) -> dict 
     if m.get("accuracy") is not None:
         score += f", accuracy {m['accuracy']:.3f}"
     log.info("done: task %s, %d steps on %d rank(s) (%s, %s): %s -> %s", result["task"], result["steps"],
-             result["world_size"], ",".join(devices), result["backend"], score,
+             result["world_size"], ",".join(devices), result["backend"] or "no process group", score,
              Path(result["run_dir"]) / "result.json")
     return result

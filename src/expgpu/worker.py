@@ -10,6 +10,7 @@ resolved config and the node plan in RUN_DIR/.expgpu/.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -67,6 +68,7 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
         model = dist.wrap(raw, device, cfg["launch"]["wrap"], info.world_size, len(my_gpus))
         speed = shard.gpu_speed(node.scores, my_gpus, ranked=node.strategy == "ranked")
         outcome = train.run(task, model, raw, device, info, run_dir, cfg, stopper, t_start, speed=speed)
+        del model  # DDP holds the process group: let it go with the group (dist.process_group)
         me = {"rank": info.rank, "host": host, "device": str(device),
               "gpus": [g.index for g in my_gpus], "names": [g.name for g in my_gpus],
               "param_checksum": outcome.param_checksum}
@@ -75,7 +77,9 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
         return None
     result = {
         "status": outcome.status, "task": task.name, "source": info.source,
-        "world_size": info.world_size, "backend": backend, "strategy": node.strategy,
+        # One rank makes no process group: there is no backend to report.
+        "world_size": info.world_size, "backend": backend if info.world_size > 1 else None,
+        "strategy": node.strategy,
         "plan": ranks,
         "metrics": {"final_loss": outcome.final_loss, "accuracy": outcome.accuracy},
         "steps": outcome.step, "max_steps": task.max_steps,
@@ -110,6 +114,9 @@ def main() -> None:
     from expgpu import ranks, stopping
 
     stopping.install()  # first: spawn started this process with stop signals held until now
+    # A rank killed inside C++ (SIGSEGV, SIGABRT from gloo/NCCL/CUDA) prints where Python was,
+    # in every thread, instead of only the supervisor's "killed by SIGABRT".
+    faulthandler.enable(all_threads=True)
 
     from expgpu.errors import EXIT_USER_ERROR, UserError
     from expgpu.spawn import write_failure
