@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import gc
 import os
+import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -57,44 +57,10 @@ def _local_store_port(info: RankInfo, run_dir: Path, timeout_s: float):
     return dist.TCPStore(info.master_addr, port, info.world_size, False, timeout=timeout)
 
 
-def _store(info: RankInfo, run_dir: Path, timeout_s: float):
-    """The rendezvous store, made here so that teardown can use it too; None under torchrun,
-    whose agent hosts one (env://)."""
-    import torch.distributed as dist
-
-    if info.source == "local" and info.master_port == 0:
-        return _local_store_port(info, run_dir, timeout_s)
-    if info.source == "torchrun":
-        return None
-    # What init_method="tcp://ADDR:PORT" would make: rank 0 hosts, the others connect.
-    return dist.TCPStore(info.master_addr, info.master_port, info.world_size, info.rank == 0,
-                         timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _leave_together(store, info: RankInfo, timeout_s: float) -> None:
-    """After every rank has destroyed its process group, and not before, the store's host
-    (rank 0) may exit and close the store.
-
-    torchrun's agent hosts the store and outlives its workers; here rank 0 hosts it, and
-    a rank 0 that exits while a peer is still tearing its group down is a race that ends
-    the peer with SIGABRT ("terminate called without an active exception") now and then.
-    """
-    if store.add("expgpu/left", 1) == info.world_size:
-        store.set("expgpu/all_left", "1")
-    if info.rank == 0:
-        with contextlib.suppress(Exception):  # a peer gone at this point has finished anyway
-            store.wait(["expgpu/all_left"], datetime.timedelta(seconds=timeout_s))
-
-
 @contextlib.contextmanager
 def process_group(info: RankInfo, backend: str, timeout_s: float, run_dir: Path,
                   device=None) -> Iterator[None]:
-    """init_process_group with a timeout on every wait; destroy it whatever happens.
-
-    The body must drop what holds the group (the DDP model) before it ends, so that the
-    group is freed inside destroy_process_group, while the interpreter is whole, not at
-    some later garbage collection or during interpreter shutdown.
-    """
+    """init_process_group with a timeout on every wait; destroy it whatever happens."""
     if info.world_size == 1:
         yield
         return
@@ -104,26 +70,37 @@ def process_group(info: RankInfo, backend: str, timeout_s: float, run_dir: Path,
     kwargs: dict = dict(backend=backend, rank=info.rank, world_size=info.world_size, timeout=timeout)
     if backend == "nccl" and device is not None:
         kwargs["device_id"] = device  # bind now: no NCCL context on another GPU
-    store = _store(info, run_dir, timeout_s)
-    if store is None:
+    if info.source == "local" and info.master_port == 0:
+        kwargs["store"] = _local_store_port(info, run_dir, timeout_s)
+    elif info.source == "torchrun":
         kwargs["init_method"] = "env://"  # the torchrun agent hosts the store
     else:
-        kwargs["store"] = store
+        kwargs["init_method"] = f"tcp://{info.master_addr}:{info.master_port}"
     dist.init_process_group(**kwargs)
-    normal = False
     try:
         yield
         # Tearing gloo down while a peer still sends its last messages can abort the
         # process (SIGABRT, "terminate called without an active exception"): meet first.
         # Only on the normal path: after an error the peers may never come.
         dist.barrier()
-        normal = True
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        gc.collect()  # the group's last references (cycles around DDP's hooks) go now
-    if normal and store is not None:
-        _leave_together(store, info, timeout_s)
+        _let_gloo_threads_finish()
+
+
+def _let_gloo_threads_finish() -> None:
+    """Give the group's worker threads the GIL once, before this process may end.
+
+    destroy_process_group does not free a gloo group that DDP used (its reducer keeps it
+    alive in C++), so the group's worker threads live on. Such a thread frees its last
+    finished collective a moment after completing it, and that takes the GIL; if the
+    interpreter is shutting down by then, the thread is killed and the process aborts
+    (SIGABRT, "terminate called without an active exception"; pytorch PR #179291). A
+    plain mp.spawn DDP script ends so about 1 run in 6 on this 2-core machine, expgpu's
+    workers now and then. Sleeping releases the GIL, and a thread waiting for it takes it.
+    """
+    time.sleep(0.05)
 
 
 def wrap(model, device, mode: str, world_size: int, n_gpus: int):

@@ -68,7 +68,6 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
         model = dist.wrap(raw, device, cfg["launch"]["wrap"], info.world_size, len(my_gpus))
         speed = shard.gpu_speed(node.scores, my_gpus, ranked=node.strategy == "ranked")
         outcome = train.run(task, model, raw, device, info, run_dir, cfg, stopper, t_start, speed=speed)
-        del model  # DDP holds the process group: let it go with the group (dist.process_group)
         me = {"rank": info.rank, "host": host, "device": str(device),
               "gpus": [g.index for g in my_gpus], "names": [g.name for g in my_gpus],
               "param_checksum": outcome.param_checksum}
@@ -140,6 +139,13 @@ def main() -> None:
     except BaseException as e:
         write_failure(run_dir, rank, f"{type(e).__name__}: {e}")
         raise
+    # Everything this rank writes is on disk (atomic writes, closed files); skip interpreter
+    # shutdown, during which a gloo thread still alive past destroy_process_group can abort
+    # the process (dist._let_gloo_threads_finish says why).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
