@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import pickle
 import signal
@@ -233,9 +234,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     os.environ["EXPGPU_START_TIME"] = str(time.time())   # a job's start-up counts from its hand-over
     code = run(Path(spec["job_file"]))
+    # The job is over and all it sends back is on disk: skip interpreter shutdown, which for a
+    # process that loaded Hydra and torch takes tens of milliseconds of every job's slot (and
+    # where a gloo thread left by the job could abort it: expgpu.dist._let_gloo_threads_finish).
+    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    sys.exit(code)
+    os._exit(code)
 
 
 if __name__ == "__main__":
