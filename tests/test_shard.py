@@ -110,6 +110,7 @@ def _ddp_steps(rank, store, out):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from expgpu import dist as expgpu_dist
     from expgpu.tasks.models import MLP
 
     torch.set_num_threads(1)
@@ -135,6 +136,7 @@ def _ddp_steps(rank, store, out):
         dist.barrier()   # no rank tears the group down while the other still talks to it
     finally:
         dist.destroy_process_group()
+        expgpu_dist._let_gloo_threads_finish()   # or this process may abort at exit (torch 2.13)
 
 
 def _params_after_one_step(tmp_path) -> list[dict]:
