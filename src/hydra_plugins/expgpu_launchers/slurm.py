@@ -44,7 +44,10 @@ def _register_expgpu() -> None:
     rundir.register()
 
 
-class ExpgpuSlurmLauncher(SlurmLauncher):
+class _Expgpu:
+    """What both submitit launchers do differently: expgpu's submission (checks, dry run, waiting
+    for lost jobs) and, in the job, expgpu's resolvers before the config is read."""
+
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
         from expgpu.slurm import launch
 
@@ -55,15 +58,12 @@ class ExpgpuSlurmLauncher(SlurmLauncher):
         return super().__call__(*args, **kwargs)
 
 
-class ExpgpuLocalLauncher(LocalLauncher):
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
-        from expgpu.slurm import launch
+class ExpgpuSlurmLauncher(_Expgpu, SlurmLauncher):
+    pass
 
-        return launch.launch(self, job_overrides, initial_job_idx)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _register_expgpu()
-        return super().__call__(*args, **kwargs)
+class ExpgpuLocalLauncher(_Expgpu, LocalLauncher):
+    pass
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="expgpu_slurm", node=ExpgpuSlurmConf,
