@@ -144,7 +144,9 @@ def test_user_task_from_own_config_dir(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["task.batch_sise=3"], "task.batch_sise: unknown key; allowed under task: model, dataset"),
+    (["task.batch_sise=3"], "task.batch_sise: unknown key; allowed under task: name, seed, seed_per_rank, "
+                            "log_every, precision, model, dataset, optimizer, loss, batch_size, max_steps "
+                            "(to append to your config use +task.batch_sise=3)"),
     (["task.batch_size=abc"], "task.batch_size"),
     (["task=nope"], "task/nope"),
     (["gpu_map=ranked", "gpu_map.strategy=fastest"], "gpu_map.strategy"),

@@ -128,8 +128,9 @@ def _ddp_steps(rank, store, out):
                                    measure_steps=1 if measure else 0)
             opt = torch.optim.SGD(model.parameters(), lr=0.5)
             opt.zero_grad()
-            step.forward_backward(ddp, torch.nn.MSELoss(reduction=reduction), x[lo:lo + sizes[rank]],
-                                  y[lo:lo + sizes[rank]])
+            with step.step(ddp, sizes[rank]) as weight:
+                loss = torch.nn.MSELoss(reduction=reduction)(ddp(x[lo:lo + sizes[rank]]), y[lo:lo + sizes[rank]])
+                (loss * weight).backward()
             opt.step()
             torch.save(model.state_dict(), f"{out}.{n}.rank{rank}")
             del ddp
@@ -181,7 +182,7 @@ SGD_A = ["task=a", "task.optimizer._target_=torch.optim.SGD", "task.optimizer.lr
 
 
 def _model(run_dir):
-    return torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"]
+    return torch.load(run_dir / "checkpoint.pt", weights_only=True)["tracked"]["model"]
 
 
 @pytest.mark.timeout(240)

@@ -5,3 +5,14 @@ knows which GPU it owns (CUDA_VISIBLE_DEVICES is set before CUDA starts).
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["Run", "StopTraining", "__version__"]
+
+
+def __getattr__(name: str):
+    # `from expgpu import Run` without importing run.py (and what it imports) for every CLI start.
+    if name in ("Run", "StopTraining"):
+        from expgpu import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module 'expgpu' has no attribute {name!r}")

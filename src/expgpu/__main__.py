@@ -45,12 +45,24 @@ def _one_line(e: BaseException) -> str | None:
         if type(cause).__name__ in ("ConfigKeyError", "ConfigAttributeError") and key:
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             allowed = schema_keys(parent)
+            node = getattr(cause, "parent_node", None)
+            if allowed is None and node is not None and hasattr(node, "keys"):
+                allowed = [str(k) for k in node.keys()]   # a node without a schema: what it holds
             if allowed is not None:
-                return f"{key}: unknown key; allowed under {parent or 'the root'}: {', '.join(allowed)}"
+                return (f"{key}: unknown key; allowed under {parent or 'the root'}: {', '.join(allowed)}"
+                        f"{_append_hint(e)}")
         return f"{key}: {msg}" if key else msg
     if isinstance(e, (HydraException, OverrideParseException)):
         return " ".join(str(e).split())
     return None
+
+
+def _append_hint(e: BaseException) -> str:
+    """Hydra's own advice for a key the config does not have ("To append to your config use +k=v")."""
+    for line in str(e).splitlines():
+        if line.startswith("To append to your config use "):
+            return f" ({line[0].lower()}{line[1:]})"
+    return ""
 
 
 def main() -> None:
@@ -84,7 +96,7 @@ def main() -> None:
 
         hc = HydraConfig.get()
         try:
-            return app.run(cfg, Path(hc.runtime.output_dir))
+            return app.objective(cfg, app.run(cfg, Path(hc.runtime.output_dir)))
         except Exception as e:
             # A single run ends here, so that Hydra adds no "Error executing job" line of its own
             # (SystemExit passes through its job runner). In a sweep the launcher reports the job.

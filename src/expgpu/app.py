@@ -60,7 +60,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     stopping.install()  # here for launchers that call the task function (submitit); idempotent
     config.check(cfg)
     plain = config.plain(cfg)
-    if not plain["task"]["name"]:
+    if not plain["task"].get("name"):
         plain["task"]["name"] = _task_name(plain)
     info = ranks.detect()
     nproc = plain["launch"]["nproc_per_node"]
@@ -115,12 +115,30 @@ def _finished(result: dict | None, info: ranks.RankInfo, run_dir: Path) -> dict 
         raise Stopped(result, stopper.exit_code, next_step)
     if result is None:
         return None
-    m = result["metrics"]
     devices = sorted({r["device"] for r in result["plan"]})
-    score = f"final loss {m['final_loss']:.4g}" if m["final_loss"] is not None else "no steps run"
-    if m.get("accuracy") is not None:
-        score += f", accuracy {m['accuracy']:.3f}"
     log.info("done: task %s, %d steps on %d rank(s) (%s, %s): %s -> %s", result["task"], result["steps"],
-             result["world_size"], ",".join(devices), result["backend"] or "no process group", score,
-             Path(result["run_dir"]) / "result.json")
+             result["world_size"], ",".join(devices), result["backend"] or "no process group",
+             describe(result["metrics"]), Path(result["run_dir"]) / "result.json")
     return result
+
+
+def describe(metrics: dict) -> str:
+    shown = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items() if v is not None]
+    return ", ".join(shown) or "no metrics"
+
+
+def objective(cfg: DictConfig, result: dict | None):
+    """What the Hydra task function returns for an optimizing sweeper: the metric(s) named by
+    `objective`, as a float or a tuple of floats; the whole result when none is named."""
+    names = cfg.get("objective")
+    if names is None or result is None or result.get("status") != "finished":
+        return result
+    wanted = [names] if isinstance(names, str) else list(names)
+    metrics = result.get("metrics") or {}
+    missing = [n for n in wanted if metrics.get(n) is None]
+    if missing:
+        have = ", ".join(k for k, v in metrics.items() if v is not None) or "nothing"
+        raise UserError(f"objective={missing[0]}: the task returned no metric {missing[0]!r}; it returned "
+                        f"{have} (name one of those, or return it from the task function)")
+    values = [float(metrics[n]) for n in wanted]
+    return values[0] if isinstance(names, str) else tuple(values)

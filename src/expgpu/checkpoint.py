@@ -17,7 +17,7 @@ from typing import Any
 
 from expgpu.errors import UserError
 
-FORMAT = 1
+FORMAT = 2   # 2: the objects a run tracks (run.track), each rank's RNG and data position
 FILENAME = "checkpoint.pt"
 
 
@@ -66,7 +66,7 @@ def save(path: Path, state: dict[str, Any]) -> None:
 
 
 # What a checkpoint must hold besides the run-shape keys that load() compares.
-STATE_KEYS = ("step", "epoch", "position", "rng", "model", "optimizer")
+STATE_KEYS = ("step", "ranks", "tracked")
 
 
 def _why_unreadable(e: BaseException) -> str:
@@ -83,11 +83,12 @@ def _why_unreadable(e: BaseException) -> str:
     return first
 
 
-def load(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
+def load(path: Path, expect: dict[str, Any], params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load and check that the checkpoint belongs to this run shape (task, world size, ...).
 
-    Every failure is a UserError naming the file; the file itself is never touched, so
-    a user can look at it, move it away, or point the run elsewhere.
+    `params` are the task settings behind expect["fingerprint"], to name the one that differs.
+    Every failure is a UserError naming the file; the file itself is never touched, so a user
+    can look at it, move it away, or point the run elsewhere.
     """
     import torch
 
@@ -102,14 +103,23 @@ def load(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
     for key, want in expect.items():
         if state.get(key) != want:
             if key == "fingerprint":
-                from expgpu.task import IDENTITY_KEYS
-
-                raise UserError(f"checkpoint {path} was written with other task settings (one of "
-                                f"{', '.join('task.' + k for k in IDENTITY_KEYS)} differs); resume with "
-                                f"the same settings or use a new run dir")
+                raise UserError(f"checkpoint {path} was written with other task settings "
+                                f"({_settings_diff(state.get('params'), params)}); resume with the same "
+                                "settings or use a new run dir")
             raise UserError(f"checkpoint {path} was written with {key}={state.get(key)!r}, "
                             f"this run has {key}={want!r}; resume with the same {key} or use a new run dir")
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
         raise UserError(f"checkpoint {path} lacks {', '.join(missing)}; {hint}")
     return state
+
+
+def _settings_diff(saved: str | None, now: dict[str, Any] | None) -> str:
+    import json
+
+    if saved is None or now is None:
+        return "the settings are not recorded"
+    before, after = json.loads(saved), json.loads(json.dumps(now, sort_keys=True, default=str))
+    diffs = [f"task.{k}={before.get(k)!r}, now {after.get(k)!r}"
+             for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)]
+    return "; ".join(diffs[:3]) + (f" and {len(diffs) - 3} more" if len(diffs) > 3 else "")

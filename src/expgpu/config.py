@@ -13,9 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from expgpu.errors import UserError
+from expgpu.task import RUN_KEYS
 
 
 class Strategy(enum.Enum):
@@ -62,22 +63,6 @@ class Shard(enum.Enum):
 class FaultKind(enum.Enum):
     exception = "exception"  # the rank raises RuntimeError
     kill = "kill"     # the rank SIGKILLs itself (a segfault, the OOM killer)
-
-
-@dataclass
-class TaskConfig:
-    # The seven keys a task file must give (loss may be left at mse):
-    model: Any = MISSING        # {_target_: ..., ...}: an nn.Module
-    dataset: Any = MISSING      # {_target_: ...}: a map-style Dataset of (input, target)
-    optimizer: Any = MISSING    # {_target_: torch.optim.X, _partial_: true, lr: ...}
-    loss: Any = "mse"           # mse | cross_entropy | {_target_: ...} (a callable (output, target) -> loss)
-    batch_size: int = MISSING   # per rank; the global batch is batch_size x world size
-    max_steps: int = MISSING    # optimizer steps in all
-    seed: int = 0               # model init and data order
-    # Optional:
-    name: Optional[str] = None  # defaults to the task group's choice (task=a -> "a")
-    eval_dataset: Any = None    # held-out split; accuracy is reported for cross_entropy tasks
-    log_every: int = 10         # steps between loss lines / metrics.jsonl rows
 
 
 @dataclass
@@ -144,7 +129,9 @@ class FaultsConfig:
 
 @dataclass
 class Config:
-    task: TaskConfig = field(default_factory=TaskConfig)
+    # A training function and its parameters, or the built-in loop's (expgpu/task.py checks them
+    # against the function's signature: every function has its own keys).
+    task: Dict[str, Any] = field(default_factory=lambda: dict(RUN_KEYS))
     gpu_map: GpuMapConfig = field(default_factory=GpuMapConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
@@ -153,6 +140,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     dry_run: bool = False  # print the rank -> GPU plan, write plan.json, exit without CUDA
+    # A metric the task returns (or a list of them) that the Hydra task function returns in turn,
+    # for optimizing sweepers: objective=eval_loss with hydra/sweeper=optuna.
+    objective: Any = None
 
 
 def register() -> None:
@@ -161,28 +151,18 @@ def register() -> None:
     ConfigStore.instance().store(name="expgpu_schema", node=Config)
 
 
-def typed(cfg: Any) -> DictConfig:
-    """A plain (already resolved) config merged onto the schema: how workers reload it."""
-    return OmegaConf.merge(OmegaConf.structured(Config), cfg)
-
-
 def check(cfg: DictConfig) -> None:
     """Range checks that types cannot express; one line naming the key on failure."""
     def need(ok: bool, key: str, allowed: str) -> None:
         if not ok:
             raise UserError(f"{key}={OmegaConf.select(cfg, key)!r} is not allowed: {allowed}")
 
-    t = cfg.task
-    need(t.batch_size >= 1, "task.batch_size", "an integer >= 1")
-    need(t.max_steps >= 1, "task.max_steps", "an integer >= 1")
-    need(t.log_every >= 1, "task.log_every", "an integer >= 1")
-    if isinstance(t.loss, str):
-        need(t.loss in ("mse", "cross_entropy"), "task.loss", "mse, cross_entropy or {_target_: ...}")
-    elif not (isinstance(t.loss, DictConfig) and "_target_" in t.loss):
-        need(False, "task.loss", "mse, cross_entropy or {_target_: ...}")
-    for key in ("model", "dataset", "optimizer"):
-        node = t[key]
-        need(isinstance(node, DictConfig) and "_target_" in node, f"task.{key}", "a mapping with _target_")
+    need(isinstance(cfg.task, DictConfig), "task", "a task file: a function (_target_) and its parameters, "
+         "or the built-in loop's (model, dataset, optimizer, ...)")
+    obj = cfg.objective
+    need(obj is None or isinstance(obj, str) or (isinstance(obj, ListConfig) and len(obj) > 0
+                                                  and all(isinstance(o, str) for o in obj)),
+         "objective", "null, a metric name the task returns (e.g. eval_loss), or a list of names")
     need(cfg.launch.nproc_per_node >= 1, "launch.nproc_per_node", "an integer >= 1")
     need(cfg.backend.timeout_s > 0, "backend.timeout_s", "seconds > 0")
     need(cfg.gpu_map.gpus_per_rank >= 1, "gpu_map.gpus_per_rank", "an integer >= 1")

@@ -7,7 +7,7 @@ import datetime
 import os
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from expgpu.errors import UserError
 from expgpu.ranks import RankInfo
@@ -119,5 +119,25 @@ def wrap(model, device, mode: str, world_size: int, n_gpus: int):
     return model
 
 
-def unwrap(model):
-    return getattr(model, "module", model)
+def gather_objects(obj: Any, world_size: int) -> list:
+    """Every rank's `obj`, in rank order, on every rank (collective; no group for one rank)."""
+    if world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sum(values: Sequence[float], device) -> list[float]:
+    """Sums over ranks of a few numbers (collective), on the device the backend needs."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(list(values), dtype=torch.float64)
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            t = t.to(device)
+        dist.all_reduce(t)
+    return [float(v) for v in t.cpu()]

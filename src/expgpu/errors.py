@@ -19,6 +19,12 @@ class UserError(Exception):
 EXIT_USER_ERROR = 2
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's message cut to its first line (its type's name when it has none)."""
+    text = str(e).strip()
+    return " ".join(text.splitlines()[0].split()) if text else type(e).__name__
+
+
 def env_int(env, name: str, *, minimum: int = 0) -> int:
     """Read an integer environment variable, naming it when it is malformed."""
     raw = env.get(name)

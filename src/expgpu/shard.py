@@ -88,27 +88,34 @@ class ShareBatchSampler:
 
     Yields lists of dataset indices (a DataLoader batch_sampler). The tail of n mod B examples
     that fills no global batch is left out of the epoch, as DataLoader(drop_last=True) does;
-    it is a different tail each epoch because the permutation is.
+    it is a different tail each epoch because the permutation is. `sizes` may change between
+    two iterations (a rebalance): the next iteration slices by the new split.
     """
 
-    def __init__(self, n: int, sizes: Sequence[int], rank: int, seed: int, epoch: int, start: int = 0):
+    def __init__(self, n: int, sizes: Sequence[int], rank: int, seed: int, epoch: int = 0, start: int = 0):
         self.n, self.sizes, self.rank = n, list(sizes), rank
         self.seed, self.epoch, self.start = seed, epoch, start
-        self.global_batch = sum(self.sizes)
-        self.offset = sum(self.sizes[:rank])
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip(self, batches: int) -> None:
+        self.start = batches
 
     def __len__(self) -> int:
-        return max(0, batches_per_epoch(self.n, self.global_batch) - self.start)
+        return max(0, batches_per_epoch(self.n, sum(self.sizes)) - self.start)
 
     def __iter__(self):
         import torch
 
+        start, self.start = self.start, 0
         # The very permutation DistributedSampler(shuffle=True, seed) draws for this epoch.
         g = torch.Generator()
         g.manual_seed(self.seed + self.epoch)
         perm = torch.randperm(self.n, generator=g).tolist()
-        lo, b, size = self.offset, self.global_batch, self.sizes[self.rank]
-        for k in range(self.start, batches_per_epoch(self.n, b)):
+        b, size = sum(self.sizes), self.sizes[self.rank]
+        lo = sum(self.sizes[:self.rank])
+        for k in range(start, batches_per_epoch(self.n, b)):
             yield perm[k * b + lo:k * b + lo + size]
 
 
@@ -223,24 +230,28 @@ class LocalStep:
     def measuring(self) -> bool:
         return self.measure_steps > 0 and not self.split.measured
 
-    def forward_backward(self, model, loss_fn: Callable, x, y):
-        """Returns the rank's unweighted loss (for logging), after backward."""
+    @contextlib.contextmanager
+    def step(self, model, batch: int):
+        """Around one forward and backward of `batch` examples; yields the loss weight to apply."""
         measuring = self.measuring
         if measuring:
             _sync(self.device)
             t0 = time.perf_counter()
         cpu0 = self.slowness.start() if self.slowness else 0.0
         with model.no_sync() if measuring else contextlib.nullcontext():
-            loss = loss_fn(model(x), y)
-            (loss * self.weight if self.weight != 1.0 else loss).backward()
+            yield self.weight
         if self.slowness:
-            self.slowness.finish(cpu0, len(y))
+            self.slowness.finish(cpu0, batch)
         if measuring:
             _sync(self.device)
             self.times.append(time.perf_counter() - t0)
             average_gradients(model.parameters(), self.world_size)
         self.steps += 1
-        return loss
+
+    def use(self, split: Split) -> None:
+        """Continue with `split` (the one a resumed checkpoint recorded)."""
+        self.split = split
+        self.weight = loss_weight(split.sizes, self.rank, self.reduction)
 
     def rebalance_due(self) -> bool:
         return self.measuring and self.steps >= self.measure_steps
@@ -251,9 +262,7 @@ class LocalStep:
         times = self.times[1:] if len(self.times) > 2 else self.times
         mine = self.split.sizes[self.rank] / max(statistics.median(times), 1e-9)
         speeds = [float(s) for s in gather(mine)]
-        sizes = split(sum(self.split.sizes), speeds)
-        self.split = Split(self.split.mode, sizes, measured=True, speeds=speeds)
-        self.weight = loss_weight(sizes, self.rank, self.reduction)
+        self.use(Split(self.split.mode, split(sum(self.split.sizes), speeds), measured=True, speeds=speeds))
         self.times.clear()
         if self.rank == 0:
             rates = ", ".join(f"{s:.0f}" for s in speeds)
@@ -263,13 +272,12 @@ class LocalStep:
 
 
 def prepare(cfg: dict, world_size: int, rank: int, batch_size: int, loss_fn: Any, device: Any,
-            speed: float | None, resumed: dict | None, ddp: bool,
-            gather: Callable[[Any], list]) -> LocalStep | None:
+            speed: float | None, ddp: bool, gather: Callable[[Any], list]) -> LocalStep | None:
     """This rank's LocalStep, or None when the plain uniform DDP step will do.
 
-    `speed` is this rank's GPU score (None on a CPU rank); `resumed` the split a checkpoint
-    recorded (a resumed run continues with it); `gather` all-gathers one object per rank.
-    Collective when data.shard is proportional or auto: every rank calls it.
+    `speed` is this rank's GPU score (None on a CPU rank); `gather` all-gathers one object per
+    rank. Collective when data.shard is proportional or auto: every rank calls it. A resumed run
+    then continues with the checkpoint's split (SplitState).
     """
     data, faults = cfg["data"], cfg.get("faults") or {}
     mode = _plain(data.get("shard", "uniform"))
@@ -279,9 +287,6 @@ def prepare(cfg: dict, world_size: int, rank: int, batch_size: int, loss_fn: Any
     if mode != "uniform" and world_size == 1:
         log.info("data.shard=%s with one rank: nothing to balance, the whole batch is this rank's", mode)
         mode = "uniform"
-    if resumed is not None and resumed.get("mode", "uniform") != mode:
-        raise UserError(f"data.shard={mode}: the checkpoint being resumed was trained with "
-                        f"data.shard={resumed.get('mode')}; resume with the same data.shard or use a new run dir")
     if mode != "uniform" and not ddp:
         raise UserError(f"data.shard={mode} balances DDP ranks; it needs launch.wrap=ddp "
                         "(or data.shard=uniform)")
@@ -289,18 +294,40 @@ def prepare(cfg: dict, world_size: int, rank: int, batch_size: int, loss_fn: Any
         return None if slow is None else LocalStep(Split("uniform", [batch_size] * world_size), rank,
                                                     world_size, slowness=slow, device=device)
     reduction = loss_reduction(loss_fn)
-    if resumed is not None:
-        current = Split.from_dict(resumed)
-        if sum(current.sizes) != batch_size * world_size or len(current.sizes) != world_size:
-            raise UserError(f"the checkpoint's split {current.sizes} does not fit task.batch_size="
-                            f"{batch_size} x {world_size} ranks; resume with the same settings")
-    else:
-        weights = data.get("weights")
-        current = initial_split(mode, batch_size, world_size, weights, gather(speed))
+    current = initial_split(mode, batch_size, world_size, data.get("weights"), gather(speed))
     if rank == 0:
         log.info("data.shard=%s: split %s (global batch %d)", mode, current.describe(), sum(current.sizes))
     steps = int(data.get("auto_steps") or 20) if mode == "auto" else 0
     return LocalStep(current, rank, world_size, reduction, measure_steps=steps, slowness=slow, device=device)
+
+
+class SplitState:
+    """The split in use as run.track sees it: a resumed run continues with the checkpoint's split,
+    and one trained with another data.shard is refused."""
+
+    def __init__(self, mode: str, local: LocalStep | None, sampler: ShareBatchSampler | None,
+                 batch_size: int, world_size: int):
+        self.mode, self.local, self.sampler = mode, local, sampler
+        self.uniform = Split("uniform", [batch_size] * world_size)
+
+    @property
+    def split(self) -> Split:
+        return self.local.split if self.local is not None else self.uniform
+
+    def state_dict(self) -> dict:
+        return self.split.to_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = Split.from_dict(state)
+        if saved.mode != self.mode:
+            raise UserError(f"data.shard={self.mode}: the checkpoint being resumed was trained with "
+                            f"data.shard={saved.mode}; resume with the same data.shard or use a new run dir")
+        if sum(saved.sizes) != sum(self.uniform.sizes) or len(saved.sizes) != len(self.uniform.sizes):
+            raise UserError(f"the checkpoint's split {saved.sizes} does not fit task.batch_size="
+                            f"{self.uniform.sizes[0]} x {len(self.uniform.sizes)} ranks; resume with the same settings")
+        if self.local is not None and self.sampler is not None:
+            self.local.use(saved)
+            self.sampler.sizes = list(saved.sizes)
 
 
 def _plain(value):

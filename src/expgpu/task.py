@@ -1,77 +1,229 @@
-"""A task built from config: model, datasets, optimizer factory and loss from `_target_`."""
+"""What a task is: a training function `fn(run, **params)`, named by the task file's `_target_`.
+
+    # conf/task/gan.yaml                 python -m expgpu task=gan task.lr_d=1e-3
+    _target_: my_tasks.gan.train
+    _partial_: true
+    lr_d: 2e-3
+    max_steps: 400
+
+A task file without `_target_` (model + dataset + optimizer + loss + ...) gives the parameters of
+the built-in supervised function, `expgpu.tasks.supervised.train`: one loop, not two.
+
+A few keys belong to the run and are read by expgpu whatever the function (RUN_KEYS: the seed,
+the logging cadence, the precision of run.autocast); they reach the function too when it names
+them. Every other key must be a parameter of the function: a misspelt one is an error naming it,
+not a setting silently ignored. Values are checked against the function's annotations (int,
+float, bool, str), so `lr: 2e-3` or `task.max_steps=abc` fail or convert before any rank starts
+training. Nested `{_target_: ...}` values are built (hydra.utils.instantiate) just before the call,
+after the run is seeded and this process owns its GPU.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import inspect
 import json
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from expgpu.errors import UserError
+from expgpu.errors import UserError, first_line
 
-# Keys that change what is trained: a checkpoint is only resumed under the same values
-# (max_steps may grow, log_every and name don't matter).
-IDENTITY_KEYS = ("model", "dataset", "optimizer", "loss", "batch_size", "seed")
+SUPERVISED = "expgpu.tasks.supervised.train"
+# The run's own keys and their defaults. seed_per_rank None: true for a task function (each rank
+# draws its own dropout masks and noise), false for the built-in loop (as before it existed).
+RUN_KEYS: dict[str, Any] = {"name": None, "seed": 0, "seed_per_rank": None, "log_every": 10, "precision": 32}
+PRECISIONS = ("32", "16", "bf16")
+# Settings a resume may change: the rest must match the checkpoint's (its fingerprint).
+MAY_CHANGE = ("max_steps", "log_every", "name", "eval_every", "eval_dataset", "compile")
+_SIMPLE = (int, float, bool, str)
 
 
-@dataclass
-class Task:
+@dataclass(frozen=True)
+class TaskSpec:
     name: str
-    model: Any                    # nn.Module, on the CPU until placed
-    dataset: Any
-    eval_dataset: Any | None
-    make_optimizer: Callable      # params -> torch.optim.Optimizer
-    loss_fn: Callable
-    classification: bool          # accuracy is reported for these
-    batch_size: int
-    max_steps: int
+    target: str            # the function's dotted path
+    fn: Callable
+    params: dict           # its keyword parameters, as config (nested _target_ not yet built)
     seed: int
+    seed_per_rank: bool
     log_every: int
+    precision: str         # "32" | "16" | "bf16"
+    identity: dict         # the settings a checkpoint must share with its resume
     fingerprint: str
 
 
-def fingerprint(task_cfg: dict) -> str:
-    ident = {k: task_cfg.get(k) for k in IDENTITY_KEYS}
-    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def locate(path: str, key: str) -> Any:
+    """Import `pkg.module.attr`; a failure names the key and says why it did not import."""
+    if not isinstance(path, str) or not path.strip():
+        raise UserError(f"{key}={path!r}: needs a dotted path to import, e.g. my_tasks.train.train")
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and (module == e.name or module.startswith(e.name + ".")):
+                continue   # that prefix is no module: try a shorter one
+            raise UserError(f"{key}={path}: importing {module} failed: {type(e).__name__}: {e}") from None
+        except Exception as e:   # the module exists but raised (a syntax error, a missing dependency)
+            raise UserError(f"{key}={path}: importing {module} failed: {type(e).__name__}: "
+                            f"{first_line(e)}") from None
+        for j, attr in enumerate(parts[i:], start=i):
+            if not hasattr(obj, attr):
+                raise UserError(f"{key}={path}: {'.'.join(parts[:j])} has no attribute {attr!r}")
+            obj = getattr(obj, attr)
+        return obj
+    raise UserError(f"{key}={path}: no module named {parts[0]!r} (is it installed, or on PYTHONPATH?)")
 
 
-def _instantiate(node: Any, key: str):
-    from hydra.utils import instantiate
+def resolve(task_cfg: dict) -> TaskSpec:
+    """The task config -> the function to call and its checked parameters (a UserError otherwise)."""
+    cfg = dict(task_cfg)
+    target = cfg.pop("_target_", None) or SUPERVISED
+    if cfg.pop("_partial_", True) is not True:
+        raise UserError("task._partial_=false: expgpu calls the task function itself, as fn(run, **params); "
+                        "use _partial_: true")
+    fn = locate(target, "task._target_")
+    if not callable(fn):
+        raise UserError(f"task._target_={target}: a {type(fn).__name__}, not a function to call as fn(run, ...)")
+    run_keys = {k: cfg.pop(k, default) for k, default in RUN_KEYS.items()}
+    named, var_kw = _parameters(fn, target)
+    params = _check_params(cfg, named, var_kw, target, _simple_hints(fn, named))
+    for k in RUN_KEYS:
+        if k in named and k in task_cfg:
+            params[k] = task_cfg[k]
+    settings = _run_settings(run_keys, classic=target == SUPERVISED)
+    defaults = {n: p.default for n, p in named.items() if p.default is not p.empty and _plain(p.default)}
+    identity = {"_target_": target, **{k: v for k, v in {**defaults, **params}.items() if k not in MAY_CHANGE},
+                "seed": settings["seed"], "seed_per_rank": settings["seed_per_rank"],
+                "precision": settings["precision"]}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return TaskSpec(name=run_keys["name"] or target.rsplit(".", 2)[-2], target=target, fn=fn, params=params,
+                    identity=identity, fingerprint=digest, **settings)
+
+
+def _parameters(fn: Callable, target: str) -> tuple[dict[str, inspect.Parameter], bool]:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise UserError(f"task._target_={target}: its parameters cannot be read; "
+                        "name a Python function def train(run, ...)") from None
+    ps = list(sig.parameters.values())
+    if not ps or ps[0].kind not in (ps[0].POSITIONAL_ONLY, ps[0].POSITIONAL_OR_KEYWORD, ps[0].VAR_POSITIONAL):
+        raise UserError(f"task._target_={target}: takes no positional parameter for the run; "
+                        f"expgpu calls it as fn(run, **params): def {getattr(fn, '__name__', 'train')}(run, ...)")
+    named = {p.name: p for p in ps[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named, any(p.kind == p.VAR_KEYWORD for p in ps)
+
+
+def _check_params(given: dict, named: dict[str, inspect.Parameter], var_kw: bool, target: str,
+                  hints: dict[str, type]) -> dict:
+    for key in given:
+        if key not in named and not var_kw:
+            takes = ", ".join(named) or "nothing"
+            raise UserError(f"task.{key}: {target} takes no parameter {key!r}; it takes {takes} "
+                            f"(and the run's keys {', '.join(RUN_KEYS)})")
+    for name, p in named.items():
+        if p.default is p.empty and name not in given and name not in RUN_KEYS:
+            raise UserError(f"task.{name}: {target} needs it (a parameter without a default); "
+                            f"set it in the task file or as task.{name}=...")
+    return {k: _coerce(k, v, hints.get(k)) for k, v in given.items()}
+
+
+def _simple_hints(fn: Callable, named: dict[str, inspect.Parameter]) -> dict[str, type]:
+    """Parameters annotated int, float, bool or str (or Optional of one): what values convert to."""
+    import types
 
     try:
-        return instantiate(node)
-    except Exception as e:
-        # A typo in a user's _target_ is bad input, not a crash: name the key and the target.
-        cause = e.__cause__ or e
-        raise UserError(f"task.{key}: cannot build {node.get('_target_')!r}: "
-                        f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}") from None
+        hints = typing.get_type_hints(fn)
+    except Exception:   # an annotation that does not evaluate: no conversion, values pass as given
+        return {}
+    out = {}
+    for name in named:
+        ann = hints.get(name)
+        if ann in _SIMPLE:
+            out[name] = ann
+        elif typing.get_origin(ann) in (typing.Union, types.UnionType):
+            args = typing.get_args(ann)
+            simple = [a for a in args if a in _SIMPLE]
+            if len(simple) == 1 and len(args) == 2 and type(None) in args:
+                out[name] = simple[0]
+    return out
 
 
-def build(task_cfg: dict) -> Task:
-    import torch
+def _coerce(key: str, value: Any, hint: type | None) -> Any:
+    """A config value converted to the parameter's simple annotation, as OmegaConf would."""
+    if hint is None or value is None or isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    from dataclasses import make_dataclass
 
-    torch.manual_seed(task_cfg["seed"])  # the same initial weights on every rank
-    model = _instantiate(task_cfg["model"], "model")
-    if not isinstance(model, torch.nn.Module):
-        raise UserError(f"task.model: {task_cfg['model'].get('_target_')!r} built a "
-                        f"{type(model).__name__}, not a torch.nn.Module")
-    dataset = _instantiate(task_cfg["dataset"], "dataset")
-    eval_cfg = task_cfg.get("eval_dataset")
-    eval_dataset = _instantiate(eval_cfg, "eval_dataset") if eval_cfg else None
-    make_optimizer = _instantiate(task_cfg["optimizer"], "optimizer")
-    if not callable(make_optimizer):
-        raise UserError("task.optimizer: needs `_partial_: true` so expgpu can pass the parameters")
-    loss = task_cfg["loss"]
-    if loss == "mse":
-        loss_fn, classification = torch.nn.MSELoss(), False
-    elif loss == "cross_entropy":
-        loss_fn, classification = torch.nn.CrossEntropyLoss(), True
-    else:
-        loss_fn = _instantiate(loss, "loss")
-        classification = isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss))
-    return Task(
-        name=task_cfg["name"], model=model, dataset=dataset, eval_dataset=eval_dataset,
-        make_optimizer=make_optimizer, loss_fn=loss_fn, classification=classification,
-        batch_size=task_cfg["batch_size"], max_steps=task_cfg["max_steps"], seed=task_cfg["seed"],
-        log_every=task_cfg["log_every"], fingerprint=fingerprint(task_cfg),
-    )
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    node = OmegaConf.structured(make_dataclass("Param", [(key, typing.Optional[hint], None)]))
+    try:
+        setattr(node, key, value)
+    except ValidationError as e:
+        kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[hint]
+        raise UserError(f"task.{key}={value!r} is not allowed: {kind} ({first_line(e)})") from None
+    return getattr(node, key)
+
+
+def _run_settings(keys: dict, classic: bool) -> dict:
+    seed, every, per_rank, precision = keys["seed"], keys["log_every"], keys["seed_per_rank"], keys["precision"]
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise UserError(f"task.seed={seed!r} is not allowed: an integer")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise UserError(f"task.log_every={every!r} is not allowed: an integer >= 1")
+    if per_rank is not None and not isinstance(per_rank, bool):
+        raise UserError(f"task.seed_per_rank={per_rank!r} is not allowed: true, false or null "
+                        "(null: true for a task function, false for the built-in loop)")
+    if str(precision) not in PRECISIONS:
+        raise UserError(f"task.precision={precision!r} is not allowed: 32, 16 or bf16")
+    if keys["name"] is not None and not isinstance(keys["name"], str):
+        raise UserError(f"task.name={keys['name']!r} is not allowed: a string")
+    return {"seed": seed, "log_every": every, "precision": str(precision),
+            "seed_per_rank": (not classic) if per_rank is None else per_rank}
+
+
+def _plain(value: Any) -> bool:
+    """A default that means the same in every process (no object whose text is its address)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+def _has_target(value: Any) -> bool:
+    if isinstance(value, dict):
+        return "_target_" in value or any(_has_target(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_target(v) for v in value)
+    return False
+
+
+def build_params(spec: TaskSpec) -> dict[str, Any]:
+    """The function's keyword arguments, with every `{_target_: ...}` inside them built, in order."""
+    from hydra.utils import instantiate
+
+    built = {}
+    for key, value in spec.params.items():
+        if not _has_target(value):
+            built[key] = value
+            continue
+        if isinstance(value, dict) and "_target_" in value:
+            locate(value["_target_"], f"task.{key}._target_")   # a clear reason if it does not import
+        try:
+            built[key] = instantiate(value, _convert_="all")
+        except Exception as e:
+            cause = e.__cause__ or e
+            what = value.get("_target_") if isinstance(value, dict) else "its _target_ entries"
+            raise UserError(f"task.{key}: cannot build {what}: {type(cause).__name__}: {first_line(cause)}") from None
+    return built

@@ -1,7 +1,7 @@
 """One rank, from "who am I" to result.json: the straight line of design.md.
 
-    ranks.detect() -> placement (inventory + strategy) -> gpus.apply -> dist.process_group
-        -> task.build -> dist.wrap -> train.run -> result.json (rank 0)
+    ranks.detect() -> placement (inventory + strategy) -> gpus.apply -> task.resolve
+        -> dist.process_group -> Run -> fn(run, **params) -> result.json (rank 0)
 
 Started in-process by `python -m expgpu` (single process, torchrun, srun, mpirun), or
 as `python -m expgpu.worker RUN_DIR` by expgpu's own spawn, which hands down the
@@ -51,7 +51,8 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
     log.info("rank %d/%d on %s -> %s%s", info.rank, info.world_size, host, device,
              f" (GPU {','.join(str(g.index) for g in my_gpus)}: {my_gpus[0].name})" if my_gpus else "")
 
-    from expgpu import dist, shard, stopping, task as tasks, train
+    from expgpu import dist, shard, stopping, task as tasks
+    from expgpu.run import Run
 
     # A pinned rank ("inherited") knows only its own GPU; the launcher gave each rank one.
     node_gpus = ([[g.index for g in my_gpus]] if node.strategy == "inherited"
@@ -62,37 +63,77 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
     # lands after training (SLURM's own SIGTERM after a requeue) must not kill the exit path.
     stopper = stopping.install()
     stopper.poll_every, stopper.world_size = cfg["checkpoint"]["poll_every"], info.world_size
+    spec = tasks.resolve(cfg["task"])   # imports the user's module: only now that this process owns its GPU
     with dist.process_group(info, backend, timeout, run_dir, device):
-        task = tasks.build(cfg["task"])
-        raw = task.model.to(device)
-        model = dist.wrap(raw, device, cfg["launch"]["wrap"], info.world_size, len(my_gpus))
-        speed = shard.gpu_speed(node.scores, my_gpus, ranked=node.strategy == "ranked")
-        outcome = train.run(task, model, raw, device, info, run_dir, cfg, stopper, t_start, speed=speed)
+        run = Run(info=info, device=device, run_dir=run_dir, cfg=cfg, spec=spec, stopper=stopper,
+                  wrap=cfg["launch"]["wrap"], n_gpus=len(my_gpus),
+                  gpu_speed=shard.gpu_speed(node.scores, my_gpus, ranked=node.strategy == "ranked"))
+        status, metrics = _call(run, spec)
+        checksum = run._checksum()
         me = {"rank": info.rank, "host": host, "device": str(device),
-              "gpus": [g.index for g in my_gpus], "names": [g.name for g in my_gpus],
-              "param_checksum": outcome.param_checksum}
-        ranks = train._gather(me, info.world_size)
+              "gpus": [g.index for g in my_gpus], "names": [g.name for g in my_gpus], "param_checksum": checksum}
+        ranks = dist.gather_objects(me, info.world_size)
     if info.rank != 0:
         return None
     result = {
-        "status": outcome.status, "task": task.name, "source": info.source,
+        "status": status, "task": spec.name, "function": spec.target, "source": info.source,
         # One rank makes no process group: there is no backend to report.
         "world_size": info.world_size, "backend": backend if info.world_size > 1 else None,
         "strategy": node.strategy,
         "plan": ranks,
-        "metrics": {"final_loss": outcome.final_loss, "accuracy": outcome.accuracy},
-        "steps": outcome.step, "max_steps": task.max_steps,
-        "resumed_from_step": outcome.resumed_from_step, "stop_signal": outcome.stop_signal,
-        "timing": {"startup_s": outcome.startup_s, "first_step_at": outcome.first_step_at,
-                   "train_s": outcome.train_s,
-                   "steps_per_s": outcome.steps_per_s},
-        "param_checksum": outcome.param_checksum,
-        "shard": outcome.extra.get("shard"),
+        "metrics": metrics,
+        "steps": run.step, "max_steps": run.max_steps,
+        "step_means": run._extra.pop("step_means", STEP_MEANS),
+        "resumed_from_step": run.resumed_from_step, "stop_signal": run.stop_signal,
+        "timing": run._timings(t_start),
+        "param_checksum": checksum,
         "rank_checksums": [r["param_checksum"] for r in ranks],
+        **run._extra,
         "run_dir": str(run_dir),
     }
     atomic_write_bytes(run_dir / "result.json", (json.dumps(result, indent=2) + "\n").encode())
     return result
+
+
+STEP_MEANS = "one iteration of run.steps on every rank"
+
+
+def _call(run, spec) -> tuple[str, dict]:
+    """fn(run, **params) -> ("finished", its metrics) or ("stopped", {}) after a stop signal."""
+    from expgpu import task as tasks
+    from expgpu.run import StopTraining
+
+    params = tasks.build_params(spec)
+    finished = False
+    try:
+        returned = spec.fn(run, **params)
+        finished = True
+    except StopTraining:
+        return "stopped", {}
+    finally:
+        run._close(finished)
+    return "finished", _metrics(returned, spec.target)
+
+
+def _metrics(returned, target: str) -> dict:
+    """A task function's return value as result.json's metrics: a dict of numbers, or nothing."""
+    from collections.abc import Mapping
+
+    from expgpu.errors import UserError
+
+    if returned is None:
+        return {}
+    if not isinstance(returned, Mapping):
+        raise UserError(f"{target} returned a {type(returned).__name__}; return a dict of numbers "
+                        "(result.json's metrics) or None")
+    out = {}
+    for key, value in returned.items():
+        if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
+            value = value.item()
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UserError(f"{target} returned {key}={value!r}; metrics are numbers (or None)")
+        out[str(key)] = value
+    return out
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:

@@ -1,0 +1,156 @@
+"""The batches `run.steps` hands out: this rank's share of every epoch, and where to resume.
+
+`RankSampler` (what `run.loader` puts in its DataLoader) gives rank r the indices perm[r::W] of
+the permutation torch's DistributedSampler draws for (seed + epoch), so the W ranks together see
+each example once per epoch. It can start an epoch at a batch position, which is what makes a
+resumed run see exactly the batches the uninterrupted one would have seen.
+
+It also owns the DataLoader's generator: creating a DataLoader iterator draws a seed for its
+workers, from the global torch RNG unless the loader has a generator of its own. That draw would
+make a resumed run's dropout masks and noise differ from the uninterrupted run's (the RNG is
+restored, then the iterator draws from it), so each epoch's draw comes from a generator seeded
+by (seed, epoch, rank) instead.
+
+`Feed` walks a loader through epochs for `run.steps`: the loader from `run.loader` (exact resume),
+any other iterable (a resumed epoch skips the batches already seen), or None (no data).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from expgpu.errors import UserError
+
+
+class RankSampler:
+    """Rank `rank`'s indices of an epoch, optionally from a batch position on.
+
+    drop_last=True: the permutation is cut to a multiple of the world size (every rank gets
+    as many examples); drop_last=False: nothing is cut or padded, every example is seen exactly
+    once per epoch (ranks may differ by one example: what an evaluation wants).
+    """
+
+    def __init__(self, n: int, world_size: int, rank: int, shuffle: bool, seed: int, drop_last: bool,
+                 batch_size: int):
+        import torch
+
+        self.n, self.world_size, self.rank = n, world_size, rank
+        self.shuffle, self.seed, self.drop_last, self.batch_size = shuffle, seed, drop_last, batch_size
+        self.start = 0   # indices of this rank to skip at the next iteration (then 0 again)
+        self.generator = torch.Generator()
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        # (seed, epoch, rank) -> the DataLoader's worker seeds for this epoch, on every run alike
+        self.generator.manual_seed((self.seed * 1_000_003 + epoch) * 1_009 + self.rank)
+
+    def skip(self, batches: int) -> None:
+        self.start = batches * self.batch_size
+
+    def _indices(self) -> list[int]:
+        if self.shuffle:
+            import torch
+
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)  # DistributedSampler's permutation
+            order = torch.randperm(self.n, generator=g).tolist()
+        else:
+            order = list(range(self.n))
+        if self.drop_last:
+            order = order[:self.n - self.n % self.world_size]
+        return order[self.rank::self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        start, self.start = self.start, 0
+        return iter(self._indices()[start:])
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            mine = self.n // self.world_size
+        else:
+            mine = len(range(self.rank, self.n, self.world_size))
+        return max(0, mine - self.start)
+
+
+def positioner(loader: Any):
+    """The sampler of `loader` that can start an epoch at a batch position, if it has one."""
+    for attr in ("batch_sampler", "sampler"):
+        s = getattr(loader, attr, None)
+        if s is not None and hasattr(s, "skip") and hasattr(s, "set_epoch"):
+            return s
+    return None
+
+
+def to_device(batch: Any, device) -> Any:
+    """Tensors inside tuples, lists and dicts moved to `device`; anything else as it is."""
+    if hasattr(batch, "to") and hasattr(batch, "device"):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(b, device) for b in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    if isinstance(batch, dict):
+        return type(batch)((k, to_device(v, device)) for k, v in batch.items())
+    return batch
+
+
+class Feed:
+    """Batches for run.steps, epoch after epoch, with the (epoch, position) a checkpoint keeps."""
+
+    def __init__(self, loader: Any, device, accumulate: int):
+        self.loader, self.device, self.accumulate = loader, device, accumulate
+        self.sampler = positioner(loader) if loader is not None else None
+        self.epoch = 0
+        self.position = 0          # batches of this epoch already handed out
+        self._it: Iterator | None = None
+
+    def resume(self, epoch: int, position: int) -> None:
+        self.epoch, self.position, self._it = epoch, position, None
+
+    def restart(self) -> None:
+        """The next batch comes from a new iterator at the same position (a changed split)."""
+        self._it = None
+
+    def next(self) -> Any:
+        if self.loader is None:
+            return None
+        if self.accumulate == 1:
+            return self._one()
+        return [self._one() for _ in range(self.accumulate)]
+
+    def _one(self) -> Any:
+        for _ in range(2):   # at most one new epoch per batch: an empty epoch is an error
+            if self._it is None:
+                self._it = self._start_epoch()
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                if self.position == 0:
+                    raise UserError(self._empty()) from None
+                self.epoch, self.position, self._it = self.epoch + 1, 0, None
+                continue
+            self.position += 1
+            return to_device(batch, self.device)
+        raise UserError(self._empty())
+
+    def _start_epoch(self) -> Iterator:
+        if self.sampler is not None:
+            self.sampler.set_epoch(self.epoch)
+            self.sampler.skip(self.position)
+            return iter(self.loader)
+        set_epoch = getattr(getattr(self.loader, "sampler", None), "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.epoch)   # a DistributedSampler of the user's own
+        it = iter(self.loader)
+        for _ in range(self.position):   # no sampler to start from the position: skip what was seen
+            next(it)
+        return it
+
+    def _empty(self) -> str:
+        size = getattr(self.loader, "batch_size", None)
+        if isinstance(self.sampler, RankSampler):
+            self.sampler.start = 0
+            what = f"this rank's share of the dataset is {len(self.sampler)} examples"
+        else:
+            what = "it is empty"
+        return f"run.steps: the loader gives no batch ({what}, batch_size={size}); lower the batch size"

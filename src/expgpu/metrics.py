@@ -1,0 +1,143 @@
+"""What `run.log` records: rank 0's scalars, read back only when they are written.
+
+A logged tensor stays on its device until a flush (every `task.log_every` steps, at a stop, at
+the end): reading it back (`.item()`) waits for the GPU, which a plain PyTorch loop also does
+only when it prints. Between two flushes the latest value of each name is kept with the step it
+was logged at, so a metric logged every step costs one read per flush, and one logged at an odd
+step (an evaluation) is still written, at its own step.
+
+A row's `step` counts the steps done, as the checkpoint does: what is logged inside the body of
+`for step, batch in run.steps(...)` belongs to step + 1. metrics.jsonl holds one JSON row per
+step that logged something; on a resume, the rows after the checkpoint's step (logged before a
+crash, about to be redone) are dropped first, so the file reads like one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from expgpu.errors import UserError
+
+log = logging.getLogger("expgpu")
+
+FILENAME = "metrics.jsonl"
+
+
+def scalar(name: str, value: Any) -> Any:
+    """A loggable value (a number or a one-element tensor, detached), or a one-line error."""
+    if hasattr(value, "detach"):
+        if value.numel() != 1:
+            raise UserError(f"run.log({name}=...): a tensor of shape {tuple(value.shape)}; "
+                            "log numbers or one-element tensors (e.g. loss.mean())")
+        return value.detach()
+    if isinstance(value, (int, float)) or hasattr(value, "item"):   # bool, numpy scalars too
+        return value
+    raise UserError(f"run.log({name}=...): a {type(value).__name__}; log numbers or one-element tensors")
+
+
+def _number(value: Any) -> float | int:
+    v = value.item() if hasattr(value, "item") else value
+    return int(v) if isinstance(v, bool) else v   # NaN and inf stay: Python's json reads them back
+
+
+def trim(path: Path, step: int) -> None:
+    """Drop the rows after `step` (all of them for 0), atomically."""
+    from expgpu.checkpoint import atomic_write_bytes
+
+    if not path.exists():
+        return
+
+    def before(line: str) -> bool:
+        try:
+            return json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):  # a line torn by a kill mid-write
+            return False
+
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [line for line in lines if before(line)]
+    if len(keep) != len(lines):
+        atomic_write_bytes(path, "".join(keep).encode())
+
+
+class MetricsLog:
+    """rank 0's metrics.jsonl and progress display."""
+
+    def __init__(self, run_dir: Path, total_steps: int | None = None):
+        self.path = Path(run_dir) / FILENAME
+        self.pending: dict[str, tuple[int, Any]] = {}
+        self.file = None
+        self.progress: _Progress | None = None
+        self.total = total_steps
+
+    def open(self, resumed_step: int, total_steps: int | None) -> None:
+        """Before the first row: trim what a resume redoes, open for appending."""
+        if self.file is None:
+            trim(self.path, resumed_step)
+            self.file = open(self.path, "a")
+            self.progress = _Progress(total_steps, resumed_step)
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        for name, value in values.items():
+            self.pending[name] = (step, scalar(name, value))
+
+    def flush(self, epoch: int) -> None:
+        if not self.pending:
+            return
+        if self.file is None:
+            self.open(0, self.total)
+        rows: dict[int, dict[str, Any]] = {}
+        for name, (step, value) in self.pending.items():
+            rows.setdefault(step, {})[name] = _number(value)
+        self.pending.clear()
+        now = round(time.time(), 3)
+        for step in sorted(rows):
+            self.file.write(json.dumps({"step": step, **rows[step], "epoch": epoch, "time": now}) + "\n")
+        self.file.flush()
+        last = max(rows)
+        self.progress.update(last, rows[last])
+
+    def state_dict(self) -> list:
+        """The values logged since the last row, for the checkpoint: a resumed run writes them at
+        the next flush, as the uninterrupted run does, instead of a row at the stop step."""
+        return [[name, step, _number(value)] for name, (step, value) in self.pending.items()]
+
+    def load_state_dict(self, state: list) -> None:
+        self.pending = {name: (int(step), value) for name, step, value in state}
+
+    def close(self, epoch: int, flush: bool = True) -> None:
+        if flush:
+            self.flush(epoch)
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.progress is not None:
+            self.progress.close()
+
+
+class _Progress:
+    """A live bar when stderr is a terminal; a log line per flush otherwise."""
+
+    def __init__(self, total: int | None, start: int):
+        self.bar = None
+        if sys.stderr.isatty():
+            from rich.progress import Progress
+
+            self.bar = Progress(transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task("training", total=total, completed=start)
+
+    def update(self, step: int, row: dict[str, Any]) -> None:
+        text = "  ".join(f"{k} {v:.5g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, description=f"training  {text}")
+        else:
+            log.info("step %d  %s", step, text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

@@ -1,0 +1,215 @@
+"""The built-in training function: model + dataset + optimizer + loss, written on the Run API.
+
+A task file without `_target_` is this function's parameters (conf/task/a.yaml, b.yaml, digits.yaml):
+
+    model: {_target_: ...}           an nn.Module
+    dataset: {_target_: ...}         a map-style Dataset of (input, target)
+    optimizer: {_target_: torch.optim.X, _partial_: true, lr: ...}
+    loss: mse | cross_entropy | {_target_: ...}   (a callable (output, target) -> loss)
+    batch_size, max_steps            per rank; a step is one optimizer step on every rank
+    eval_dataset, eval_every         held-out split; every rank evaluates its share (all-reduced)
+    precision (32 | bf16 | 16), scheduler, accumulate, clip_grad_norm, compile
+
+Nothing on the hot path that a plain PyTorch DDP loop would not do: the loss is read back only
+every log_every steps (run.log), evaluation only every eval_every steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Optional
+
+from expgpu import shard
+from expgpu.errors import UserError, first_line
+from expgpu.run import Run
+
+
+def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, max_steps: int,
+          loss: Any = "mse", eval_dataset: Any = None, scheduler: Any = None, accumulate: int = 1,
+          clip_grad_norm: Optional[float] = None, eval_every: int = 0, compile: bool = False) -> dict:
+    import torch
+
+    _check(batch_size, max_steps, accumulate, clip_grad_norm, eval_every)
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"task.model: built a {type(model).__name__}, not a torch.nn.Module")
+    loss_fn, classification = _loss(loss)
+    net = run.wrap(model)
+    if compile:
+        net = torch.compile(net)
+    opt = _build(optimizer, "optimizer", net.parameters())
+    sched = _build(scheduler, "scheduler", opt) if scheduler is not None else None
+    scaler = torch.amp.GradScaler(run.device.type) if run.precision == "16" else None
+    local, sampler, loader = _data(run, dataset, batch_size, loss_fn, hasattr(net, "no_sync"), accumulate)
+    split = shard.SplitState(local.split.mode if local else "uniform", local, sampler, batch_size, run.world_size)
+    run.track(model=model, optimizer=opt, shard=split,
+              **({"scheduler": sched} if sched is not None else {}),
+              **({"scaler": scaler} if scaler is not None else {}))
+    held_out = eval_dataset if eval_dataset is not None else (dataset if classification else None)
+    evaluator = _Evaluator(run, model, held_out, loss_fn, classification, batch_size,
+                           prefix="eval_" if eval_dataset is not None else "train_")
+    last, results = None, {}
+    try:
+        for step, batch in run.steps(loader, max_steps, accumulate=accumulate):
+            opt.zero_grad(set_to_none=True)
+            last = _forward_backward(run, net, loss_fn, batch if accumulate > 1 else (batch,), local, scaler)
+            if scaler is not None:
+                scaler.unscale_(opt)   # clip the true gradients, not the scaled ones
+            if clip_grad_norm is not None:
+                run.log(grad_norm=torch.nn.utils.clip_grad_norm_(net.parameters(), clip_grad_norm))
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            run.log(loss=last, lr=opt.param_groups[0]["lr"])
+            if sched is not None:
+                sched.step()
+            if local is not None and local.rebalance_due():
+                sampler.sizes = local.rebalance(lambda obj: _gather(obj, run.world_size)).sizes
+                run._feed.restart()   # the next global batch is sliced by the new split
+            if evaluator.ready and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == max_steps):
+                results = evaluator()
+                run.log(**results)
+    finally:
+        run._extra["shard"] = split.state_dict()   # result.json: the split the run ended with
+    return {"final_loss": _global_loss(run, last, local), **results}
+
+
+def _check(batch_size, max_steps, accumulate, clip, eval_every) -> None:
+    def need(ok: bool, key: str, value: Any, allowed: str) -> None:
+        if not ok:
+            raise UserError(f"task.{key}={value!r} is not allowed: {allowed}")
+
+    need(batch_size >= 1, "batch_size", batch_size, "an integer >= 1")
+    need(max_steps >= 1, "max_steps", max_steps, "an integer >= 1")
+    need(accumulate >= 1, "accumulate", accumulate, "an integer >= 1 (micro-batches per optimizer step)")
+    need(clip is None or clip > 0, "clip_grad_norm", clip, "null or a max norm > 0")
+    need(eval_every >= 0, "eval_every", eval_every, "0 (only at the end) or a step count")
+
+
+def _loss(loss: Any) -> tuple[Any, bool]:
+    import torch
+
+    if loss == "mse":
+        return torch.nn.MSELoss(), False
+    if loss == "cross_entropy":
+        return torch.nn.CrossEntropyLoss(), True
+    if isinstance(loss, str) or not callable(loss):
+        raise UserError(f"task.loss={loss!r} is not allowed: mse, cross_entropy or {{_target_: ...}} "
+                        "(a callable (output, target) -> loss)")
+    return loss, isinstance(loss, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss))
+
+
+def _build(factory: Any, key: str, arg: Any) -> Any:
+    """optimizer(params) / scheduler(optimizer) from a `_partial_: true` config; a keyword it does
+    not take is one line naming it (e.g. +task.optimizer.momentum=0.9 on Adam)."""
+    if not callable(factory):
+        raise UserError(f"task.{key}: needs `_partial_: true` so that expgpu can pass the "
+                        f"{'parameters' if key == 'optimizer' else 'optimizer'}")
+    try:
+        return factory(arg)
+    except TypeError as e:
+        func = getattr(factory, "func", None)
+        takes = ""
+        try:
+            names = [p for p in inspect.signature(func).parameters if p not in ("self", "params", "optimizer")]
+            takes = f"; it takes {', '.join(names)}"
+        except (TypeError, ValueError):
+            pass
+        raise UserError(f"task.{key}: {getattr(func, '__name__', key)} refused its settings "
+                        f"({first_line(e)}){takes}") from None
+
+
+def _data(run: Run, dataset, batch_size: int, loss_fn, ddp: bool, accumulate: int):
+    """(the data.shard LocalStep or None, its batch sampler or None, the loader run.steps walks)."""
+    from torch.utils.data import DataLoader
+
+    ws, n = run.world_size, len(dataset)
+    local = shard.prepare(run.cfg, ws, run.rank, batch_size, loss_fn, run.device, run._gpu_speed,
+                          ddp=ddp, gather=lambda obj: _gather(obj, ws))
+    if local is None or local.split.mode == "uniform":
+        share = n // ws
+        if share < batch_size:
+            raise UserError(f"task.batch_size={batch_size} is larger than a rank's share of the dataset "
+                            f"({n} examples / {ws} ranks = {share}); lower it")
+        return local, None, run.loader(dataset, batch_size)
+    if accumulate > 1:
+        raise UserError(f"task.accumulate={accumulate} with data.shard={local.split.mode}: unequal per-rank "
+                        "batches are balanced per optimizer step; use task.accumulate=1 or data.shard=uniform")
+    if n < batch_size * ws:
+        raise UserError(f"task.batch_size={batch_size} x {ws} ranks = a global batch of {batch_size * ws}, more "
+                        f"than the dataset's {n} examples; lower it")
+    sampler = shard.ShareBatchSampler(n, local.split.sizes, run.rank, run.cfg.task.get("seed", 0))
+    loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=run.device.type == "cuda",
+                        num_workers=run.cfg.data.num_workers)
+    return local, sampler, loader
+
+
+def _forward_backward(run: Run, net, loss_fn, batches, local, scaler):
+    """One optimizer step's forward and backward; DDP syncs gradients only on the last micro-batch."""
+    k = len(batches)
+    for i, (x, y) in enumerate(batches):
+        sync = i == k - 1 or not hasattr(net, "no_sync")
+        with contextlib.nullcontext() if sync else net.no_sync():
+            with local.step(net, len(y)) if local is not None else contextlib.nullcontext(1.0) as weight:
+                with run.autocast():
+                    loss = loss_fn(net(x), y)
+                scaled = loss * (weight / k) if weight != 1.0 or k > 1 else loss
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+    return loss
+
+
+def _global_loss(run: Run, loss, local) -> float | None:
+    """The last step's loss over the whole global batch, however it was split (all ranks)."""
+    if loss is None:
+        return None
+    from expgpu.dist import all_reduce_sum
+
+    mine = float(loss.detach()) * (local.weight if local is not None else 1.0)
+    return all_reduce_sum([mine], run.device)[0] / run.world_size
+
+
+def _gather(obj, world_size: int) -> list:
+    from expgpu.dist import gather_objects
+
+    return gather_objects(obj, world_size)
+
+
+class _Evaluator:
+    """Every rank evaluates its share of a held-out set; the sums are all-reduced."""
+
+    def __init__(self, run: Run, model, dataset, loss_fn, classification: bool, batch_size: int, prefix: str):
+        self.run, self.model, self.loss_fn, self.classification = run, model, loss_fn, classification
+        self.prefix = prefix
+        self.ready = dataset is not None
+        if self.ready:
+            self.loader = run.loader(dataset, batch_size, shuffle=False, drop_last=False)
+            self.summed = shard.loss_reduction(loss_fn) == "sum"
+
+    def __call__(self) -> dict[str, float]:
+        import torch
+
+        from expgpu.dist import all_reduce_sum
+        from expgpu.feed import to_device
+
+        model, was_training = self.model, self.model.training
+        model.eval()   # the unwrapped module: DDP's forward would sync buffers, and ranks' batch counts differ
+        loss_sum = torch.zeros((), device=self.run.device, dtype=torch.float64)
+        correct = torch.zeros((), device=self.run.device, dtype=torch.int64)
+        count = 0
+        with torch.no_grad(), self.run.autocast():
+            for x, y in self.loader:
+                x, y = to_device(x, self.run.device), to_device(y, self.run.device)
+                out = model(x)
+                batch_loss = self.loss_fn(out, y).double()
+                loss_sum += batch_loss if self.summed else batch_loss * len(y)
+                if self.classification:
+                    correct += (out.argmax(dim=1) == y).sum()
+                count += len(y)
+        model.train(was_training)
+        total, right, n = all_reduce_sum([float(loss_sum), float(correct), count], self.run.device)
+        results = {f"{self.prefix}loss": total / max(n, 1)}
+        if self.classification:
+            results["accuracy" if self.prefix == "eval_" else f"{self.prefix}accuracy"] = right / max(n, 1)
+        return results
