@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +56,38 @@ def expgpu(args: list[str], run_dir: Path, env: dict | None = None, timeout: flo
     proc = subprocess.run(cmd + list(args) + [f"hydra.run.dir={run_dir}"], cwd=cwd,
                           env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
     return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+def start(args: list[str], run_dir: Path, env: dict | None = None) -> subprocess.Popen:
+    """`python -m expgpu ARGS` in the background, in a session of its own."""
+    # Its own session: a Ctrl-C sent to its process group does not reach pytest.
+    return subprocess.Popen([sys.executable, "-m", "expgpu", *args, f"hydra.run.dir={run_dir}"],
+                            cwd=REPO, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def wait_for_progress(proc: subprocess.Popen, run_dir: Path, timeout: float = 90) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists() and metrics.read_text().count("\n") >= 1:
+            return
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the run ended (code {proc.returncode}) before it showed progress: {err[-2000:]}")
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail(f"no metrics row in {metrics} after {timeout:.0f}s")
+
+
+def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 90) -> Run:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the stopped run did not exit within {timeout:.0f}s: {err[-2000:]}")
+    return Run(proc.returncode, out, err, run_dir)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -144,9 +144,12 @@ def test_user_task_from_own_config_dir(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["task.batch_sise=3"], "task.batch_sise: unknown key; allowed under task: name, seed, seed_per_rank, "
-                            "log_every, precision, model, dataset, optimizer, loss, batch_size, max_steps "
-                            "(to append to your config use +task.batch_sise=3)"),
+    (["task.batch_sise=3"], "task.batch_sise: expgpu.tasks.supervised.train takes no parameter 'batch_sise'; "
+                            "it takes model, dataset, optimizer, batch_size, max_steps, loss, eval_dataset"),
+    (["gpu_map.strategi=ranked"], "gpu_map.strategi: unknown key; allowed under gpu_map: strategy, gpus"),
+    (["task.model.hiden=3"], "task.model: cannot build expgpu.tasks.models.MLP: TypeError:"),
+    (["+task.optimizer.momentum=0.9"], "task.optimizer: Adam refused its settings"),
+    (["task.optimizer._target_=torch.optim.SGDD"], "torch.optim has no attribute 'SGDD'"),
     (["task.batch_size=abc"], "task.batch_size"),
     (["task=nope"], "task/nope"),
     (["gpu_map=ranked", "gpu_map.strategy=fastest"], "gpu_map.strategy"),

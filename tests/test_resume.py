@@ -13,14 +13,12 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Run, clean_env, expgpu
+from conftest import Run, expgpu, finish, start, wait_for_progress
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -57,45 +55,14 @@ def _losses(run: Run) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}
 
 
-def _start(args: list[str], run_dir: Path) -> subprocess.Popen:
-    # Its own session: a Ctrl-C sent to its process group does not reach pytest.
-    return subprocess.Popen([sys.executable, "-m", "expgpu", *args, f"hydra.run.dir={run_dir}"],
-                            cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-
-
-def _wait_for_progress(proc: subprocess.Popen, run_dir: Path, timeout: float = 90) -> None:
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metrics.exists() and metrics.read_text().count("\n") >= 1:
-            return
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"the run ended (code {proc.returncode}) before it showed progress: {err[-2000:]}")
-        time.sleep(0.01)
-    proc.kill()
-    pytest.fail(f"no metrics row in {metrics} after {timeout:.0f}s")
-
-
-def _finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 90) -> Run:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the stopped run did not exit within {timeout:.0f}s: {err[-2000:]}")
-    return Run(proc.returncode, out, err, run_dir)
-
-
 def _interrupt(args: list[str], run_dir: Path, sig: signal.Signals, group: bool) -> Run:
-    proc = _start(args, run_dir)
-    _wait_for_progress(proc, run_dir)
+    proc = start(args, run_dir)
+    wait_for_progress(proc, run_dir)
     if group:
         os.killpg(proc.pid, sig)  # what a terminal does on Ctrl-C: every process of the job
     else:
         proc.send_signal(sig)     # `kill PID`, SLURM's signal to the step's process
-    return _finish(proc, run_dir)
+    return finish(proc, run_dir)
 
 
 def _assert_stopped(run: Run, sig: signal.Signals) -> int:
@@ -157,13 +124,13 @@ def test_sigterm_while_starting_up_is_kept(tmp_path, reference):
     """A signal that lands while Hydra composes and torch imports stops the run at its first
     step boundary, with a checkpoint, instead of killing it."""
     run_dir = tmp_path / "run"
-    proc = _start(ARGS, run_dir)
+    proc = start(ARGS, run_dir)
     deadline = time.monotonic() + 30
     while not _sig_caught(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
         time.sleep(0.002)
     assert not (run_dir / "metrics.jsonl").exists(), "too late: training already started"
     proc.send_signal(signal.SIGTERM)
-    run = _finish(proc, run_dir)
+    run = finish(proc, run_dir)
     assert run.returncode == 143, run.stderr[-3000:]
     assert run.result["status"] == "stopped" and run.result["steps"] == 0
     assert (run_dir / "checkpoint.pt").exists()

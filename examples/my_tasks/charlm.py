@@ -87,9 +87,9 @@ def evaluate(run: Run, model: nn.Module, loader, max_batches: int) -> float:
     return float(total[0] / total[1])
 
 
-def train(run: Run, max_steps: int = 600, batch_size: int = 32, block: int = 64, width: int = 128,
+def train(run: Run, max_steps: int = 300, batch_size: int = 32, block: int = 64, width: int = 64,
           layers: int = 2, heads: int = 4, dropout: float = 0.1, lr: float = 3e-3, warmup: int = 50,
-          clip: float = 1.0, eval_every: int = 200, eval_batches: int = 20):
+          clip: float = 1.0, eval_every: int = 100, eval_batches: int = 20):
     text = python_docs()
     vocab = {c: i for i, c in enumerate(sorted(set(text)))}
     data = torch.tensor([vocab[c] for c in text], dtype=torch.long)

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from expgpu.errors import UserError
 from expgpu.task import RUN_KEYS
@@ -148,7 +148,12 @@ class Config:
 def register() -> None:
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="expgpu_schema", node=Config)
+    schema = OmegaConf.structured(Config)
+    # Any parameter of the task function may be set as task.<name>=..., listed in the task file or
+    # not (its default is in Python): expgpu/task.py checks each against the function's signature
+    # and names a misspelt one, so Hydra's "+ to append" is not needed under task.
+    OmegaConf.set_struct(schema.task, False)
+    ConfigStore.instance().store(name="expgpu_schema", node=schema)
 
 
 def check(cfg: DictConfig) -> None:

@@ -148,7 +148,9 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
             if bad:
                 # The earliest failure is the cause; the others' errors are its echo
                 # ("connection closed by peer"). A rank killed outright wrote nothing:
-                # it went first.
+                # it went first. The cause may still be exiting (printing its traceback,
+                # tearing its group down) when its echo has already ended: it counts too.
+                bad += [(r, 1) for r, c in enumerate(codes) if c is None and failure_path(run_dir, r).exists()]
                 rank, code = min(bad, key=lambda rc: _mtime(failure_path(run_dir, rc[0])))
                 _stop(procs)
                 return _describe(run_dir, rank, code)

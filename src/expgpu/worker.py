@@ -31,8 +31,11 @@ PLAN_FILE = "plan.json"       # under RUN_DIR: the node plan (dry run and spawn)
 
 
 def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
-        t_start: float | None = None) -> dict | None:
-    """Train as this rank; returns the result dict on rank 0."""
+        t_start: float | None = None, on_error=None) -> dict | None:
+    """Train as this rank; returns the result dict on rank 0.
+
+    `on_error(e)` hears of an error before the process group is torn down, which makes the other
+    ranks fail too ("connection reset by peer"): whoever collects failures can tell cause from echo."""
     t_start = t_start or float(os.environ.get("EXPGPU_START_TIME", time.time()))
     timeout = cfg["backend"]["timeout_s"]
     if node is None:
@@ -68,7 +71,12 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
         run = Run(info=info, device=device, run_dir=run_dir, cfg=cfg, spec=spec, stopper=stopper,
                   wrap=cfg["launch"]["wrap"], n_gpus=len(my_gpus),
                   gpu_speed=shard.gpu_speed(node.scores, my_gpus, ranked=node.strategy == "ranked"))
-        status, metrics = _call(run, spec)
+        try:
+            status, metrics = _call(run, spec)
+        except BaseException as e:
+            if on_error is not None:
+                on_error(e)
+            raise
         checksum = run._checksum()
         me = {"rank": info.rank, "host": host, "device": str(device),
               "gpus": [g.index for g in my_gpus], "names": [g.name for g in my_gpus], "param_checksum": checksum}
@@ -130,7 +138,7 @@ def _metrics(returned, target: str) -> dict:
     for key, value in returned.items():
         if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
             value = value.item()
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        if value is not None and not isinstance(value, (int, float)):   # bool is an int
             raise UserError(f"{target} returned {key}={value!r}; metrics are numbers (or None)")
         out[str(key)] = value
     return out
@@ -159,7 +167,6 @@ def main() -> None:
     faulthandler.enable(all_threads=True)
 
     from expgpu.errors import EXIT_USER_ERROR, UserError
-    from expgpu.spawn import write_failure
 
     run_dir = Path(sys.argv[1])
     rank = int(os.environ.get("EXPGPU_RANK", "0"))
@@ -168,17 +175,17 @@ def main() -> None:
         info = ranks.detect()
         cfg = json.loads((run_dir / ".expgpu" / CONFIG_FILE).read_text())
         node = NodePlan.from_dict(json.loads((run_dir / PLAN_FILE).read_text())["node"])
-        run(cfg, info, run_dir, node)
+        run(cfg, info, run_dir, node, on_error=lambda e: _record_failure(run_dir, rank, e))
     except UserError as e:
         # The supervisor prints it, once: every rank may hit the same bad input (a checkpoint
         # of another world size), and the user should read one line, not one per rank.
-        write_failure(run_dir, rank, str(e), user_error=True)
+        _record_failure(run_dir, rank, e)
         sys.exit(EXIT_USER_ERROR)
-    except KeyboardInterrupt:
-        write_failure(run_dir, rank, "interrupted (second Ctrl-C)")
+    except KeyboardInterrupt as e:
+        _record_failure(run_dir, rank, e)
         sys.exit(130)
     except BaseException as e:
-        write_failure(run_dir, rank, f"{type(e).__name__}: {e}")
+        _record_failure(run_dir, rank, e)
         raise
     # Everything this rank writes is on disk (atomic writes, closed files); skip interpreter
     # shutdown, during which a gloo thread still alive past destroy_process_group can abort
@@ -187,6 +194,21 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _record_failure(run_dir: Path, rank: int, e: BaseException) -> None:
+    """This rank's failure, for the supervisor, once: the first record is the time it failed."""
+    from expgpu.errors import UserError
+    from expgpu.spawn import failure_path, write_failure
+
+    if failure_path(run_dir, rank).exists():
+        return
+    if isinstance(e, UserError):
+        write_failure(run_dir, rank, str(e), user_error=True)
+    elif isinstance(e, KeyboardInterrupt):
+        write_failure(run_dir, rank, "interrupted (second Ctrl-C)")
+    else:
+        write_failure(run_dir, rank, f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

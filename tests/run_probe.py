@@ -1,0 +1,61 @@
+"""Small task functions for the Run API tests (`--config-dir tests/conf`, tests/ on PYTHONPATH).
+
+Each does one thing a user's loop does, and leaves what the test checks in the run dir."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from expgpu import Run
+
+
+def draws(run: Run, steps: int = 3):
+    """Every rank writes the random numbers it drew: the same on all ranks, or its own."""
+    net = run.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)))
+    run.track(net=net)
+    out = []
+    for step, _ in run.steps(None, steps):
+        out.append(net(torch.ones(1, 4)).sum().item())
+    (run.run_dir / f"draws{run.rank}.json").write_text(json.dumps([torch.rand(2).tolist(), out]))
+    return {"rank0_draw": out[-1]}
+
+
+def logs(run: Run, max_steps: int = 12, eval_at: int = 6):
+    """run.log every step, once more at an odd step, and after the loop."""
+    seen = []
+    for step, batch in run.steps(None, max_steps):
+        seen.append((step, batch))
+        run.log(x=torch.tensor(float(step)))
+        if step == eval_at:
+            run.log(ev=1.5)
+    run.log(after=7)
+    return {"steps_seen": len(seen), "batches_none": int(all(b is None for _, b in seen)),
+            "first": seen[0][0] if seen else -1}
+
+
+def tracks(run: Run, max_steps: int = 4):
+    """Tracks a module under the name in PROBE_TRACK (code that changed between two runs)."""
+    run.track(**{os.environ.get("PROBE_TRACK", "model"): run.wrap(torch.nn.Linear(2, 2))})
+    for _ in run.steps(None, max_steps):
+        pass
+
+
+def track_no_state(run: Run):
+    run.track(thing=object())
+
+
+def raises(run: Run, rank: int = 1, at: int = 3, max_steps: int = 50):
+    for step, _ in run.steps(None, max_steps):
+        if run.rank == rank and step == at:
+            raise ValueError(f"probe failure on rank {run.rank} at step {step}")
+
+
+def returns(run: Run, kind: str = "list"):
+    return [1.0] if kind == "list" else {"name": "text"}
+
+
+def typed(run: Run, lr: float, steps: int = 2, flag: bool = False, label: str = "x"):
+    return {"lr": lr, "steps": steps, "flag": flag, "lr_type_float": int(isinstance(lr, float))}

@@ -1,0 +1,172 @@
+"""The Run API end to end: task functions of one's own, through the real CLI and real processes.
+
+Probe functions (tests/run_probe.py, tests/conf/task/probe_*.yaml) check one behaviour each; the
+three examples in examples/ (a GAN, a character LM, a digits classifier) are the users' code that
+must run on 1 and 2 ranks and resume exactly after a stop.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, Run, clean_env, expgpu, finish, start, wait_for_progress
+
+pytestmark = pytest.mark.timeout(240)
+
+TESTS = Path(__file__).resolve().parent
+PROBE_ENV = clean_env(PYTHONPATH=str(TESTS))
+EXAMPLES_ENV = clean_env(PYTHONPATH=str(REPO / "examples"))
+
+
+def probe(args: list[str], run_dir: Path, env: dict | None = None, **kw) -> Run:
+    return expgpu(["--config-dir", str(TESTS / "conf"), *args], run_dir, env=env or PROBE_ENV, **kw)
+
+
+def example(args: list[str], run_dir: Path, **kw) -> Run:
+    return expgpu(["--config-dir", str(REPO / "examples" / "conf"), *args], run_dir, env=EXAMPLES_ENV, **kw)
+
+
+def error_line(run: Run) -> str:
+    assert run.returncode == 2, (run.returncode, run.stderr[-3000:])
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("expgpu: error: "), run.stderr[-3000:]
+    return last
+
+
+# -- parameters --------------------------------------------------------------------------------
+
+def test_parameters_are_converted_to_the_functions_annotations(tmp_path):
+    # task.steps and task.flag are not in the task file: the function's defaults are
+    run = probe(["task=probe_typed", "task.steps=3", "task.flag=true"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    m = run.result["metrics"]
+    assert m == {"lr": 0.002, "steps": 3, "flag": True, "lr_type_float": 1}   # `lr: 2e-3` in YAML is a float
+    assert run.result["function"] == "run_probe.typed" and run.result["task"] == "probe_typed"
+
+
+@pytest.mark.parametrize("args,says", [
+    (["task.lr_x=0.1"], "task.lr_x: run_probe.typed takes no parameter 'lr_x'; it takes lr, steps, flag, label"),
+    (["task.steps=abc"], "task.steps='abc' is not allowed: an integer"),
+    (["~task.lr"], "task.lr: run_probe.typed needs it (a parameter without a default)"),
+    (["task._target_=run_probe.nope"], "task._target_=run_probe.nope: run_probe has no attribute 'nope'"),
+    (["task._target_=no_such_pkg.train"], "task._target_=no_such_pkg.train: no module named 'no_such_pkg'"),
+    (["task._target_=broken_probe.train"], "importing broken_probe.train failed: ModuleNotFoundError: "
+                                           "No module named 'a_dependency_not_installed'"),
+    (["task._target_=run_probe.json"], "task._target_=run_probe.json: a module, not a function"),
+    (["task.precision=8"], "task.precision=8 is not allowed: 32, 16 or bf16"),
+])
+def test_bad_task_parameters_are_one_line_and_exit_2(tmp_path, args, says):
+    assert says in error_line(probe(["task=probe_typed", *args], tmp_path / "run"))
+
+
+@pytest.mark.parametrize("task,args,says", [
+    ("probe_track_no_state", [], "run.track(thing=...): a object has no state_dict() and load_state_dict()"),
+    ("probe_returns", [], "run_probe.returns returned a list; return a dict of numbers"),
+    ("probe_returns", ["task.kind=dict"], "run_probe.returns returned name='text'; metrics are numbers"),
+])
+def test_misuse_of_the_api_is_one_line_and_exit_2(tmp_path, task, args, says):
+    assert says in error_line(probe([f"task={task}", *args], tmp_path / "run"))
+
+
+def test_a_function_that_raises_on_one_rank_ends_the_group_naming_it(tmp_path):
+    run = probe(["task=probe_raises", "launch.nproc_per_node=2", "backend.timeout_s=30"], tmp_path / "run")
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == \
+        "expgpu: rank 1 failed: ValueError: probe failure on rank 1 at step 3", run.stderr[-3000:]
+
+
+def test_a_checkpoint_that_tracks_other_names_is_refused(tmp_path):
+    first = probe(["task=probe_tracks"], tmp_path / "run", env={**PROBE_ENV, "PROBE_TRACK": "model"})
+    assert first.returncode == 0, first.stderr
+    again = probe(["task=probe_tracks", "task.max_steps=8"], tmp_path / "run", env={**PROBE_ENV, "PROBE_TRACK": "net"})
+    assert "checkpoint.pt tracks model, this run tracks net (run.track)" in error_line(again)
+
+
+# -- seeding and logging ---------------------------------------------------------------------
+
+def _draws(run_dir: Path, rank: int):
+    return json.loads((run_dir / f"draws{rank}.json").read_text())
+
+
+def test_ranks_draw_their_own_random_numbers_unless_seed_per_rank_is_false(tmp_path):
+    own = probe(["task=probe_draws", "launch.nproc_per_node=2"], tmp_path / "own")
+    same = probe(["task=probe_draws", "launch.nproc_per_node=2", "task.seed_per_rank=false"], tmp_path / "same")
+    for run in (own, same):
+        assert run.returncode == 0, run.stderr
+        assert len(set(run.result["rank_checksums"])) == 1   # DDP broadcast rank 0's weights either way
+    assert _draws(tmp_path / "own", 0) != _draws(tmp_path / "own", 1)      # dropout masks, torch.rand
+    assert _draws(tmp_path / "same", 0) == _draws(tmp_path / "same", 1)
+
+
+def test_log_is_read_back_at_log_steps_and_keeps_odd_steps(tmp_path):
+    run = probe(["task=probe_logs", "task.log_every=5"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    rows = [{k: v for k, v in r.items() if k not in ("epoch", "time")} for r in run.metrics()]
+    # x is logged at every step (body of step s -> row s + 1): only the value at a log step is
+    # written; ev, logged once at step 6, is written at its own step; `after` joins the last row
+    assert rows == [{"step": 5, "x": 4.0}, {"step": 7, "ev": 1.5}, {"step": 10, "x": 9.0},
+                    {"step": 12, "x": 11.0, "after": 7}], rows
+    assert run.result["metrics"] == {"steps_seen": 12, "batches_none": 1, "first": 0}
+
+
+# -- users' code: the examples ---------------------------------------------------------------
+
+SMALL = {
+    "gan": ["task.max_steps=40", "task.log_every=10"],
+    "charlm": ["task.max_steps=6", "task.eval_every=3", "task.eval_batches=2", "task.width=32", "task.block=16",
+               "task.batch_size=8", "task.log_every=2"],
+    "digits_f1": ["task.max_steps=60", "task.eval_every=30"],
+}
+RETURNS = {"gan": {"loss_d", "loss_g", "modes_covered", "high_quality"},
+           "charlm": {"val_loss", "val_perplexity", "train_loss"},
+           "digits_f1": {"accuracy", "macro_f1", "final_loss"}}
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("task", ["gan", "charlm", "digits_f1"])
+def test_example_trains_on_one_and_two_ranks_with_identical_parameters(tmp_path, task, nproc):
+    run = example([f"task={task}", f"launch.nproc_per_node={nproc}", *SMALL[task]], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = run.result
+    assert res["status"] == "finished" and res["world_size"] == nproc and res["function"] == f"my_tasks.{task}.train"
+    assert set(res["metrics"]) == RETURNS[task]
+    assert len(res["rank_checksums"]) == nproc and len(set(res["rank_checksums"])) == 1
+    assert res["rank_checksums"][0] is not None
+
+
+def test_example_metrics_are_the_whole_test_sets(tmp_path):
+    """digits_f1 all-reduces its confusion matrix: 2 ranks score all 359 test digits, not half."""
+    run = example(["task=digits_f1", "launch.nproc_per_node=2", "task.max_steps=300"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.result["metrics"]["accuracy"] > 0.9 and run.result["metrics"]["macro_f1"] > 0.9
+
+
+@pytest.mark.parametrize("task,args", [
+    ("gan", ["task.max_steps=1500", "task.log_every=20"]),
+    # dropout: the resumed run must draw the same masks (RNG restored, no draw by the loader)
+    ("digits_f1", ["task.max_steps=3000", "task.eval_every=1000", "task.log_every=20"]),
+])
+def test_example_stopped_and_rerun_ends_with_the_uninterrupted_parameters(tmp_path, task, args):
+    args = [f"task={task}", "launch.nproc_per_node=2", *args]
+    straight = example(args, tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    proc = start(["--config-dir", str(REPO / "examples" / "conf"), *args], run_dir, env=EXAMPLES_ENV)
+    wait_for_progress(proc, run_dir)
+    proc.send_signal(signal.SIGTERM)
+    stopped = finish(proc, run_dir)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    at = stopped.result["steps"]
+    assert stopped.result["status"] == "stopped" and 0 < at < straight.result["steps"], stopped.result
+    resumed = example(args, run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.result["resumed_from_step"] == at
+    assert resumed.result["param_checksum"] == straight.result["param_checksum"]
+    assert resumed.result["metrics"] == straight.result["metrics"]
+    rows = [[{k: v for k, v in r.items() if k != "time"} for r in run.metrics()] for run in (resumed, straight)]
+    assert rows[0] and rows[0] == rows[1]   # metrics.jsonl reads like the uninterrupted run's
