@@ -1,0 +1,140 @@
+"""The built-in loop's settings (precision, scheduler, accumulate, clip_grad_norm, eval_every,
+compile), each checked by an outcome a user would notice, through the real CLI."""
+
+from __future__ import annotations
+
+import math
+import signal
+
+import pytest
+import torch
+
+from conftest import expgpu, finish, start, wait_for_progress
+
+pytestmark = pytest.mark.timeout(240)
+
+SGD_A = ["task=a", "task.optimizer._target_=torch.optim.SGD", "task.optimizer.lr=0.1"]
+STEP_LR = "task.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_size:5,gamma:0.5}"
+
+
+def _params(run_dir) -> dict:
+    return torch.load(run_dir / "checkpoint.pt", weights_only=True)["tracked"]["model"]
+
+
+def _close(a: dict, b: dict, tol: float = 1e-5) -> bool:
+    return all(torch.allclose(a[k], b[k], rtol=tol, atol=tol) for k in a)
+
+
+def test_eval_every_reports_the_loss_and_accuracy_of_the_whole_eval_set(tmp_path):
+    run = expgpu(["task=b", "task.max_steps=20", "task.eval_every=10", "launch.nproc_per_node=2"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["step"]: r for r in run.metrics()}
+    assert "eval_loss" in rows[10] and "accuracy" in rows[10] and "eval_loss" in rows[20]
+    # what each rank evaluated on its half, all-reduced = the whole set, evaluated here at once
+    from expgpu.tasks.data import NoisyWaves
+    from expgpu.tasks.models import WaveCNN
+
+    model = WaveCNN(classes=4)
+    model.load_state_dict(_params(tmp_path / "run"))
+    data = NoisyWaves(size=1024, classes=4, split_seed=1)
+    with torch.no_grad():
+        out = model(data.inputs)
+    m = run.result["metrics"]
+    assert math.isclose(m["eval_loss"], float(torch.nn.functional.cross_entropy(out, data.targets)), rel_tol=1e-5)
+    assert m["accuracy"] == float((out.argmax(1) == data.targets).float().mean())
+    assert m["eval_loss"] == rows[20]["eval_loss"]
+
+
+def test_regression_reports_no_accuracy(tmp_path):
+    run = expgpu(["task=a", "task.max_steps=5"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    assert set(run.result["metrics"]) == {"final_loss"}
+
+
+def test_accumulating_two_micro_batches_of_16_is_one_batch_of_32(tmp_path):
+    two = ["launch.nproc_per_node=2", "task.max_steps=5", "checkpoint.resume=false"]
+    acc = expgpu(SGD_A + two + ["task.batch_size=16", "task.accumulate=2"], tmp_path / "acc")
+    big = expgpu(SGD_A + two + ["task.batch_size=32"], tmp_path / "big")
+    small = expgpu(SGD_A + two + ["task.batch_size=16"], tmp_path / "small")
+    for run in (acc, big, small):
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert acc.result["rank_checksums"][0] == acc.result["rank_checksums"][1]   # DDP synced the last micro-batch
+    assert _close(_params(tmp_path / "acc"), _params(tmp_path / "big"))
+    assert not _close(_params(tmp_path / "small"), _params(tmp_path / "big"))    # (the check has teeth)
+
+
+def test_scheduler_steps_once_per_optimizer_step(tmp_path):
+    run = expgpu(["task=a", "task.max_steps=20", "task.log_every=5", STEP_LR], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    assert [r["lr"] for r in run.metrics()] == [1e-3, 5e-4, 2.5e-4, 1.25e-4]   # the lr each step used
+
+
+def test_clip_grad_norm_bounds_every_update(tmp_path):
+    from expgpu.tasks.models import MLP
+
+    run = expgpu(SGD_A + ["task.max_steps=10", "task.clip_grad_norm=0.01", "task.log_every=1"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    assert all(r["grad_norm"] > 0.01 for r in run.metrics())   # the norm before clipping is logged
+    torch.manual_seed(0)   # the run's seed: the same initial weights
+    start_params = MLP(32, 4, hidden=128).state_dict()
+    moved = math.sqrt(sum(float((_params(tmp_path / "run")[k] - v).pow(2).sum()) for k, v in start_params.items()))
+    assert moved <= 10 * 0.1 * 0.01 * 1.0001, moved   # steps x lr x max norm
+
+
+@pytest.mark.parametrize("precision", ["bf16", "16"])
+def test_reduced_precision_trains_on_two_ranks(tmp_path, precision):
+    run = expgpu(["task=b", "task.max_steps=30", f"task.precision={precision}", "launch.nproc_per_node=2"],
+                 tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = [r["loss"] for r in run.metrics()]
+    assert losses[-1] < losses[0] and len(set(run.result["rank_checksums"])) == 1
+    tracked = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["tracked"]
+    assert ("scaler" in tracked) == (precision == "16")   # fp16 scales its loss; the scale is resumed
+
+
+def test_every_setting_resumes_exactly_after_a_stop(tmp_path):
+    """fp16 + GradScaler, a scheduler, accumulation and clipping on 2 ranks: SIGTERM, rerun,
+    and the parameters are those of the run that was never stopped."""
+    args = ["task=a", "task.max_steps=600", "task.log_every=5", "task.precision=16", STEP_LR.replace("5,", "100,"),
+            "task.accumulate=2", "task.clip_grad_norm=1.0", "launch.nproc_per_node=2"]
+    straight = expgpu(args, tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    proc = start(args, tmp_path / "run")
+    wait_for_progress(proc, tmp_path / "run")
+    proc.send_signal(signal.SIGTERM)
+    stopped = finish(proc, tmp_path / "run")
+    at = stopped.result["steps"]   # read now: the rerun writes its own result.json
+    assert stopped.returncode == 143 and 0 < at < 600, stopped.stderr[-3000:]
+    resumed = expgpu(args, tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.result["resumed_from_step"] == at
+    assert resumed.result["param_checksum"] == straight.result["param_checksum"]
+
+
+def test_compile_trains_as_eager_does_and_resumes(tmp_path):
+    eager = expgpu(["task=a", "task.max_steps=20"], tmp_path / "eager")
+    compiled = expgpu(["task=a", "task.max_steps=20", "task.compile=true"], tmp_path / "compiled", timeout=300)
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
+    assert math.isclose(compiled.result["metrics"]["final_loss"], eager.result["metrics"]["final_loss"], rel_tol=1e-4)
+    assert _close(_params(tmp_path / "compiled"), _params(tmp_path / "eager"), 1e-4)   # no _orig_mod. prefix
+
+
+@pytest.mark.parametrize("args,says", [
+    (["task.accumulate=0"], "task.accumulate=0 is not allowed: an integer >= 1"),
+    (["task.clip_grad_norm=-1"], "task.clip_grad_norm=-1.0 is not allowed: null or a max norm > 0"),
+    (["task.eval_every=-5"], "task.eval_every=-5 is not allowed"),
+    (["task.precision=fp8"], "task.precision='fp8' is not allowed: 32, 16 or bf16"),
+    (["task.scheduler={_target_:torch.optim.lr_scheduler.StepLR,step_size:5}"],
+     "task.scheduler: cannot build torch.optim.lr_scheduler.StepLR"),
+    (["task.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_sise:5}"],
+     "task.scheduler: StepLR refused its settings"),
+    (["task.accumulate=2", "launch.nproc_per_node=2", "data.shard=proportional", "data.weights=[3,1]"],
+     "task.accumulate=2 with data.shard=proportional"),
+    (["task.loss=hinge"], "task.loss='hinge' is not allowed: mse, cross_entropy or {_target_: ...}"),
+])
+def test_bad_loop_settings_are_one_line_and_exit_2(tmp_path, args, says):
+    run = expgpu(["task=a", "task.max_steps=5", *args], tmp_path / "run")
+    assert run.returncode == 2, (run.returncode, run.stderr[-3000:])
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("expgpu: error:") and says in last, last
+    assert "Traceback" not in run.stderr
