@@ -3,7 +3,10 @@
 2 ranks, gloo, CPU, task a's model/data/batch. Runs alternate (expgpu, torchrun+plain,
 mp.spawn+plain, expgpu, ...) so that machine noise hits all alike; medians are compared.
 
-    python bench/bench_ddp_overhead.py [--rounds 5] [--steps 1500]
+    python bench/bench_ddp_overhead.py [--rounds 5] [--steps 1500] [--precision bf16]
+
+The built-in loop is expgpu's supervised task function on the Run API (run.steps, run.log);
+--precision bf16 compares task.precision=bf16 with a plain torch.autocast(bfloat16) loop.
 
 steps/s ratio  = expgpu / plain           (goal >= 0.98)
 startup extra  = expgpu - plain, seconds from launch to the first training step (goal <= 0.3 s)
@@ -28,22 +31,22 @@ def env() -> dict:
     return e
 
 
-def run_expgpu(steps: int, tmp: Path, n: int) -> tuple[float, float]:
+def run_expgpu(steps: int, tmp: Path, n: int, precision: str) -> tuple[float, float]:
     run_dir = tmp / f"expgpu{n}"
     t0 = time.time()
     subprocess.run([sys.executable, "-m", "expgpu", "task=a", f"task.max_steps={steps}", "launch.nproc_per_node=2",
-                    f"hydra.run.dir={run_dir}", "checkpoint.resume=false"],
+                    f"task.precision={precision}", f"hydra.run.dir={run_dir}", "checkpoint.resume=false"],
                    check=True, env=env(), cwd=REPO, capture_output=True)
     timing = json.loads((run_dir / "result.json").read_text())["timing"]
     return timing["first_step_at"] - t0, timing["steps_per_s"]
 
 
-def run_plain(steps: int, launcher: str, port: int) -> tuple[float, float]:
+def run_plain(steps: int, launcher: str, port: int, precision: str) -> tuple[float, float]:
+    script = [str(REPO / "bench" / "plain_ddp.py"), str(steps), "--precision", precision]
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(REPO / "bench" / "plain_ddp.py"), str(steps)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *script]
     else:
-        cmd = [sys.executable, str(REPO / "bench" / "plain_ddp.py"), str(steps), "--spawn", "2"]
+        cmd = [sys.executable, *script, "--spawn", "2"]
     e = env()
     e["MASTER_PORT"] = str(port)
     for attempt in (1, 2):  # a rendezvous port taken by another program fails a run now and then
@@ -63,17 +66,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--precision", choices=["32", "bf16"], default="32")
     args = ap.parse_args()
     results = {"expgpu": [], "torchrun": [], "mp.spawn": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
-            results["expgpu"].append(run_expgpu(args.steps, Path(tmp), i))
-            results["torchrun"].append(run_plain(args.steps, "torchrun", 29600 + i))
-            results["mp.spawn"].append(run_plain(args.steps, "spawn", 29700 + i))
+            results["expgpu"].append(run_expgpu(args.steps, Path(tmp), i, args.precision))
+            results["torchrun"].append(run_plain(args.steps, "torchrun", 29600 + i, args.precision))
+            results["mp.spawn"].append(run_plain(args.steps, "spawn", 29700 + i, args.precision))
             print(f"round {i + 1}/{args.rounds}: " + "  ".join(
                 f"{k} start {v[-1][0]:.2f}s {v[-1][1]:.0f} steps/s" for k, v in results.items()), flush=True)
     med = {k: (statistics.median(s for s, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
-    print(f"\n2 ranks, gloo, CPU, task a, {args.steps} steps, median of {args.rounds} alternating rounds")
+    print(f"\n2 ranks, gloo, CPU, task a, precision {args.precision}, {args.steps} steps, "
+          f"median of {args.rounds} alternating rounds")
     for base in ("torchrun", "mp.spawn"):
         ratio = med["expgpu"][1] / med[base][1]
         extra = med["expgpu"][0] - med[base][0]

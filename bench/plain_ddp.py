@@ -4,7 +4,10 @@ Same model, data, batch, optimizer and sampler as expgpu's task `a`. Started eit
 torchrun (`torchrun --nproc-per-node=2 bench/plain_ddp.py STEPS`) or by itself with
 torch.multiprocessing (`python bench/plain_ddp.py STEPS --spawn 2`). Prints one JSON
 line from rank 0: absolute time of the first step, and steps/s after the first 10.
+`--precision bf16` runs the forward pass under torch.autocast, as a mixed-precision script does.
 """
+
+import contextlib
 
 import json
 import os
@@ -20,7 +23,7 @@ from expgpu.tasks.data import SmoothRegression
 from expgpu.tasks.models import MLP
 
 
-def train(rank: int, world: int, steps: int) -> None:
+def train(rank: int, world: int, steps: int, precision: str = "32") -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = DDP(MLP(32, 4, hidden=128))
@@ -33,7 +36,8 @@ def train(rank: int, world: int, steps: int) -> None:
         sampler.set_epoch(epoch)
         for x, y in DataLoader(data, batch_size=64, sampler=sampler, drop_last=True):
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
+            with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
+                loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
             step += 1
@@ -53,16 +57,17 @@ def train(rank: int, world: int, steps: int) -> None:
     time.sleep(0.05)
 
 
-def _spawned(rank: int, world: int, steps: int) -> None:
-    train(rank, world, steps)
+def _spawned(rank: int, world: int, steps: int, precision: str) -> None:
+    train(rank, world, steps, precision)
 
 
 if __name__ == "__main__":
     steps = int(sys.argv[1])
+    precision = sys.argv[sys.argv.index("--precision") + 1] if "--precision" in sys.argv else "32"
     if "--spawn" in sys.argv:
         world = int(sys.argv[sys.argv.index("--spawn") + 1])
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
-        torch.multiprocessing.spawn(_spawned, args=(world, steps), nprocs=world)
+        torch.multiprocessing.spawn(_spawned, args=(world, steps, precision), nprocs=world)
     else:
-        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), steps)
+        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), steps, precision)

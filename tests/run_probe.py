@@ -59,3 +59,8 @@ def returns(run: Run, kind: str = "list"):
 
 def typed(run: Run, lr: float, steps: int = 2, flag: bool = False, label: str = "x"):
     return {"lr": lr, "steps": steps, "flag": flag, "lr_type_float": int(isinstance(lr, float))}
+
+
+def log_vector(run: Run):
+    for _ in run.steps(None, 3):
+        run.log(v=torch.ones(3))

@@ -67,6 +67,7 @@ def test_bad_task_parameters_are_one_line_and_exit_2(tmp_path, args, says):
 @pytest.mark.parametrize("task,args,says", [
     ("probe_track_no_state", [], "run.track(thing=...): a object has no state_dict() and load_state_dict()"),
     ("probe_returns", [], "run_probe.returns returned a list; return a dict of numbers"),
+    ("probe_log_vector", [], "run.log(v=...): a tensor of shape (3,); log numbers or one-element tensors"),
     ("probe_returns", ["task.kind=dict"], "run_probe.returns returned name='text'; metrics are numbers"),
 ])
 def test_misuse_of_the_api_is_one_line_and_exit_2(tmp_path, task, args, says):

@@ -32,8 +32,11 @@ def _one_line(e: BaseException) -> str | None:
     from omegaconf.errors import OmegaConfBaseException
 
     if isinstance(e, MissingConfigException):
-        text = str(e).replace("\n\t", ", ").replace("\n", " ")
-        return " ".join(text.split()).replace(": ,", ":")
+        text = str(e).split("\nConfig search path:")[0]
+        text = " ".join(text.replace("\n\t", ", ").replace("\n", " ").split()).replace(":,", ":")
+        if "Could not find 'hydra/sweeper/optuna'" in text:
+            text += " (Hydra's optuna sweeper is not installed: pip install 'expgpu[optuna]')"
+        return text
     cause = e
     while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
         cause = cause.__cause__

@@ -99,6 +99,7 @@ class Feed:
 
     def __init__(self, loader: Any, device, accumulate: int):
         self.loader, self.device, self.accumulate = loader, device, accumulate
+        self.move = device.type != "cpu"   # a DataLoader's batches are on the CPU already
         self.sampler = positioner(loader) if loader is not None else None
         self.epoch = 0
         self.position = 0          # batches of this epoch already handed out
@@ -130,7 +131,7 @@ class Feed:
                 self.epoch, self.position, self._it = self.epoch + 1, 0, None
                 continue
             self.position += 1
-            return to_device(batch, self.device)
+            return to_device(batch, self.device) if self.move else batch
         raise UserError(self._empty())
 
     def _start_epoch(self) -> Iterator:

@@ -82,8 +82,11 @@ class MetricsLog:
             self.progress = _Progress(total_steps, resumed_step)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
+        # Kept as given (checked at the flush): this runs every step. A tensor kept here holds no
+        # activations (backward freed them), only its small graph until it is replaced.
+        pending = self.pending
         for name, value in values.items():
-            self.pending[name] = (step, scalar(name, value))
+            pending[name] = (step, value)
 
     def flush(self, epoch: int) -> None:
         if not self.pending:
@@ -92,7 +95,7 @@ class MetricsLog:
             self.open(0, self.total)
         rows: dict[int, dict[str, Any]] = {}
         for name, (step, value) in self.pending.items():
-            rows.setdefault(step, {})[name] = _number(value)
+            rows.setdefault(step, {})[name] = _number(scalar(name, value))
         self.pending.clear()
         now = round(time.time(), 3)
         for step in sorted(rows):
@@ -104,7 +107,7 @@ class MetricsLog:
     def state_dict(self) -> list:
         """The values logged since the last row, for the checkpoint: a resumed run writes them at
         the next flush, as the uninterrupted run does, instead of a row at the stop step."""
-        return [[name, step, _number(value)] for name, (step, value) in self.pending.items()]
+        return [[name, step, _number(scalar(name, value))] for name, (step, value) in self.pending.items()]
 
     def load_state_dict(self, state: list) -> None:
         self.pending = {name: (int(step), value) for name, step, value in state}

@@ -160,25 +160,26 @@ class Run:
         if self._stopper.should_stop(self.step, force=True):   # a signal while starting up: save, no steps
             self._stop()
         self._timing["first_step_at"] = time.time()
+        feed, should_stop, metrics = self._feed, self._stopper.should_stop, self._metrics
+        crash_step = self._faults.get("crash_step")
         while self.step < max_steps:
-            batch = self._feed.next()
-            if self._faults.get("crash_step") == self.step:
+            batch = feed.next()
+            if crash_step == self.step:
                 _inject_fault(self._faults, self.rank, self.step)
             self._in_step = True
             yield self.step, batch
             self._in_step = False
-            self.step += 1
-            step = self.step
+            self.step = step = self.step + 1
             if step - start == 10:
                 _sync(self.device)
                 self._timing["t10"] = time.time()   # steps/s is measured after 10 warm-up steps
             if step >= max_steps:
                 break   # done: a signal now changes nothing; the last row is written at the end
-            if step % log_every == 0 and self._metrics is not None:
-                self._metrics.flush(self.epoch)
+            if step % log_every == 0 and metrics is not None:
+                metrics.flush(feed.epoch)
             if every and step % every == 0:
                 self._save("every_steps")
-            if self._stopper.should_stop(step):
+            if should_stop(step):
                 self._stop()
         self._stopper.settle()   # the stop poll still in flight: finished before the group goes
         _sync(self.device)
