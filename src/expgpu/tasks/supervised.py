@@ -45,6 +45,10 @@ def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, m
     run.track(model=model, optimizer=opt, shard=split,
               **({"scheduler": sched} if sched is not None else {}),
               **({"scaler": scaler} if scaler is not None else {}))
+    ws = run.world_size
+    run._extra["step_means"] = (f"one optimizer step of every rank: a global batch of task.batch_size {batch_size}"
+                                f"{f' x accumulate {accumulate}' if accumulate > 1 else ''} x {ws} rank(s) = "
+                                f"{batch_size * accumulate * ws} examples")
     held_out = eval_dataset if eval_dataset is not None else (dataset if classification else None)
     evaluator = _Evaluator(run, model, held_out, loss_fn, classification, batch_size,
                            prefix="eval_" if eval_dataset is not None else "train_")
