@@ -56,8 +56,53 @@ def _one_line(e: BaseException) -> str | None:
                         f"{_append_hint(e)}")
         return f"{key}: {msg}" if key else msg
     if isinstance(e, (HydraException, OverrideParseException)):
-        return " ".join(str(e).split())
+        text = " ".join(str(e).split())
+        if text.startswith("In 'local/") and "full_key: hydra.launcher." in text:
+            text += ("; SLURM site settings belong in hydra/launcher/slurm_site/default.yaml, "
+                     "which only SLURM sweeps read")
+        return text
     return None
+
+
+# Flags with which Hydra only prints (and runs no job)
+_PRINT_ONLY = {"-c", "--cfg", "-i", "--info", "-h", "--help", "--hydra-help", "--version", "-sc",
+               "--shell-completion"}
+
+# Hydra's bash completion knows `app ...` and `python script.py ...`, not `python -m expgpu ...`: this
+# one completes that, asking `python -m expgpu -sc query=bash` as Hydra's does, with the line as if
+# the `expgpu` script had been typed.
+_BASH_PYTHON_M = r"""export _HYDRA_OLD_COMP=$(complete -p python 2> /dev/null)
+_expgpu_python_m_completion()
+{
+    local words=($COMP_LINE)
+    if [ "${words[1]}" != "-m" ] || [ "${words[2]}" != "expgpu" ]; then
+        return
+    fi
+    local line="expgpu ${COMP_LINE#*-m expgpu}"
+    local choices=$(COMP_POINT=$COMP_POINT COMP_LINE="$line" ${words[0]} -m expgpu -sc query=bash)
+    COMPREPLY=($(compgen -o nospace -o default -W "$choices" -- "${words[$COMP_CWORD]}"))
+}
+COMP_WORDBREAKS=${COMP_WORDBREAKS//=}
+COMP_WORDBREAKS=$COMP_WORDBREAKS complete -o nospace -o default -F _expgpu_python_m_completion python python3
+"""
+
+
+def _completion_for_python_m(args: list[str]) -> bool:
+    """`python -m expgpu -sc install=bash`: print the script above (True), else leave it to Hydra."""
+    if not sys.argv[0].endswith("__main__.py"):
+        return False   # the `expgpu` script: Hydra's own completion knows it
+    for flag in ("-sc", "--shell-completion"):
+        if flag in args and args.index(flag) + 1 < len(args):
+            what = args[args.index(flag) + 1]
+            if what == "install=bash":
+                print(_BASH_PYTHON_M)
+                return True
+            if what == "uninstall=bash":
+                print("unset -f _expgpu_python_m_completion")
+                print(os.environ.get("_HYDRA_OLD_COMP", "complete -r python python3"))
+                print("unset _HYDRA_OLD_COMP")
+                return True
+    return False
 
 
 def _append_hint(e: BaseException) -> str:
@@ -89,6 +134,17 @@ def main() -> None:
 
     config.register()
     rundir.register()
+    args = sys.argv[1:]
+    if any(a in _PRINT_ONLY or a.split("=")[0] in _PRINT_ONLY for a in args):
+        rundir.claim = False
+    if any(a in ("-m", "--multirun") for a in args) and any(a in ("-c", "--cfg") for a in args):
+        # Hydra ends this in a ValueError traceback
+        print("expgpu: error: --cfg prints one config, not a sweep's: drop -m and give one job's overrides "
+              "(e.g. python -m expgpu --cfg job task=b); each job of a sweep is composed the same way",
+              file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    if _completion_for_python_m(args):
+        return
 
     @hydra.main(config_path=conf_dir(), config_name="config", version_base="1.3")
     def _run(cfg) -> dict | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -47,6 +48,15 @@ def _task_name(cfg: dict) -> str:
     return HydraConfig.get().runtime.choices.get("task") or "task"
 
 
+def _job_logging() -> dict | None:
+    """hydra.job_logging as this process applied it (None for hydra/job_logging=none)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    chosen = OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True)
+    return chosen or None
+
+
 def _write_plan(run_dir: Path, node, info: ranks.RankInfo, extra: dict | None = None) -> list[dict]:
     rows = placement.rows(node, info.node_rank)
     doc = {"host": socket.gethostname(), "strategy": node.strategy, "ranks": rows,
@@ -70,6 +80,14 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
                         "them: launch.nproc_per_node=1 under torchrun/srun/mpirun")
     local_ranks = nproc if nproc > 1 else info.local_world_size
 
+    earlier = None if plain["dry_run"] else _finished_earlier(run_dir, plain)
+    if earlier is not None:
+        if info.rank == 0:
+            print(f"expgpu: {run_dir} already holds this task's finished run ({earlier['steps']} steps); "
+                  "kept its result.json. checkpoint.resume=false trains it again from scratch, a larger "
+                  "task.max_steps trains on", file=sys.stderr, flush=True)
+        return earlier if info.rank == 0 else None
+
     if plain["dry_run"]:
         node = placement.compute(plain, local_ranks)
         if info.local_rank == 0:
@@ -88,6 +106,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     state = run_dir / ".expgpu"
     state.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(state / worker.CONFIG_FILE, json.dumps(plain).encode())
+    atomic_write_bytes(state / worker.LOGGING_FILE, json.dumps(_job_logging()).encode())
     multi_node = info.world_size > 1  # one supervisor per node (e.g. srun --ntasks-per-node=1)
     failure = spawn.run(nproc, run_dir, node_rank=info.rank, nnodes=info.world_size,
                         master_addr=info.master_addr if multi_node else "127.0.0.1",
@@ -99,6 +118,21 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     if info.rank == 0:
         return _finished(json.loads((run_dir / "result.json").read_text()), info, run_dir)
     return None
+
+
+def _finished_earlier(run_dir: Path, plain: dict) -> dict | None:
+    """The result of a finished run of the same task settings in this run dir (a rerun of a
+    finished job: a fixed hydra.run.dir or sweep dir, --experimental-rerun), else None."""
+    if not plain["checkpoint"]["resume"]:
+        return None
+    try:
+        result = json.loads((run_dir / "result.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(result, dict) or result.get("status") != "finished":
+        return None
+    same = json.dumps(result.get("task_config"), sort_keys=True) == json.dumps(plain["task"], sort_keys=True)
+    return result if same else None
 
 
 def _finished(result: dict | None, info: ranks.RankInfo, run_dir: Path) -> dict | None:

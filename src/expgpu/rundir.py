@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Mapping
 
 _chosen: dict[str, str] = {}
+# False when the command only prints (--cfg, --info, --help, shell completion): the name is still
+# resolved, but no directory is claimed, so printing a config creates nothing.
+claim = True
 
 
 def _stamp(t: float) -> tuple[str, str]:
@@ -44,6 +47,8 @@ def default_run_dir(root: str = "outputs", env: Mapping[str, str] | None = None,
         return f"{root}/{day}/{time}-torchrun{os.getppid()}"
     day, time = _stamp(now if now is not None else _dt.datetime.now().timestamp())
     base = Path(root) / day / time
+    if not claim:
+        return str(base)
     # Two runs started within the same second must not share a directory (and
     # resume each other's checkpoints): claim one with an atomic mkdir.
     for n in range(1000):

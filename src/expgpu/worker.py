@@ -84,7 +84,8 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
     if info.rank != 0:
         return None
     result = {
-        "status": status, "task": spec.name, "function": spec.target, "source": info.source,
+        "status": status, "task": spec.name, "function": spec.target, "task_config": cfg["task"],
+        "source": info.source,
         # One rank makes no process group: there is no backend to report.
         "world_size": info.world_size, "backend": backend if info.world_size > 1 else None,
         "strategy": node.strategy,
@@ -144,16 +145,36 @@ def _metrics(returned, target: str) -> dict:
     return out
 
 
+LOGGING_FILE = "logging.json"   # under RUN_DIR/.expgpu: hydra.job_logging, resolved, for spawned workers
+
+
 def setup_logging(run_dir: Path, rank: int) -> None:
-    fmt = logging.Formatter(f"[%(asctime)s][rank {rank}] %(message)s", "%H:%M:%S")
+    """The logging the user chose with hydra/job_logging (default, stdout, disabled, ...), as in the
+    process that spawned this one, with "[rank N]" before each message; also logs/rank<N>.log
+    (not under hydra/job_logging=disabled, which disables expgpu's logger itself)."""
+    import logging.config
+
+    make_record = logging.getLogRecordFactory()
+
+    def tagged(*args, **kwargs):
+        record = make_record(*args, **kwargs)
+        if isinstance(record.msg, str):
+            record.msg = f"[rank {rank}] {record.msg}"
+        return record
+
+    logging.setLogRecordFactory(tagged)
+    try:
+        chosen = json.loads((run_dir / ".expgpu" / LOGGING_FILE).read_text())
+    except (OSError, ValueError):
+        chosen = None   # hydra/job_logging=none, or a run dir of an older expgpu
     root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    stream = logging.StreamHandler(sys.stderr)
-    stream.setFormatter(fmt)
-    root.addHandler(stream)
+    if chosen:
+        logging.config.dictConfig(chosen)
+    else:
+        root.setLevel(logging.INFO)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     file = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
-    file.setFormatter(fmt)
+    file.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
     root.addHandler(file)
 
 

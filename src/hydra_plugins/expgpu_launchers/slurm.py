@@ -66,8 +66,9 @@ class ExpgpuLocalLauncher(_Expgpu, LocalLauncher):
     pass
 
 
-ConfigStore.instance().store(group="hydra/launcher", name="expgpu_slurm", node=ExpgpuSlurmConf,
-                             provider="expgpu")
+# Stored outside hydra/launcher (a root config, not a group option): it is conf/hydra/launcher/
+# slurm.yaml's schema, not a launcher a user would pick; as an option it was listed beside slurm.
+ConfigStore.instance().store(name="expgpu_slurm_launcher_schema", node=ExpgpuSlurmConf, provider="expgpu")
 # conf/hydra/launcher/submitit_local.yaml keeps hydra-submitit-launcher's schema (same name: Hydra
 # matches them) and only points _target_ at ExpgpuLocalLauncher. Hydra's warning about that matching
 # is silenced in expgpu.__main__: filters set here would not last (the plugin scan records warnings).
