@@ -9,7 +9,7 @@ import re
 import pytest
 
 from expgpu.errors import UserError
-from expgpu.ranks import RankInfo, detect, local, slurm
+from expgpu.ranks import RankInfo, detect, slurm
 
 
 def parse_env(text: str) -> dict[str, str]:
@@ -172,7 +172,6 @@ def test_well_formed(env, expected):
     got = detect(env)
     assert got == expected  # all fields, num_nodes included
     assert got.as_dict() == dataclasses.asdict(expected)
-    assert got.is_main == (expected.rank == 0)
 
 
 def test_rank_info_is_frozen_and_derives_num_nodes():
@@ -181,12 +180,6 @@ def test_rank_info_is_frozen_and_derives_num_nodes():
     assert set(r.as_dict()) == {f.name for f in dataclasses.fields(RankInfo)}
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.rank = 0
-
-
-def test_local_child_env_round_trips():
-    for rank in range(3):
-        want = info(rank, rank, 3, 3, 0, "127.0.0.1", 5555, "local")
-        assert detect(local.child_env(want)) == want
 
 
 # --- precedence -------------------------------------------------------------------------------

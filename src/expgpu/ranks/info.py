@@ -36,10 +36,6 @@ class RankInfo:
             object.__setattr__(self, "num_nodes", -(-self.world_size // self.local_world_size))
         check(dataclasses.asdict(self), {})
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
