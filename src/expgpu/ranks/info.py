@@ -28,6 +28,11 @@ class RankInfo:
     # 0 = derive as ceil(world_size / local_world_size), which assumes every node runs as many
     # processes as this one; sources that know better (SLURM_NNODES, GROUP_WORLD_SIZE) pass it.
     num_nodes: int = 0
+    # The global rank of each of this node's processes, by local rank: what the dry-run table and
+    # plan.json label a node's GPUs with. () = derive as rank - local_rank + 0 .. local_world_size - 1,
+    # right where a launcher numbers a node's processes contiguously (torchrun, expgpu's spawn, MPI's
+    # default); SLURM passes its own (SLURM_GTIDS), as cyclic and plane layouts interleave nodes.
+    ranks_on_node: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -35,6 +40,9 @@ class RankInfo:
         if self.num_nodes == 0 and self.local_world_size > 0:
             object.__setattr__(self, "num_nodes", -(-self.world_size // self.local_world_size))
         check(dataclasses.asdict(self), {})
+        if not self.ranks_on_node:
+            first = self.rank - self.local_rank
+            object.__setattr__(self, "ranks_on_node", tuple(range(first, first + self.local_world_size)))
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -51,7 +59,9 @@ def check(fields: Mapping[str, Any], names: Mapping[str, str]) -> None:
         return names.get(field, field)
 
     def fail(field: str, rule: str) -> None:
-        raise UserError(f"{name(field)}='{fields[field]}' {rule}")
+        value = fields[field]
+        shown = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else value
+        raise UserError(f"{name(field)}='{shown}' {rule}")
 
     for field in ("world_size", "local_world_size"):
         if fields[field] < 1:
@@ -70,6 +80,29 @@ def check(fields: Mapping[str, Any], names: Mapping[str, str]) -> None:
     port = fields["master_port"]
     if not 0 <= port <= 65535 or (port == 0 and fields["world_size"] > 1 and fields["source"] != "local"):
         fail("master_port", "must be a TCP port in 1..65535")
+    _check_ranks_on_node(fields, name, fail)
+
+
+def _check_ranks_on_node(fields: Mapping[str, Any], name, fail) -> None:
+    rank, local_rank, world, local_world = (fields[f] for f in ("rank", "local_rank", "world_size",
+                                                                 "local_world_size"))
+    given = tuple(fields.get("ranks_on_node") or ())
+    if not given:
+        # Derived contiguously: still, any launcher gives a node's lower local ranks lower global
+        # ranks, so local rank r needs r ranks below it and the node's later ones ranks above it.
+        if local_rank > rank:
+            fail("local_rank", f"must be <= {name('rank')}={rank}: local ranks below it need lower ranks")
+        if rank - local_rank + local_world > world:
+            fail("local_world_size", f"must be <= {world - rank + local_rank}: with {name('rank')}={rank} and "
+                                     f"{name('local_rank')}={local_rank} the node's later ranks would pass "
+                                     f"{name('world_size')}={world}")
+        return
+    if len(given) != local_world:
+        fail("ranks_on_node", f"lists {len(given)} ranks but this node has {name('local_world_size')}={local_world}")
+    if len(set(given)) != len(given) or not all(0 <= r < world for r in given):
+        fail("ranks_on_node", f"must list distinct ranks below {name('world_size')}={world}")
+    if given[local_rank] != rank:
+        fail("ranks_on_node", f"gives local rank {local_rank} the rank {given[local_rank]} but {name('rank')}={rank}")
 
 
 def build(source: str, names: Mapping[str, str], **fields: Any) -> RankInfo:

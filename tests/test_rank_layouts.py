@@ -1,0 +1,212 @@
+"""Where each rank sits, checked against what the launchers themselves write: srun steps (srun -E in
+a larger allocation, block / cyclic / plane, uneven counts), torchrun with different workers per
+node, the refusals, and the MASTER_PORT a SLURM job derives."""
+
+from __future__ import annotations
+
+import pytest
+
+from expgpu.errors import UserError
+from expgpu.ranks import RankInfo, detect, slurm
+
+
+def parse_env(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.split())
+
+
+@pytest.fixture(autouse=True)
+def linux_default_ephemeral_range(tmp_path, monkeypatch):
+    # The derived SLURM port is checked against this node's net.ipv4.ip_local_port_range: pin
+    # Linux's default so the tables below do not depend on the machine running them.
+    path = tmp_path / "ip_local_port_range"
+    path.write_text("32768\t60999\n")
+    monkeypatch.setattr(slurm, "EPHEMERAL_PORTS", path, raising=False)
+
+
+# --- what srun wrote on a real SLURM 22.05.8 with two nodes (slurm-local, multiple-slurmd mode) ----
+# All inside `sbatch -N2 -n5` (SLURM gave localhost 4 CPUs, vm 1), verbatim but for site variables
+# that say nothing about placement (SLURM_CONF, SLURM_SUBMIT_DIR, SLURM_TOPOLOGY_*, ports, pids, ...).
+
+# `srun -E -N1 -n2`, task 1: --preserve-env keeps the allocation's SLURM_NTASKS=5, SLURM_NNODES=2,
+# SLURM_TASKS_PER_NODE=4,1; only SLURM_STEP_* describe the 2-task step.
+SRUN_E = parse_env("""
+SLURMD_NODENAME=localhost SLURM_CPUS_ON_NODE=4 SLURM_DISTRIBUTION=block SLURM_GTIDS=0,1 SLURM_JOBID=1
+SLURM_JOB_CPUS_PER_NODE=4,1 SLURM_JOB_ID=1 SLURM_JOB_NAME=cap SLURM_JOB_NODELIST=localhost,vm
+SLURM_JOB_NUM_NODES=2 SLURM_LOCALID=1 SLURM_NNODES=2 SLURM_NODEID=0 SLURM_NODELIST=localhost,vm
+SLURM_NPROCS=5 SLURM_NTASKS=5 SLURM_PROCID=1 SLURM_STEPID=3 SLURM_STEP_ID=3 SLURM_STEP_NODELIST=localhost
+SLURM_STEP_NUM_NODES=1 SLURM_STEP_NUM_TASKS=2 SLURM_STEP_TASKS_PER_NODE=2 SLURM_TASKS_PER_NODE=4,1
+""")
+# `srun -m cyclic`, task 2 (node 0 runs tasks 0,2,3,4) and task 1 (node 1 runs task 1).
+CYCLIC_NODE0 = parse_env("""
+SLURMD_NODENAME=localhost SLURM_CPUS_ON_NODE=4 SLURM_DISTRIBUTION=cyclic SLURM_GTIDS=0,2,3,4 SLURM_JOBID=1
+SLURM_JOB_CPUS_PER_NODE=4,1 SLURM_JOB_ID=1 SLURM_JOB_NAME=cap SLURM_JOB_NODELIST=localhost,vm
+SLURM_JOB_NUM_NODES=2 SLURM_LOCALID=1 SLURM_NNODES=2 SLURM_NODEID=0 SLURM_NODELIST=localhost,vm
+SLURM_NPROCS=5 SLURM_NTASKS=5 SLURM_PROCID=2 SLURM_STEPID=1 SLURM_STEP_ID=1
+SLURM_STEP_NODELIST=localhost,vm SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=5
+SLURM_STEP_TASKS_PER_NODE=4,1 SLURM_TASKS_PER_NODE=4,1
+""")
+CYCLIC_NODE1 = parse_env("""
+SLURMD_NODENAME=vm SLURM_CPUS_ON_NODE=1 SLURM_DISTRIBUTION=cyclic SLURM_GTIDS=1 SLURM_JOBID=1
+SLURM_JOB_CPUS_PER_NODE=4,1 SLURM_JOB_ID=1 SLURM_JOB_NAME=cap SLURM_JOB_NODELIST=localhost,vm
+SLURM_JOB_NUM_NODES=2 SLURM_LOCALID=0 SLURM_NNODES=2 SLURM_NODEID=1 SLURM_NODELIST=localhost,vm
+SLURM_NPROCS=5 SLURM_NTASKS=5 SLURM_PROCID=1 SLURM_STEPID=1 SLURM_STEP_ID=1
+SLURM_STEP_NODELIST=localhost,vm SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=5
+SLURM_STEP_TASKS_PER_NODE=4,1 SLURM_TASKS_PER_NODE=4,1
+""")
+# `srun -m plane=2`, task 3: node 0 runs 0,1 then 3,4; node 1 runs 2.
+PLANE2_NODE0 = parse_env("""
+SLURMD_NODENAME=localhost SLURM_CPUS_ON_NODE=4 SLURM_DISTRIBUTION=plane SLURM_DIST_PLANESIZE=2
+SLURM_GTIDS=0,1,3,4 SLURM_JOBID=1 SLURM_JOB_CPUS_PER_NODE=4,1 SLURM_JOB_ID=1 SLURM_JOB_NAME=cap
+SLURM_JOB_NODELIST=localhost,vm SLURM_JOB_NUM_NODES=2 SLURM_LOCALID=2 SLURM_NNODES=2 SLURM_NODEID=0
+SLURM_NODELIST=localhost,vm SLURM_NPROCS=5 SLURM_NTASKS=5 SLURM_PROCID=3 SLURM_STEPID=2 SLURM_STEP_ID=2
+SLURM_STEP_NODELIST=localhost,vm SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=5
+SLURM_STEP_TASKS_PER_NODE=4,1 SLURM_TASKS_PER_NODE=4,1
+""")
+# plain `srun` (block), task 4: alone on node 1 of an uneven 4,1 step.
+BLOCK_NODE1 = parse_env("""
+SLURMD_NODENAME=vm SLURM_CPUS_ON_NODE=1 SLURM_DISTRIBUTION=block SLURM_GTIDS=4 SLURM_JOBID=1
+SLURM_JOB_CPUS_PER_NODE=4,1 SLURM_JOB_ID=1 SLURM_JOB_NAME=cap SLURM_JOB_NODELIST=localhost,vm
+SLURM_JOB_NUM_NODES=2 SLURM_LOCALID=0 SLURM_NNODES=2 SLURM_NODEID=1 SLURM_NODELIST=localhost,vm
+SLURM_NPROCS=5 SLURM_NTASKS=5 SLURM_PROCID=4 SLURM_STEPID=0 SLURM_STEP_ID=0
+SLURM_STEP_NODELIST=localhost,vm SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=5
+SLURM_STEP_TASKS_PER_NODE=4,1 SLURM_TASKS_PER_NODE=4,1
+""")
+# `srun -N2 -n3`, task 2: a 2,1 step.
+UNEVEN_2_1 = parse_env("""
+SLURMD_NODENAME=vm SLURM_CPUS_ON_NODE=1 SLURM_DISTRIBUTION=block SLURM_GTIDS=2 SLURM_JOBID=1
+SLURM_JOB_CPUS_PER_NODE=4,1 SLURM_JOB_ID=1 SLURM_JOB_NAME=cap SLURM_JOB_NODELIST=localhost,vm
+SLURM_JOB_NUM_NODES=2 SLURM_LOCALID=0 SLURM_NNODES=2 SLURM_NODEID=1 SLURM_NODELIST=localhost,vm
+SLURM_NPROCS=3 SLURM_NTASKS=3 SLURM_PROCID=2 SLURM_STEPID=5 SLURM_STEP_ID=5
+SLURM_STEP_NODELIST=localhost,vm SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=3
+SLURM_STEP_TASKS_PER_NODE=2,1 SLURM_TASKS_PER_NODE=2,1
+""")
+
+JOB1_PORT = 15001  # 15000 + SLURM_JOB_ID 1
+
+
+def slurm_info(rank, local_rank, world, local_world, node, num_nodes, ranks_on_node, addr="localhost"):
+    return RankInfo(rank, local_rank, world, local_world, node, addr, JOB1_PORT, "slurm", num_nodes,
+                    ranks_on_node)
+
+
+REAL_STEPS = {
+    "srun -E, 2-task step in a 5-task allocation": (SRUN_E, slurm_info(1, 1, 2, 2, 0, 1, (0, 1))),
+    "cyclic, node 0": (CYCLIC_NODE0, slurm_info(2, 1, 5, 4, 0, 2, (0, 2, 3, 4))),
+    "cyclic, node 1": (CYCLIC_NODE1, slurm_info(1, 0, 5, 1, 1, 2, (1,))),
+    "plane=2, node 0": (PLANE2_NODE0, slurm_info(3, 2, 5, 4, 0, 2, (0, 1, 3, 4))),
+    "block 4,1, node 1": (BLOCK_NODE1, slurm_info(4, 0, 5, 1, 1, 2, (4,))),
+    "block 2,1, node 1": (UNEVEN_2_1, slurm_info(2, 0, 3, 1, 1, 2, (2,))),
+}
+
+
+@pytest.mark.parametrize("env, expected", REAL_STEPS.values(), ids=REAL_STEPS.keys())
+def test_real_srun_steps(env, expected):
+    assert detect(env) == expected
+
+
+@pytest.mark.parametrize("env, expected", REAL_STEPS.values(), ids=REAL_STEPS.keys())
+def test_layout_without_slurm_gtids_is_the_one_slurmstepd_wrote(env, expected):
+    # A site may strip SLURM_GTIDS (some third-party codes trip on it): SLURM_DISTRIBUTION over the
+    # step's task counts must give the same ranks.
+    stripped = {k: v for k, v in env.items() if k != "SLURM_GTIDS"}
+    assert detect(stripped) == expected
+
+
+def test_srun_e_no_longer_waits_for_the_allocations_world():
+    # The issue's case: `sbatch -n8`, then `srun -E -n2`: SLURM_NTASKS stays 8.
+    env = {**SRUN_E, "SLURM_NTASKS": "8", "SLURM_NPROCS": "8", "SLURM_NNODES": "1", "SLURM_TASKS_PER_NODE": "8",
+           "SLURM_JOB_NODELIST": "localhost", "SLURM_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1"}
+    got = detect(env)
+    assert (got.world_size, got.local_world_size, got.ranks_on_node) == (2, 2, (0, 1))
+
+
+def test_step_on_part_of_the_nodes_under_srun_e():
+    # `sbatch -N4 --ntasks-per-node=2`, then `srun -E -N2 -n3 -r2` on nodes 3 and 4 (block: 2,1).
+    env = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "77", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
+           "SLURM_NODEID": "1", "SLURM_GTIDS": "2", "SLURM_NTASKS": "8", "SLURM_NNODES": "4",
+           "SLURM_TASKS_PER_NODE": "2(x4)", "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_STEP_NUM_TASKS": "3",
+           "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_STEP_NODELIST": "n[3-4]"}
+    assert detect(env) == RankInfo(2, 0, 3, 1, 1, "n3", 15077, "slurm", 2, (2,))
+
+
+# --- srun(1)'s own example, SLURM_TASKS_PER_NODE=2(x3),1: every task of both layouts ------------
+
+TASKS_2X3_1 = {  # node -> ranks, as slurmstepd writes SLURM_GTIDS
+    "block": [(0, 1), (2, 3), (4, 5), (6,)],
+    "cyclic": [(0, 4), (1, 5), (2, 6), (3,)],
+    "plane=2": [(0, 1), (2, 3), (4, 5), (6,)],  # 2 per turn, then each node is full
+}
+
+
+def uneven_env(distribution: str, node: int, local: int, gtids: tuple[int, ...], with_gtids: bool) -> dict:
+    method, _, size = distribution.partition("=")
+    env = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "123456", "SLURM_PROCID": str(gtids[local]),
+           "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node), "SLURM_STEP_NUM_TASKS": "7",
+           "SLURM_STEP_NUM_NODES": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x3),1",
+           "SLURM_STEP_NODELIST": "gpu-[001-003,010]", "SLURM_DISTRIBUTION": method}
+    if size:
+        env["SLURM_DIST_PLANESIZE"] = size
+    if with_gtids:
+        env["SLURM_GTIDS"] = ",".join(map(str, gtids))
+    return env
+
+
+@pytest.mark.parametrize("with_gtids", [True, False], ids=["SLURM_GTIDS", "layout"])
+@pytest.mark.parametrize("distribution", TASKS_2X3_1)
+def test_uneven_2x3_1_every_task(distribution, with_gtids):
+    seen = []
+    for node, gtids in enumerate(TASKS_2X3_1[distribution]):
+        for local in range(len(gtids)):
+            got = detect(uneven_env(distribution, node, local, gtids, with_gtids))
+            assert (got.node_rank, got.local_rank, got.local_world_size) == (node, local, len(gtids))
+            assert got.ranks_on_node == gtids and got.world_size == 7 and got.num_nodes == 4
+            assert got.master_addr == "gpu-001"  # task 0's node in every layout
+            seen.append(got.rank)
+    assert sorted(seen) == list(range(7))
+
+
+@pytest.mark.parametrize("counts, chunk, expected", [
+    ([3, 2], 1, [(0, 2, 4), (1, 3)]),
+    ([3, 2], 3, [(0, 1, 2), (3, 4)]),
+    ([4, 1], 1, [(0, 2, 3, 4), (1,)]),
+    ([4, 4], 3, [(0, 1, 2, 6), (3, 4, 5, 7)]),    # srun's plane layout with plane_size=3
+    ([1, 1, 1], 1, [(0,), (1,), (2,)]),
+])
+def test_dealt(counts, chunk, expected):
+    assert slurm.dealt(counts, chunk) == expected
+
+
+# --- SLURM refusals: one line naming the variable -----------------------------------------------
+
+SLURM_REFUSALS = {
+    "gtids not a list": (CYCLIC_NODE0, {"SLURM_GTIDS": "0,,2"}, "SLURM_GTIDS='0,,2' must be the comma-separated"),
+    "gtids disagree with procid": (
+        CYCLIC_NODE0, {"SLURM_GTIDS": "0,1,3,4"}, "SLURM_GTIDS='0,1,3,4' gives local rank 1 the rank 1 but SLURM_PROCID=2"),
+    "gtids too short": (
+        CYCLIC_NODE0, {"SLURM_GTIDS": "0,2"}, "SLURM_GTIDS='0,2' lists 2 ranks but this node has SLURM_STEP_TASKS_PER_NODE"),
+    "gtids beyond the step": (
+        CYCLIC_NODE0, {"SLURM_GTIDS": "0,2,3,9"}, "SLURM_GTIDS='0,2,3,9' must list distinct ranks below "
+                                                   "SLURM_STEP_NUM_TASKS=5"),
+    "arbitrary layout, no gtids": (
+        CYCLIC_NODE0, {"SLURM_GTIDS": None, "SLURM_DISTRIBUTION": "arbitrary"},
+        "SLURM_GTIDS is not set, and SLURM_DISTRIBUTION='arbitrary' does not say"),
+    "plane without its size": (
+        PLANE2_NODE0, {"SLURM_GTIDS": None, "SLURM_DIST_PLANESIZE": None}, "SLURM_DIST_PLANESIZE is not set"),
+    "step tasks vs step counts": (
+        SRUN_E, {"SLURM_STEP_NUM_TASKS": "3"},
+        "SLURM_STEP_TASKS_PER_NODE='2' sums to 2 tasks but SLURM_STEP_NUM_TASKS=3"),
+    "step nodes vs step host list": (
+        SRUN_E, {"SLURM_STEP_NODELIST": "localhost,vm"},
+        "SLURM_STEP_NODELIST='localhost,vm' lists 2 hosts but SLURM_STEP_NUM_NODES=1"),
+    "step localid on its node": (
+        SRUN_E, {"SLURM_LOCALID": "2", "SLURM_GTIDS": None},
+        "SLURM_LOCALID='2' must be < 2, the tasks of node 0 in SLURM_STEP_TASKS_PER_NODE='2'"),
+}
+
+
+@pytest.mark.parametrize("base, changes, message", SLURM_REFUSALS.values(), ids=SLURM_REFUSALS.keys())
+def test_slurm_refusals_name_the_variable(base, changes, message):
+    env = {k: v for k, v in {**base, **changes}.items() if v is not None}
+    with pytest.raises(UserError) as caught:
+        detect(env)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
