@@ -8,7 +8,8 @@ import pytest
 
 from expgpu.errors import UserError
 from expgpu.ranks import RankInfo, detect, slurm
-from launcher_envs import BLOCK_NODE1, CYCLIC_NODE0, CYCLIC_NODE1, PLANE2_NODE0, SRUN_E, UNEVEN_2_1
+from launcher_envs import (BLOCK_NODE1, CYCLIC_NODE0, CYCLIC_NODE1, PLANE2_NODE0, SRUN_E, TORCHRUN_2_PLUS_1_NODE0,
+                           TORCHRUN_2_PLUS_1_NODE1, UNEVEN_2_1)
 
 
 @pytest.fixture(autouse=True)
@@ -120,9 +121,11 @@ def test_dealt(counts, chunk, expected):
 SLURM_REFUSALS = {
     "gtids not a list": (CYCLIC_NODE0, {"SLURM_GTIDS": "0,,2"}, "SLURM_GTIDS='0,,2' must be the comma-separated"),
     "gtids disagree with procid": (
-        CYCLIC_NODE0, {"SLURM_GTIDS": "0,1,3,4"}, "SLURM_GTIDS='0,1,3,4' gives local rank 1 the rank 1 but SLURM_PROCID=2"),
+        CYCLIC_NODE0, {"SLURM_GTIDS": "0,1,3,4"},
+        "SLURM_GTIDS='0,1,3,4' gives local rank 1 the rank 1 but SLURM_PROCID=2"),
     "gtids too short": (
-        CYCLIC_NODE0, {"SLURM_GTIDS": "0,2"}, "SLURM_GTIDS='0,2' lists 2 ranks but this node has SLURM_STEP_TASKS_PER_NODE"),
+        CYCLIC_NODE0, {"SLURM_GTIDS": "0,2"},
+        "SLURM_GTIDS='0,2' lists 2 ranks but this node has SLURM_STEP_TASKS_PER_NODE"),
     "gtids beyond the step": (
         CYCLIC_NODE0, {"SLURM_GTIDS": "0,2,3,9"}, "SLURM_GTIDS='0,2,3,9' must list distinct ranks below "
                                                    "SLURM_STEP_NUM_TASKS=5"),
@@ -149,3 +152,20 @@ def test_slurm_refusals_name_the_variable(base, changes, message):
     with pytest.raises(UserError) as caught:
         detect(env)
     assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+# --- torchrun with different workers per node ------------------------------------------------------
+
+def test_torchrun_2_plus_1_workers():
+    # torch gives each agent a contiguous block of ranks; node 1's single worker is rank 2, not 1.
+    node0, node1 = detect(TORCHRUN_2_PLUS_1_NODE0), detect(TORCHRUN_2_PLUS_1_NODE1)
+    assert node0 == RankInfo(1, 1, 3, 2, 0, "127.0.0.1", 29731, "torchrun", 2, (0, 1))
+    assert node1 == RankInfo(2, 0, 3, 1, 1, "127.0.0.1", 29731, "torchrun", 2, (2,))
+
+
+def test_torchrun_virtual_local_rank_is_not_refused():
+    # torchrun --virtual-local-rank: every worker gets LOCAL_RANK=0 (and its own GPU as device 0).
+    # Its node's other ranks cannot be known; the run must still resolve.
+    env = {**TORCHRUN_2_PLUS_1_NODE0, "LOCAL_RANK": "0", "RANK": "2", "WORLD_SIZE": "3"}
+    got = detect(env)
+    assert (got.rank, got.local_rank, got.ranks_on_node) == (2, 0, ())

@@ -95,7 +95,7 @@ def shared(cfg: dict, info: RankInfo, run_dir: Path, timeout_s: float,
     return NodePlan.from_dict(json.loads(text))
 
 
-def node_ranks(info: RankInfo, nproc: int) -> tuple[int, ...]:
+def node_ranks(info: RankInfo, nproc: int) -> tuple[int | None, ...]:
     """The global rank of each of the ``nproc`` processes this node's plan is for, by local rank.
 
     A launcher's own processes (nproc == info.local_world_size): what it placed here, which with
@@ -104,11 +104,11 @@ def node_ranks(info: RankInfo, nproc: int) -> tuple[int, ...]:
     them from this process's rank, one block of nproc per launcher task.
     """
     if nproc == info.local_world_size:
-        return info.ranks_on_node
+        return info.ranks_on_node or (None,) * nproc  # None: the launcher does not say (shown as ?)
     return tuple(range(info.rank * nproc, (info.rank + 1) * nproc))
 
 
-def rows(node: NodePlan, ranks: Sequence[int], host: str | None = None) -> list[dict]:
+def rows(node: NodePlan, ranks: Sequence[int | None], host: str | None = None) -> list[dict]:
     """One row per local rank, labelled with ``ranks[local_rank]``: what the dry-run table shows
     and plan.json stores."""
     host = host or socket.gethostname()
@@ -131,7 +131,8 @@ def table(plan_rows: list[dict], strategy: str) -> str:
     lines = [header]
     for r in plan_rows:
         fmt = lambda xs, f=str: ",".join(f(x) for x in xs) or "-"  # noqa: E731
-        lines.append((str(r["rank"]), r["host"], str(r["local_rank"]), fmt(r["gpus"]) if r["gpus"] else "cpu",
+        rank = "?" if r["rank"] is None else str(r["rank"])
+        lines.append((rank, r["host"], str(r["local_rank"]), fmt(r["gpus"]) if r["gpus"] else "cpu",
                       fmt(r["names"]), fmt(r["memory_mb"], lambda m: f"{m / 1024:.0f} GiB"),
                       fmt(r["scores"], lambda s: "-" if s is None else f"{s:.4g}")))
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]

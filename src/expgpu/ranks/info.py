@@ -29,9 +29,11 @@ class RankInfo:
     # processes as this one; sources that know better (SLURM_NNODES, GROUP_WORLD_SIZE) pass it.
     num_nodes: int = 0
     # The global rank of each of this node's processes, by local rank: what the dry-run table and
-    # plan.json label a node's GPUs with. () = derive as rank - local_rank + 0 .. local_world_size - 1,
-    # right where a launcher numbers a node's processes contiguously (torchrun, expgpu's spawn, MPI's
-    # default); SLURM passes its own (SLURM_GTIDS), as cyclic and plane layouts interleave nodes.
+    # plan.json label a node's GPUs with. Not passed: derived as rank - local_rank + 0 .. local_world_size
+    # - 1, right where a launcher numbers a node's processes contiguously (torchrun, expgpu's spawn,
+    # MPI's default); SLURM passes its own (SLURM_GTIDS), as cyclic and plane layouts interleave nodes.
+    # Stays () = unknown where that block does not fit the world (torchrun --virtual-local-rank gives
+    # every worker LOCAL_RANK=0).
     ranks_on_node: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -40,8 +42,8 @@ class RankInfo:
         if self.num_nodes == 0 and self.local_world_size > 0:
             object.__setattr__(self, "num_nodes", -(-self.world_size // self.local_world_size))
         check(dataclasses.asdict(self), {})
-        if not self.ranks_on_node:
-            first = self.rank - self.local_rank
+        first = self.rank - self.local_rank
+        if not self.ranks_on_node and first >= 0 and first + self.local_world_size <= self.world_size:
             object.__setattr__(self, "ranks_on_node", tuple(range(first, first + self.local_world_size)))
 
     def as_dict(self) -> dict[str, Any]:
@@ -84,21 +86,13 @@ def check(fields: Mapping[str, Any], names: Mapping[str, str]) -> None:
 
 
 def _check_ranks_on_node(fields: Mapping[str, Any], name, fail) -> None:
-    rank, local_rank, world, local_world = (fields[f] for f in ("rank", "local_rank", "world_size",
-                                                                 "local_world_size"))
     given = tuple(fields.get("ranks_on_node") or ())
     if not given:
-        # Derived contiguously: still, any launcher gives a node's lower local ranks lower global
-        # ranks, so local rank r needs r ranks below it and the node's later ones ranks above it.
-        if local_rank > rank:
-            fail("local_rank", f"must be <= {name('rank')}={rank}: local ranks below it need lower ranks")
-        if rank - local_rank + local_world > world:
-            fail("local_world_size", f"must be <= {world - rank + local_rank}: with {name('rank')}={rank} and "
-                                     f"{name('local_rank')}={local_rank} the node's later ranks would pass "
-                                     f"{name('world_size')}={world}")
         return
-    if len(given) != local_world:
-        fail("ranks_on_node", f"lists {len(given)} ranks but this node has {name('local_world_size')}={local_world}")
+    rank, local_rank, world = fields["rank"], fields["local_rank"], fields["world_size"]
+    if len(given) != fields["local_world_size"]:
+        fail("ranks_on_node", f"lists {len(given)} ranks but this node has "
+                              f"{name('local_world_size')}={fields['local_world_size']}")
     if len(set(given)) != len(given) or not all(0 <= r < world for r in given):
         fail("ranks_on_node", f"must list distinct ranks below {name('world_size')}={world}")
     if given[local_rank] != rank:
