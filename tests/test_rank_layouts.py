@@ -8,6 +8,7 @@ import pytest
 
 from expgpu.errors import UserError
 from expgpu.ranks import RankInfo, detect, slurm
+from conftest import clean_env, expgpu
 from launcher_envs import (BLOCK_NODE1, CYCLIC_NODE0, CYCLIC_NODE1, PLANE2_NODE0, SRUN_E, TORCHRUN_2_PLUS_1_NODE0,
                            TORCHRUN_2_PLUS_1_NODE1, UNEVEN_2_1)
 
@@ -154,7 +155,7 @@ def test_slurm_refusals_name_the_variable(base, changes, message):
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
-# --- torchrun with different workers per node ------------------------------------------------------
+# --- torchrun with different workers per node, and env:// launches without a rendezvous -----------
 
 def test_torchrun_2_plus_1_workers():
     # torch gives each agent a contiguous block of ranks; node 1's single worker is rank 2, not 1.
@@ -169,3 +170,34 @@ def test_torchrun_virtual_local_rank_is_not_refused():
     env = {**TORCHRUN_2_PLUS_1_NODE0, "LOCAL_RANK": "0", "RANK": "2", "WORLD_SIZE": "3"}
     got = detect(env)
     assert (got.rank, got.local_rank, got.ranks_on_node) == (2, 0, ())
+
+
+ENV_REFUSALS = {
+    # the issue's case: a world of 2 that would run as a world of one
+    "RANK=1 WORLD_SIZE=2, no MASTER_ADDR": (
+        {"RANK": "1", "WORLD_SIZE": "2"}, "environment variable MASTER_ADDR is not set, and WORLD_SIZE=2 needs"),
+    "WORLD_SIZE=4 alone": ({"WORLD_SIZE": "4", "MASTER_ADDR": "h"}, "environment variable RANK is not set"),
+    "torchrun without MASTER_ADDR": (
+        {k: v for k, v in TORCHRUN_2_PLUS_1_NODE1.items() if k != "MASTER_ADDR"},
+        "MASTER_ADDR is not set, and WORLD_SIZE=3"),
+    "RANK beyond a world of one": ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK='1' must be < WORLD_SIZE=1"),
+}
+
+
+@pytest.mark.parametrize("env, message", ENV_REFUSALS.values(), ids=ENV_REFUSALS.keys())
+def test_a_world_without_a_rendezvous_is_refused(env, message):
+    with pytest.raises(UserError) as caught:
+        detect(env)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_world_of_one_needs_no_address():
+    assert detect({"RANK": "0", "WORLD_SIZE": "1"}) == RankInfo(0, 0, 1, 1, 0, "127.0.0.1", 29500, "torchrun", 1)
+
+
+def test_cli_refuses_a_world_without_master_addr_in_one_line(tmp_path):
+    run = expgpu(["task=a"], tmp_path / "run", env=clean_env(RANK="1", WORLD_SIZE="2"), timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("expgpu: error:")]
+    assert len(errors) == 1 and "MASTER_ADDR is not set" in errors[0], run.stderr
+    assert not (tmp_path / "run" / "result.json").exists()
