@@ -6,6 +6,20 @@ placement (SLURM_CONF, SLURM_SUBMIT_DIR, SLURM_TOPOLOGY_*, launcher ports, pids,
 
 from __future__ import annotations
 
+import pytest
+
+from expgpu.ranks import slurm
+
+
+@pytest.fixture
+def linux_default_ports(tmp_path, monkeypatch):
+    """A SLURM job's derived MASTER_PORT is checked against the node's net.ipv4.ip_local_port_range:
+    pin Linux's default, so that tables of expected ports do not depend on the machine running them."""
+    path = tmp_path / "ip_local_port_range"
+    path.write_text("32768\t60999\n")
+    monkeypatch.setattr(slurm, "EPHEMERAL_PORTS", path)
+    return path
+
 
 def parse_env(text: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in text.split())

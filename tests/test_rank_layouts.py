@@ -5,21 +5,15 @@ node, the refusals, and the MASTER_PORT a SLURM job derives."""
 from __future__ import annotations
 
 import pytest
-
-from expgpu.errors import UserError
-from expgpu.ranks import RankInfo, detect, slurm
 from conftest import clean_env, expgpu
+from launcher_envs import linux_default_ports  # noqa: F401
 from launcher_envs import (BLOCK_NODE1, CYCLIC_NODE0, CYCLIC_NODE1, PLANE2_NODE0, SRUN_E, TORCHRUN_2_PLUS_1_NODE0,
                            TORCHRUN_2_PLUS_1_NODE1, UNEVEN_2_1)
 
+from expgpu.errors import UserError
+from expgpu.ranks import RankInfo, detect, slurm
 
-@pytest.fixture(autouse=True)
-def linux_default_ephemeral_range(tmp_path, monkeypatch):
-    # The derived SLURM port is checked against this node's net.ipv4.ip_local_port_range: pin
-    # Linux's default so the tables below do not depend on the machine running them.
-    path = tmp_path / "ip_local_port_range"
-    path.write_text("32768\t60999\n")
-    monkeypatch.setattr(slurm, "EPHEMERAL_PORTS", path, raising=False)
+pytestmark = pytest.mark.usefixtures("linux_default_ports")
 
 
 JOB1_PORT = 15001  # 15000 + SLURM_JOB_ID 1
@@ -201,3 +195,31 @@ def test_cli_refuses_a_world_without_master_addr_in_one_line(tmp_path):
     errors = [line for line in run.stderr.splitlines() if line.startswith("expgpu: error:")]
     assert len(errors) == 1 and "MASTER_ADDR is not set" in errors[0], run.stderr
     assert not (tmp_path / "run" / "result.json").exists()
+
+
+# --- MASTER_PORT a SLURM job derives: below Linux's ephemeral range ------------------------------
+
+def test_derived_port_is_never_in_linuxs_default_ephemeral_range():
+    # 15000 + job id % 20000 put about 11 % of job ids into 32768-60999, where an outgoing connection
+    # can hold the port; e.g. job 19999 got 34999.
+    ports = {slurm.default_port({"SLURM_JOB_ID": str(job)}, 2) for job in range(100_000, 100_000 + 17768)}
+    assert min(ports) == 15000 and max(ports) == 32767
+    assert slurm.default_port({"SLURM_JOB_ID": "19999"}, 2) == 15000 + 19999 - 17768
+
+
+def test_a_node_whose_ephemeral_range_covers_the_port_is_refused(linux_default_ports):
+    linux_default_ports.write_text("15000 65000\n")   # a widened ip_local_port_range
+    with pytest.raises(UserError) as caught:
+        detect(SRUN_E)
+    assert str(caught.value).startswith("MASTER_PORT is not set, and the port derived from SLURM_JOB_ID=1 "
+                                        "(15001) is in this node's ephemeral range 15000-65000")
+    assert detect({**SRUN_E, "MASTER_PORT": "12000"}).master_port == 12000   # the user's port is kept
+    one_task = {**SRUN_E, "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_GTIDS": "0",
+                "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    assert detect(one_task).world_size == 1   # no process group, no port to guard
+
+
+def test_an_unreadable_ephemeral_range_means_linuxs_default(linux_default_ports):
+    linux_default_ports.unlink()
+    assert slurm.ephemeral_ports(linux_default_ports) == (32768, 60999)
+    assert detect(SRUN_E).master_port == 15001

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from pathlib import Path
 
 import hostlist
 
@@ -41,6 +42,13 @@ STEP_VARIABLES = {
     "tasks_per_node": ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
     "hosts": ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"),
 }
+# MASTER_PORT when the user set none: PORT_BASE + SLURM_JOB_ID % PORT_SPAN, 15000..32767. Linux
+# hands out outgoing connections' ports from net.ipv4.ip_local_port_range, 32768-60999 by default,
+# so a port below it cannot be taken by one while the job starts.
+PORT_BASE, PORT_SPAN = 15000, 32768 - 15000
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+DEFAULT_EPHEMERAL = (32768, 60999)
+
 
 def in_srun_step(env: Mapping[str, str]) -> bool:
     for name in ("SLURM_STEP_ID", "SLURM_STEPID"):
@@ -178,9 +186,29 @@ def dealt(counts: list[int], chunk: int) -> list[tuple[int, ...]]:
 
 
 def default_port(env: Mapping[str, str], world_size: int) -> int:
-    """A port every task of the job computes alike without talking: 15000 + SLURM_JOB_ID % 20000.
+    """A port every task of the job computes alike without talking: 15000 + SLURM_JOB_ID % 17768.
 
-    Lightning derives its port from the job id the same way. Array tasks have their own
-    SLURM_JOB_ID, so they differ; two steps running at once in one job collide, and need MASTER_PORT.
+    Lightning's SLURM default is alike (15000 + the job id's last 4 digits). Array tasks have their
+    own SLURM_JOB_ID, so they differ; two steps running at once in one job collide, and need
+    MASTER_PORT. A node whose ephemeral range covers the port (a widened ip_local_port_range) is
+    refused in one line rather than risk an outgoing connection holding the port.
     """
-    return 15000 + env_int(env, "SLURM_JOB_ID") % 20000
+    job_id = env_int(env, "SLURM_JOB_ID")
+    port = PORT_BASE + job_id % PORT_SPAN
+    low, high = ephemeral_ports(EPHEMERAL_PORTS)
+    if world_size > 1 and low <= port <= high:
+        raise UserError(
+            f"MASTER_PORT is not set, and the port derived from SLURM_JOB_ID={job_id} ({port}) is in this "
+            f"node's ephemeral range {low}-{high} (net.ipv4.ip_local_port_range), where outgoing "
+            "connections may hold it: export MASTER_PORT=<a free port outside that range> in the job script"
+        )
+    return port
+
+
+def ephemeral_ports(path: Path) -> tuple[int, int]:
+    """This node's net.ipv4.ip_local_port_range; Linux's default where it cannot be read."""
+    try:
+        low, high = (int(p) for p in path.read_text().split())
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL
+    return low, high
