@@ -29,11 +29,11 @@ class RankInfo:
     # processes as this one; sources that know better (SLURM_NNODES, GROUP_WORLD_SIZE) pass it.
     num_nodes: int = 0
     # The global rank of each of this node's processes, by local rank: what the dry-run table and
-    # plan.json label a node's GPUs with. Not passed: derived as rank - local_rank + 0 .. local_world_size
-    # - 1, right where a launcher numbers a node's processes contiguously (torchrun, expgpu's spawn,
-    # MPI's default); SLURM passes its own (SLURM_GTIDS), as cyclic and plane layouts interleave nodes.
-    # Stays () = unknown where that block does not fit the world (torchrun --virtual-local-rank gives
-    # every worker LOCAL_RANK=0).
+    # plan.json label a node's GPUs with. SLURM passes its own (SLURM_GTIDS): cyclic and plane layouts
+    # interleave nodes. Not passed: rank - local_rank + (0 .. local_world_size - 1), right where a
+    # launcher numbers a node's processes contiguously (torchrun, expgpu's spawn, mpirun's default);
+    # stays () = unknown where that block does not fit in the world (torchrun --virtual-local-rank
+    # gives every worker LOCAL_RANK=0).
     ranks_on_node: tuple[int, ...] = ()
 
     def __post_init__(self):
