@@ -58,7 +58,7 @@ def _job_logging() -> dict | None:
 
 
 def _write_plan(run_dir: Path, node, info: ranks.RankInfo, extra: dict | None = None) -> list[dict]:
-    rows = placement.rows(node, info.node_rank)
+    rows = placement.rows(node, placement.node_ranks(info, len(node.assignments)))
     doc = {"host": socket.gethostname(), "strategy": node.strategy, "ranks": rows,
            "node": node.to_dict(), **(extra or {})}
     run_dir.mkdir(parents=True, exist_ok=True)

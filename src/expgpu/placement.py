@@ -13,7 +13,7 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from expgpu.checkpoint import atomic_write_bytes, wait_for_file
 from expgpu.gpus import NodePlan, inventory, plan
@@ -95,14 +95,29 @@ def shared(cfg: dict, info: RankInfo, run_dir: Path, timeout_s: float,
     return NodePlan.from_dict(json.loads(text))
 
 
-def rows(node: NodePlan, node_rank: int, host: str | None = None) -> list[dict]:
-    """One row per local rank: what the dry-run table shows and plan.json stores."""
+def node_ranks(info: RankInfo, nproc: int) -> tuple[int | None, ...]:
+    """The global rank of each of the ``nproc`` processes this node's plan is for, by local rank.
+
+    A launcher's own processes (nproc == info.local_world_size): what it placed here, which with
+    SLURM's cyclic or uneven layouts, or torchrun's different workers per node, is not
+    node_rank * nproc + local_rank. Workers expgpu spawns under this process: spawn numbers
+    them from this process's rank, one block of nproc per launcher task.
+    """
+    if nproc == info.local_world_size:
+        return info.ranks_on_node or (None,) * nproc  # None: the launcher does not say (shown as ?)
+    return tuple(range(info.rank * nproc, (info.rank + 1) * nproc))
+
+
+def rows(node: NodePlan, ranks: Sequence[int | None], host: str | None = None) -> list[dict]:
+    """One row per local rank, labelled with ``ranks[local_rank]``: what the dry-run table shows
+    and plan.json stores."""
     host = host or socket.gethostname()
-    n = len(node.assignments)
+    if len(ranks) != len(node.assignments):
+        raise ValueError(f"{len(ranks)} rank labels for a plan of {len(node.assignments)} local ranks")
     out = []
     for local_rank, gpus in enumerate(node.assignments):
         out.append({
-            "rank": node_rank * n + local_rank, "host": host, "local_rank": local_rank,
+            "rank": ranks[local_rank], "host": host, "local_rank": local_rank,
             "gpus": [g.index for g in gpus], "names": [g.name for g in gpus],
             "memory_mb": [g.memory_total_mb for g in gpus],
             "scores": [node.scores.get(g.index) for g in gpus],
@@ -116,7 +131,8 @@ def table(plan_rows: list[dict], strategy: str) -> str:
     lines = [header]
     for r in plan_rows:
         fmt = lambda xs, f=str: ",".join(f(x) for x in xs) or "-"  # noqa: E731
-        lines.append((str(r["rank"]), r["host"], str(r["local_rank"]), fmt(r["gpus"]) if r["gpus"] else "cpu",
+        rank = "?" if r["rank"] is None else str(r["rank"])
+        lines.append((rank, r["host"], str(r["local_rank"]), fmt(r["gpus"]) if r["gpus"] else "cpu",
                       fmt(r["names"]), fmt(r["memory_mb"], lambda m: f"{m / 1024:.0f} GiB"),
                       fmt(r["scores"], lambda s: "-" if s is None else f"{s:.4g}")))
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]

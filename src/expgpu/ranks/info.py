@@ -28,6 +28,13 @@ class RankInfo:
     # 0 = derive as ceil(world_size / local_world_size), which assumes every node runs as many
     # processes as this one; sources that know better (SLURM_NNODES, GROUP_WORLD_SIZE) pass it.
     num_nodes: int = 0
+    # The global rank of each of this node's processes, by local rank: what the dry-run table and
+    # plan.json label a node's GPUs with. SLURM passes its own (SLURM_GTIDS): cyclic and plane layouts
+    # interleave nodes. Not passed: rank - local_rank + (0 .. local_world_size - 1), right where a
+    # launcher numbers a node's processes contiguously (torchrun, expgpu's spawn, mpirun's default);
+    # stays () = unknown where that block does not fit in the world (torchrun --virtual-local-rank
+    # gives every worker LOCAL_RANK=0).
+    ranks_on_node: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -35,10 +42,9 @@ class RankInfo:
         if self.num_nodes == 0 and self.local_world_size > 0:
             object.__setattr__(self, "num_nodes", -(-self.world_size // self.local_world_size))
         check(dataclasses.asdict(self), {})
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+        first = self.rank - self.local_rank
+        if not self.ranks_on_node and first >= 0 and first + self.local_world_size <= self.world_size:
+            object.__setattr__(self, "ranks_on_node", tuple(range(first, first + self.local_world_size)))
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -55,7 +61,9 @@ def check(fields: Mapping[str, Any], names: Mapping[str, str]) -> None:
         return names.get(field, field)
 
     def fail(field: str, rule: str) -> None:
-        raise UserError(f"{name(field)}='{fields[field]}' {rule}")
+        value = fields[field]
+        shown = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else value
+        raise UserError(f"{name(field)}='{shown}' {rule}")
 
     for field in ("world_size", "local_world_size"):
         if fields[field] < 1:
@@ -74,6 +82,21 @@ def check(fields: Mapping[str, Any], names: Mapping[str, str]) -> None:
     port = fields["master_port"]
     if not 0 <= port <= 65535 or (port == 0 and fields["world_size"] > 1 and fields["source"] != "local"):
         fail("master_port", "must be a TCP port in 1..65535")
+    _check_ranks_on_node(fields, name, fail)
+
+
+def _check_ranks_on_node(fields: Mapping[str, Any], name, fail) -> None:
+    given = tuple(fields.get("ranks_on_node") or ())
+    if not given:
+        return
+    rank, local_rank, world = fields["rank"], fields["local_rank"], fields["world_size"]
+    if len(given) != fields["local_world_size"]:
+        fail("ranks_on_node", f"lists {len(given)} ranks but this node has "
+                              f"{name('local_world_size')}={fields['local_world_size']}")
+    if len(set(given)) != len(given) or not all(0 <= r < world for r in given):
+        fail("ranks_on_node", f"must list distinct ranks below {name('world_size')}={world}")
+    if given[local_rank] != rank:
+        fail("ranks_on_node", f"gives local rank {local_rank} the rank {given[local_rank]} but {name('rank')}={rank}")
 
 
 def build(source: str, names: Mapping[str, str], **fields: Any) -> RankInfo:

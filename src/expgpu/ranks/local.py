@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from expgpu.errors import env_int
 from expgpu.ranks.info import RankInfo, build, env_port, env_str, is_set
 
-# RankInfo field -> the variable the supervisor sets; child_env() and detect() share it so the
-# two sides cannot drift apart.
+# RankInfo field -> the variable the supervisor (expgpu.spawn) sets for each child.
 VARIABLES = {
     "rank": "EXPGPU_RANK",
     "local_rank": "EXPGPU_LOCAL_RANK",
@@ -39,7 +38,3 @@ def detect(env: Mapping[str, str]) -> RankInfo | None:
     fields["master_port"] = env_port(env, VARIABLES["master_port"])
     return build("local", VARIABLES, **fields)
 
-
-def child_env(info: RankInfo) -> dict[str, str]:
-    """The variables that make detect() in a child return ``info`` (source "local")."""
-    return {var: str(getattr(info, field)) for field, var in VARIABLES.items()}

@@ -2,6 +2,10 @@
 
 Checked before SLURM and MPI: torchrun is often started by srun (one agent per node), so its
 workers also carry the step's SLURM_PROCID/SLURM_NTASKS, which count agents, not workers.
+
+torch gives each agent (node) a contiguous block of ranks, the sum of the workers of the nodes
+before it onwards (elastic agent, _assign_worker_ranks), also when nodes run different numbers of
+workers: a node's ranks are RANK - LOCAL_RANK + 0 .. LOCAL_WORLD_SIZE - 1, which RankInfo derives.
 """
 
 from __future__ import annotations
@@ -26,11 +30,16 @@ NAMES = {
 DEFAULT_PORT = 29500
 
 
+def launched(env: Mapping[str, str]) -> bool:
+    """torchrun always sets TORCHELASTIC_RUN_ID in its workers; any other env:// launcher sets
+    WORLD_SIZE. A stray RANK or LOCAL_RANK, or WORLD_SIZE=1 alone, keeps no other process waiting."""
+    if is_set(env, "TORCHELASTIC_RUN_ID"):
+        return True
+    return is_set(env, "WORLD_SIZE") and (is_set(env, "RANK") or env["WORLD_SIZE"].strip() != "1")
+
+
 def detect(env: Mapping[str, str]) -> RankInfo | None:
-    # torchrun always sets TORCHELASTIC_RUN_ID in its workers; without it, require the three
-    # variables torch's env:// init cannot do without, so a stray RANK alone does not match.
-    plain = all(is_set(env, name) for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-    if not (is_set(env, "TORCHELASTIC_RUN_ID") or plain):
+    if not launched(env):
         return None
     rank = env_int(env, "RANK")
     world_size = env_int(env, "WORLD_SIZE", minimum=1)
@@ -61,7 +70,17 @@ def detect(env: Mapping[str, str]) -> RankInfo | None:
         world_size=world_size,
         local_world_size=local_world_size,
         node_rank=node_rank,
-        master_addr=env_str(env, "MASTER_ADDR"),
+        master_addr=master_addr(env, world_size),
         master_port=env_port(env, "MASTER_PORT", DEFAULT_PORT),
         num_nodes=num_nodes,
     )
+
+
+def master_addr(env: Mapping[str, str], world_size: int) -> str:
+    if is_set(env, "MASTER_ADDR"):
+        return env_str(env, "MASTER_ADDR")
+    if world_size == 1:
+        return "127.0.0.1"  # nobody to meet
+    # Running anyway as a world of one would train alone while the other ranks wait for it.
+    raise UserError(f"environment variable MASTER_ADDR is not set, and WORLD_SIZE={world_size} needs the "
+                    "host of rank 0 to meet at: set MASTER_ADDR (torchrun sets it)")

@@ -49,7 +49,8 @@ def plan_table(cfg: Mapping, res: Resources) -> str:
     node = plan(gpus, res.ranks_per_node, placement.gpu_map_params(cfg))
     rows = []
     for node_rank in range(res.nodes):
-        for row in placement.rows(node, node_rank, host=f"node{node_rank}"):
+        first = node_rank * res.ranks_per_node  # submitit's srun: block, as many tasks on every node
+        for row in placement.rows(node, range(first, first + res.ranks_per_node), host=f"node{node_rank}"):
             if unknown:
                 row.update(names=["?"] * len(row["gpus"]), memory_mb=[], scores=[])
             rows.append(row)

@@ -1,0 +1,101 @@
+"""Environments that launchers really wrote, shared by the rank and placement tests.
+
+Captured with `env` from real tasks and workers, then trimmed of variables that say nothing about
+placement (SLURM_CONF, SLURM_SUBMIT_DIR, SLURM_TOPOLOGY_*, launcher ports, pids, ...).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from expgpu.ranks import slurm
+
+
+@pytest.fixture
+def linux_default_ports(tmp_path, monkeypatch):
+    """A SLURM job's derived MASTER_PORT is checked against the node's net.ipv4.ip_local_port_range:
+    pin Linux's default, so that tables of expected ports do not depend on the machine running them."""
+    path = tmp_path / "ip_local_port_range"
+    path.write_text("32768\t60999\n")
+    monkeypatch.setattr(slurm, "EPHEMERAL_PORTS", path)
+    return path
+
+
+def parse_env(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.split())
+
+
+# --- SLURM 22.05.8, two nodes on one machine (scripts/slurm-local, SLURM's multiple-slurmd mode) ---
+# All steps inside `sbatch -N2 -n5`, where SLURM gave node localhost 4 CPUs and node vm 1.
+
+# `srun -E -N1 -n2`, task 1: --preserve-env keeps the allocation's SLURM_NTASKS=5, SLURM_NNODES=2,
+# SLURM_TASKS_PER_NODE=4,1; only SLURM_STEP_* describe the 2-task step.
+SRUN_E = parse_env("""
+SLURMD_NODENAME=localhost SLURM_CPUS_ON_NODE=4 SLURM_DISTRIBUTION=block SLURM_GTIDS=0,1 SLURM_JOBID=1
+SLURM_JOB_CPUS_PER_NODE=4,1 SLURM_JOB_ID=1 SLURM_JOB_NAME=cap SLURM_JOB_NODELIST=localhost,vm
+SLURM_JOB_NUM_NODES=2 SLURM_LOCALID=1 SLURM_NNODES=2 SLURM_NODEID=0 SLURM_NODELIST=localhost,vm
+SLURM_NPROCS=5 SLURM_NTASKS=5 SLURM_PROCID=1 SLURM_STEPID=3 SLURM_STEP_ID=3 SLURM_STEP_NODELIST=localhost
+SLURM_STEP_NUM_NODES=1 SLURM_STEP_NUM_TASKS=2 SLURM_STEP_TASKS_PER_NODE=2 SLURM_TASKS_PER_NODE=4,1
+""")
+# `srun -m cyclic`, task 2 (node 0 runs tasks 0,2,3,4) and task 1 (node 1 runs task 1).
+CYCLIC_NODE0 = parse_env("""
+SLURMD_NODENAME=localhost SLURM_CPUS_ON_NODE=4 SLURM_DISTRIBUTION=cyclic SLURM_GTIDS=0,2,3,4 SLURM_JOBID=1
+SLURM_JOB_CPUS_PER_NODE=4,1 SLURM_JOB_ID=1 SLURM_JOB_NAME=cap SLURM_JOB_NODELIST=localhost,vm
+SLURM_JOB_NUM_NODES=2 SLURM_LOCALID=1 SLURM_NNODES=2 SLURM_NODEID=0 SLURM_NODELIST=localhost,vm
+SLURM_NPROCS=5 SLURM_NTASKS=5 SLURM_PROCID=2 SLURM_STEPID=1 SLURM_STEP_ID=1
+SLURM_STEP_NODELIST=localhost,vm SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=5
+SLURM_STEP_TASKS_PER_NODE=4,1 SLURM_TASKS_PER_NODE=4,1
+""")
+CYCLIC_NODE1 = parse_env("""
+SLURMD_NODENAME=vm SLURM_CPUS_ON_NODE=1 SLURM_DISTRIBUTION=cyclic SLURM_GTIDS=1 SLURM_JOBID=1
+SLURM_JOB_CPUS_PER_NODE=4,1 SLURM_JOB_ID=1 SLURM_JOB_NAME=cap SLURM_JOB_NODELIST=localhost,vm
+SLURM_JOB_NUM_NODES=2 SLURM_LOCALID=0 SLURM_NNODES=2 SLURM_NODEID=1 SLURM_NODELIST=localhost,vm
+SLURM_NPROCS=5 SLURM_NTASKS=5 SLURM_PROCID=1 SLURM_STEPID=1 SLURM_STEP_ID=1
+SLURM_STEP_NODELIST=localhost,vm SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=5
+SLURM_STEP_TASKS_PER_NODE=4,1 SLURM_TASKS_PER_NODE=4,1
+""")
+# `srun -m plane=2`, task 3: node 0 runs 0,1 then 3,4; node 1 runs 2.
+PLANE2_NODE0 = parse_env("""
+SLURMD_NODENAME=localhost SLURM_CPUS_ON_NODE=4 SLURM_DISTRIBUTION=plane SLURM_DIST_PLANESIZE=2
+SLURM_GTIDS=0,1,3,4 SLURM_JOBID=1 SLURM_JOB_CPUS_PER_NODE=4,1 SLURM_JOB_ID=1 SLURM_JOB_NAME=cap
+SLURM_JOB_NODELIST=localhost,vm SLURM_JOB_NUM_NODES=2 SLURM_LOCALID=2 SLURM_NNODES=2 SLURM_NODEID=0
+SLURM_NODELIST=localhost,vm SLURM_NPROCS=5 SLURM_NTASKS=5 SLURM_PROCID=3 SLURM_STEPID=2 SLURM_STEP_ID=2
+SLURM_STEP_NODELIST=localhost,vm SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=5
+SLURM_STEP_TASKS_PER_NODE=4,1 SLURM_TASKS_PER_NODE=4,1
+""")
+# plain `srun` (block), task 4: alone on node 1 of an uneven 4,1 step.
+BLOCK_NODE1 = parse_env("""
+SLURMD_NODENAME=vm SLURM_CPUS_ON_NODE=1 SLURM_DISTRIBUTION=block SLURM_GTIDS=4 SLURM_JOBID=1
+SLURM_JOB_CPUS_PER_NODE=4,1 SLURM_JOB_ID=1 SLURM_JOB_NAME=cap SLURM_JOB_NODELIST=localhost,vm
+SLURM_JOB_NUM_NODES=2 SLURM_LOCALID=0 SLURM_NNODES=2 SLURM_NODEID=1 SLURM_NODELIST=localhost,vm
+SLURM_NPROCS=5 SLURM_NTASKS=5 SLURM_PROCID=4 SLURM_STEPID=0 SLURM_STEP_ID=0
+SLURM_STEP_NODELIST=localhost,vm SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=5
+SLURM_STEP_TASKS_PER_NODE=4,1 SLURM_TASKS_PER_NODE=4,1
+""")
+# `srun -N2 -n3`, task 2: a 2,1 step.
+UNEVEN_2_1 = parse_env("""
+SLURMD_NODENAME=vm SLURM_CPUS_ON_NODE=1 SLURM_DISTRIBUTION=block SLURM_GTIDS=2 SLURM_JOBID=1
+SLURM_JOB_CPUS_PER_NODE=4,1 SLURM_JOB_ID=1 SLURM_JOB_NAME=cap SLURM_JOB_NODELIST=localhost,vm
+SLURM_JOB_NUM_NODES=2 SLURM_LOCALID=0 SLURM_NNODES=2 SLURM_NODEID=1 SLURM_NODELIST=localhost,vm
+SLURM_NPROCS=3 SLURM_NTASKS=3 SLURM_PROCID=2 SLURM_STEPID=5 SLURM_STEP_ID=5
+SLURM_STEP_NODELIST=localhost,vm SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=3
+SLURM_STEP_TASKS_PER_NODE=2,1 SLURM_TASKS_PER_NODE=2,1
+""")
+
+# --- torch 2.13 torchrun with different workers per node (static rendezvous, one machine) -------
+#   torchrun --nnodes=2 --node-rank=0 --nproc-per-node=2 --master-addr=127.0.0.1 --master-port=29731 ...
+#   torchrun --nnodes=2 --node-rank=1 --nproc-per-node=1 --master-addr=127.0.0.1 --master-port=29731 ...
+# Worker 1 (node 0, 2 workers) and worker 2 (node 1, 1 worker): RANK is RANK - LOCAL_RANK + r on a
+# node, the node's first rank being the sum of the workers of the nodes before it.
+TORCHRUN_2_PLUS_1_NODE0 = parse_env("""
+GROUP_RANK=0 GROUP_WORLD_SIZE=2 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29731 RANK=1
+ROLE_NAME=default ROLE_RANK=1 ROLE_WORLD_SIZE=3 TORCHELASTIC_MAX_RESTARTS=0 TORCHELASTIC_RESTART_COUNT=0
+TORCHELASTIC_RUN_ID=none TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT
+TORCHELASTIC_USE_AGENT_STORE=True TORCH_NCCL_ASYNC_ERROR_HANDLING=1 WORLD_SIZE=3
+""")
+TORCHRUN_2_PLUS_1_NODE1 = parse_env("""
+GROUP_RANK=1 GROUP_WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29731 RANK=2
+ROLE_NAME=default ROLE_RANK=2 ROLE_WORLD_SIZE=3 TORCHELASTIC_MAX_RESTARTS=0 TORCHELASTIC_RESTART_COUNT=0
+TORCHELASTIC_RUN_ID=none TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT
+TORCHELASTIC_USE_AGENT_STORE=True TORCH_NCCL_ASYNC_ERROR_HANDLING=1 WORLD_SIZE=3
+""")
