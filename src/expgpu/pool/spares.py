@@ -1,0 +1,116 @@
+"""The launcher's handle on a job's process (expgpu.pool.child), started before its job: a warm spare.
+
+A sweep of short jobs would otherwise spend much of each slot on Python, Hydra and torch starting
+up (as Ray prestarts its workers). Until it is given a job a spare runs no code of the user's
+except imports, and sees no GPU (CUDA_VISIBLE_DEVICES="" on a machine with GPUs), so even a stray
+CUDA call could not land on another job's card.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from expgpu import procs
+
+SPARES_LOG = "pool-spares.log"   # in the sweep's .expgpu/: output of processes not yet given a job
+
+
+class Spare:
+    """A job's process, started before its job and warming up until it gets one."""
+
+    def __init__(self, state: Path, hide_gpus: bool, warm: Sequence[str] = ()):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EXPGPU_POOL_")}
+        env["EXPGPU_POOL_PARENT"] = str(os.getpid())
+        if hide_gpus:  # no GPU at all until it is told its own
+            env.update(procs.gpu_env([], os.environ.get("CUDA_DEVICE_ORDER")))
+        self.log = state / SPARES_LOG
+        try:
+            with open(self.log, "ab") as out:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "expgpu.pool.child", str(theirs.fileno())], env=env,
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    pass_fds=[theirs.fileno()])
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self.sock: socket.socket | None = ours
+        self.ready = False
+        self.warm(warm)
+
+    def is_ready(self) -> bool:
+        if not self.ready and self.sock is not None:
+            try:
+                self.ready = self.sock.recv(16) == b"ready"
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                pass
+        return self.ready
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def warm(self, modules: Sequence[str]) -> None:
+        """Import these too while waiting (the task's modules, known once the sweep is composed),
+        from the launcher's import path (its script's directory, --config-dir task modules)."""
+        if modules and self.sock is not None:
+            try:
+                self.sock.sendmsg([json.dumps({"warm": list(modules), "path": list(sys.path)}).encode()])
+            except OSError:   # it died: the pool notices and starts another
+                pass
+
+    def give(self, spec: dict, fds: list[int]) -> None:
+        """Hand over a job: its environment and output file, and its lease descriptors."""
+        msg = json.dumps(spec).encode()
+        if fds:
+            socket.send_fds(self.sock, [msg], fds)
+        else:
+            self.sock.sendmsg([msg])
+        self.sock.close()
+        self.sock = None
+
+    def dismiss(self) -> None:
+        """No job for it after all: it holds nothing and ran nothing of anyone's, so it just goes."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        procs.kill_group(self.proc.pid)   # it leads its own session: its pgid is its pid
+        self.proc.wait()
+
+
+def task_modules(cfg) -> list[str]:
+    """What a job of an expgpu app imports before its first step: torch (most of a job's start-up;
+    importing it starts no CUDA), expgpu's line and the modules the job's config names (_target_s
+    under task: its function, or the built-in loop's model, dataset, optimizer). Nothing for another
+    Hydra app: its spares stay as light as they were."""
+    from omegaconf import OmegaConf
+
+    task = OmegaConf.select(cfg, "task", default=None)
+    if task is None or OmegaConf.select(cfg, "launch", default=None) is None:
+        return []
+    found: list[str] = ["torch", "expgpu.worker", "expgpu.run", "expgpu.dist", "expgpu.task",
+                        "expgpu.tasks.supervised"]
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            target = node.get("_target_")
+            if isinstance(target, str) and "." in target:
+                found.append(target.rsplit(".", 1)[0])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(OmegaConf.to_container(task, resolve=False))
+    return list(dict.fromkeys(found))
