@@ -49,7 +49,7 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
             spare.dismiss()
         _tidy(state)
         raise
-    warm = task_modules(jobs[0].config) if jobs else []
+    warm = task_modules(jobs[0].config, own_code=not gpus or simulate is not None) if jobs else []
     for spare in spares:
         spare.warm(warm)
     threads, job_env, threads_text = _threads(s, jobs, gpus)

@@ -88,11 +88,16 @@ class Spare:
         self.proc.wait()
 
 
-def task_modules(cfg) -> list[str]:
+def task_modules(cfg, own_code: bool) -> list[str]:
     """What a job of an expgpu app imports before its first step: torch (most of a job's start-up;
     importing it starts no CUDA), expgpu's line and the modules the job's config names (_target_s
     under task: its function, or the built-in loop's model, dataset, optimizer). Nothing for another
-    Hydra app: its spares stay as light as they were."""
+    Hydra app: its spares stay as light as they were.
+
+    own_code=False (a pool of real GPUs): only torch's and expgpu's modules. A user's module may ask
+    torch.cuda.is_available() at import, which starts CUDA's driver with the spare's mask (no GPU)
+    and fixes it for good, without torch.cuda.is_initialized() saying so: the job would then see
+    no GPU. Imported after the hand-over, as without spares, it sees the job's GPUs."""
     from omegaconf import OmegaConf
 
     task = OmegaConf.select(cfg, "task", default=None)
@@ -105,7 +110,9 @@ def task_modules(cfg) -> list[str]:
         if isinstance(node, dict):
             target = node.get("_target_")
             if isinstance(target, str) and "." in target:
-                found.append(target.rsplit(".", 1)[0])
+                module = target.rsplit(".", 1)[0]
+                if own_code or module.split(".")[0] in ("torch", "expgpu"):
+                    found.append(module)
             for value in node.values():
                 walk(value)
         elif isinstance(node, list):
