@@ -39,9 +39,11 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
     state.mkdir(parents=True, exist_ok=True)
     lease_dir = leases.lease_dir(s.lease_dir) if gpus else None
     # The first wave's processes warm up (torch: most of a job's start-up) while the jobs' configs
-    # are composed.
+    # are composed: with the modules the sweep's own config names, then those of its first job.
+    own_code = not gpus or simulate is not None
+    warm = task_modules(config, own_code)
     first_wave = min(len(job_overrides), len(gpus) or s.cpu_slots, s.max_parallel or math.inf)
-    spares = [Spare(state, hide_gpus=bool(gpus)) for _ in range(first_wave)]
+    spares = [Spare(state, hide_gpus=bool(gpus), warm=warm) for _ in range(first_wave)]
     try:
         jobs = _compose_all(hydra_context, config, job_overrides, initial_job_idx, s, gpus)
     except BaseException:
@@ -49,9 +51,10 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
             spare.dismiss()
         _tidy(state)
         raise
-    warm = task_modules(jobs[0].config, own_code=not gpus or simulate is not None) if jobs else []
+    more = [m for m in (task_modules(jobs[0].config, own_code) if jobs else []) if m not in warm]
     for spare in spares:
-        spare.warm(warm)
+        spare.warm(more)
+    warm += more
     threads, job_env, threads_text = _threads(s, jobs, gpus)
     if gpus:
         desc = f"GPU {','.join(str(g.index) for g in gpus)}" + (" (simulated)" if simulate is not None else "")
