@@ -58,20 +58,27 @@ def warm_up(modules: list[str], path: list[str] = ()) -> None:
     gc.freeze()
 
 
-def wait_for_job(sock: socket.socket) -> dict | None:
-    """The job the launcher hands over, or None when it has none left for this process."""
+def _receive(sock: socket.socket, block: bool):
+    """The launcher's next message that is not a "warm" one (those are acted on here): (spec, fds);
+    None when the launcher hung up, or, not blocking, when nothing more is there yet."""
+    sock.setblocking(block)
     while True:
         try:
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 256)
+        except BlockingIOError:
+            return None
         except OSError:
             return None
         if not msg:
             return None
         spec = json.loads(msg)
-        if "warm" in spec:   # the task's modules, known now that the sweep is composed
-            warm_up(spec["warm"], spec["path"])
-            continue
-        break
+        if "warm" not in spec:
+            return spec, fds
+        warm_up(spec["warm"], spec["path"])   # the task's modules, from the launcher
+
+
+def take_job(spec: dict, fds: list[int]) -> None:
+    """Become the job's process: hold its leases, write where its output goes, take its environment."""
     _held.extend(fds)
     out = os.open(spec["console"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(out, 1)
@@ -81,8 +88,6 @@ def wait_for_job(sock: socket.socket) -> dict | None:
     if spec.get("threads") and "torch" in sys.modules:
         # torch read OMP_NUM_THREADS when the spare imported it, before the budget was known
         sys.modules["torch"].set_num_threads(int(spec["threads"]))
-    sock.close()
-    return spec
 
 
 def _outcome(ret) -> dict:
@@ -160,13 +165,19 @@ def main(argv: list[str] | None = None) -> None:
     # What every job needs, none of it the job's own code; torch and the task's modules come with
     # the launcher's "warm" message once it knows the app is expgpu's (spares.task_modules).
     warm_up(["cloudpickle", "hydra.core.utils", "expgpu.app", "expgpu.checkpoint", "expgpu.rundir"])
+    # "ready" only once the modules the launcher named at start are in too (torch: seconds): the
+    # launcher warms one spare at a time, and gives a job to a ready spare first.
+    got = _receive(sock, block=False)
     try:
         sock.sendall(b"ready")
     except OSError:   # the launcher may have hung up (no job for us after all)
         pass
-    spec = wait_for_job(sock)
-    if spec is None:
+    got = got or _receive(sock, block=True)
+    if got is None:
         os._exit(0)   # ran nothing of anyone's: nothing to flush
+    spec, fds = got
+    sock.close()
+    take_job(spec, fds)
     os.environ["EXPGPU_START_TIME"] = str(time.time())   # a job's start-up counts from its hand-over
     code = run(Path(spec["job_file"]))
     # The job is over and all it sends back is on disk: its atexit handlers run, interpreter
