@@ -22,6 +22,7 @@ modules), so the task function and the configs' _target_s import here as they di
 
 from __future__ import annotations
 
+import copy
 import gc
 import importlib
 import json
@@ -37,15 +38,28 @@ from expgpu import procs
 from expgpu.errors import Stopped, UserError, one_line
 
 _held: list[int] = []   # the job's lease descriptors: open for as long as this process lives
+# What warm_up prepared besides imports: "plugins", Hydra's plugin scan (as every job's
+# Singleton.set_state would redo it); "context", (path, the launcher's context file, unpickled).
+_ahead: dict = {}
 
 
-def warm_up(modules: list[str], path: list[str] = ()) -> None:
+def warm_up(modules: list[str], path: list[str] = (), context: str | None = None) -> None:
     """Import what jobs need before there is a job: none of it runs a job's code or touches CUDA."""
     sys.path[:0] = [p for p in path if p not in sys.path]
     for name in modules:
         try:
             importlib.import_module(name)
         except Exception:   # not importable ahead: the job imports it again and reports it where users look
+            pass
+    if path:   # on the launcher's import path, the scan finds the plugins the job's would
+        from hydra.core.plugins import Plugins
+
+        _ahead["plugins"] = Plugins.instance()
+    if context and "context" not in _ahead:
+        try:
+            with open(context, "rb") as f:
+                _ahead["context"] = (context, pickle.load(f))
+        except Exception:   # the job reads it again and says what is wrong
             pass
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
@@ -56,6 +70,27 @@ def warm_up(modules: list[str], path: list[str] = ()) -> None:
     # The imported modules live as long as the process: keep the collector from scanning them at
     # every collection of the job (torch and Hydra are hundreds of thousands of objects).
     gc.freeze()
+
+
+def _restore(context: str) -> tuple:
+    """(Hydra's context, the task function) with Hydra's singletons restored, as Hydra's
+    Singleton.set_state does, but with what warm_up prepared ahead."""
+    from hydra.core.plugins import Plugins
+    from hydra.core.singleton import Singleton
+    from omegaconf.basecontainer import BaseContainer
+
+    path, loaded = _ahead.get("context", (None, None))
+    if path != context:
+        with open(context, "rb") as f:
+            loaded = pickle.load(f)
+    hydra_context, task_function, state = loaded
+    plugins = _ahead.get("plugins")
+    if plugins is None:
+        Singleton.set_state(state)
+    else:
+        Singleton._instances = {**state["instances"], Plugins: plugins}
+        BaseContainer._resolvers = copy.deepcopy(state["omegaconf_resolvers"])
+    return hydra_context, task_function
 
 
 def _receive(sock: socket.socket, block: bool):
@@ -74,7 +109,7 @@ def _receive(sock: socket.socket, block: bool):
         spec = json.loads(msg)
         if "warm" not in spec:
             return spec, fds
-        warm_up(spec["warm"], spec["path"])   # the task's modules, from the launcher
+        warm_up(spec["warm"], spec["path"], spec.get("context"))   # the task's modules, from the launcher
 
 
 def take_job(spec: dict, fds: list[int]) -> None:
@@ -101,7 +136,6 @@ def _outcome(ret) -> dict:
 
 def run(job_file: Path) -> int:
     """Run the job in `job_file` as Hydra's launchers do; the exit code says how it went."""
-    from hydra.core.singleton import Singleton
     from hydra.core.utils import JobStatus, run_job, setup_globals
 
     from expgpu import rundir
@@ -109,9 +143,7 @@ def run(job_file: Path) -> int:
     with open(job_file, "rb") as f:
         sys.path[:0] = [p for p in pickle.load(f) if p not in sys.path]
         spec = pickle.load(f)
-    with open(spec["context"], "rb") as f:
-        hydra_context, task_function, singletons = pickle.load(f)
-    Singleton.set_state(singletons)
+    hydra_context, task_function = _restore(spec["context"])
     setup_globals()
     rundir.register()  # resolvers live in a process: hydra.run.dir names expgpu_run_dir
     try:

@@ -52,7 +52,7 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
         _tidy(state)
         raise
     more = [m for m in (task_modules(jobs[0].config, own_code) if jobs else []) if m not in warm]
-    for spare in spares:
+    for spare in spares if more else []:
         spare.warm(more)
     warm += more
     threads, job_env, threads_text = _threads(s, jobs, gpus)
@@ -65,7 +65,7 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
         log.info("\t#%d : %s", job.num, job.label)
     return _run(jobs, gpus, s, sweep_dir, lease_dir, desc, spares, (hydra_context, task_function),
                 Record(sweep_dir, gpus, s.cpu_slots, threads_text, simulate is not None and bool(gpus)),
-                job_env, threads, warm)
+                job_env, threads, warm, own_code)
 
 
 def _compose_all(ctx, config, job_overrides, initial_job_idx: int, s: Settings, gpus: list) -> list[Job]:
@@ -105,7 +105,8 @@ def _threads(s: Settings, jobs: list[Job], gpus: list) -> tuple[int | None, dict
 
 
 def _run(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, desc: str, spares: list[Spare],
-         shared: tuple, record: Record, job_env: dict, threads: int | None, warm: list[str]) -> list:
+         shared: tuple, record: Record, job_env: dict, threads: int | None, warm: list[str],
+         own_code: bool) -> list:
     # Shared by every job: Hydra's loader and callbacks, the task function and Hydra's singletons
     # (ConfigStore, JobRuntime), pickled once with cloudpickle as Hydra's joblib launcher does.
     import cloudpickle
@@ -116,7 +117,8 @@ def _run(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, d
 
     state = sweep_dir / jobfiles.STATE
     context = state / f"pool-context-{os.getpid()}.pkl"
-    pool = Pool(jobs, gpus, s, sweep_dir, context, lease_dir, desc, spares, record, job_env, threads, warm)
+    pool = Pool(jobs, gpus, s, sweep_dir, context, lease_dir, desc, spares, record, job_env, threads, warm,
+                own_code)
     try:
         atomic_write_bytes(context, cloudpickle.dumps((*shared, Singleton.get_state())))
         pool.run()

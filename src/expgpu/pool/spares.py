@@ -24,7 +24,7 @@ SPARES_LOG = "pool-spares.log"   # in the sweep's .expgpu/: output of processes 
 class Spare:
     """A job's process, started before its job and warming up until it gets one."""
 
-    def __init__(self, state: Path, hide_gpus: bool, warm: Sequence[str] = ()):
+    def __init__(self, state: Path, hide_gpus: bool, warm: Sequence[str] = (), context: Path | None = None):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {k: v for k, v in os.environ.items() if not k.startswith("EXPGPU_POOL_")}
         env["EXPGPU_POOL_PARENT"] = str(os.getpid())
@@ -45,7 +45,7 @@ class Spare:
         ours.setblocking(False)
         self.sock: socket.socket | None = ours
         self.ready = False
-        self.warm(warm)
+        self.warm(warm, context)
 
     def is_ready(self) -> bool:
         if not self.ready and self.sock is not None:
@@ -60,12 +60,14 @@ class Spare:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def warm(self, modules: Sequence[str]) -> None:
+    def warm(self, modules: Sequence[str], context: Path | None = None) -> None:
         """Import these too while waiting (the task's modules, known once the sweep is composed),
-        from the launcher's import path (its script's directory, --config-dir task modules)."""
-        if modules and self.sock is not None:
+        from the launcher's import path (its script's directory, --config-dir task modules); and
+        unpickle the sweep's context file (Hydra's context, the task function), once it exists."""
+        if self.sock is not None:   # even with no modules: the path lets it scan Hydra's plugins ahead
+            msg = {"warm": list(modules), "path": list(sys.path), "context": str(context) if context else None}
             try:
-                self.sock.sendmsg([json.dumps({"warm": list(modules), "path": list(sys.path)}).encode()])
+                self.sock.sendmsg([json.dumps(msg).encode()])
             except OSError:   # it died: the pool notices and starts another
                 pass
 
@@ -103,8 +105,9 @@ def task_modules(cfg, own_code: bool) -> list[str]:
     task = OmegaConf.select(cfg, "task", default=None)
     if task is None or OmegaConf.select(cfg, "launch", default=None) is None:
         return []
-    found: list[str] = ["torch", "expgpu.worker", "expgpu.run", "expgpu.dist", "expgpu.task",
-                        "expgpu.tasks.supervised"]
+    # torch._dynamo: the first torch.optim optimizer built in a process imports it (2 s on 2 cores)
+    found: list[str] = ["torch", "torch.optim", "torch._dynamo", "expgpu.worker", "expgpu.run",
+                        "expgpu.dist", "expgpu.task", "expgpu.tasks.supervised"]
 
     def walk(node) -> None:
         if isinstance(node, dict):

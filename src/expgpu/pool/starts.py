@@ -44,7 +44,10 @@ class Starter:
             leases.release_all(list(held.values()))
 
     def _new_spare(self) -> Spare:
-        return Spare(self.sweep_dir / jobfiles.STATE, hide_gpus=bool(self.gpus), warm=self.warm)
+        # The context (the task function) only where the task's own modules may be imported ahead
+        # (spares.task_modules): unpickling it may import them.
+        return Spare(self.sweep_dir / jobfiles.STATE, hide_gpus=bool(self.gpus), warm=self.warm,
+                     context=self.context if self.own_code else None)
 
     def _keep_spares(self) -> None:
         """Warm processes for the jobs to come: as many as could start at once, one warming at a time
