@@ -1,5 +1,6 @@
 """One gpu_pool job in a process of its own: `python -m expgpu.pool.child FD` (expgpu.pool.spares
-starts it ahead of its job).
+starts it ahead of its job), or a fork of `python -m expgpu.pool.child --forkserver FD`
+(expgpu.pool.forkserver), which warms up once for all the sweep's jobs.
 
 Warming up: it imports Hydra and expgpu's entry, says "ready" on its socket (FD), and while it
 waits imports what the launcher names (torch, expgpu's line and the task's modules, for an expgpu
@@ -191,12 +192,22 @@ def _send_back(ret, outcome: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
     parent = os.environ.get("EXPGPU_POOL_PARENT")
     procs.die_with_parent(int(parent) if parent else None)
-    sock = socket.socket(fileno=int((sys.argv[1:] if argv is None else argv)[0]))
+    sock = socket.socket(fileno=int(args[-1]))
     # What every job needs, none of it the job's own code; torch and the task's modules come with
     # the launcher's "warm" message once it knows the app is expgpu's (spares.task_modules).
     warm_up(["cloudpickle", "hydra.core.utils", "expgpu.app", "expgpu.checkpoint", "expgpu.rundir"])
+    if args[0] == "--forkserver":
+        from expgpu.pool import forkserver
+
+        forkserver.serve(sock, warm_up, spare)
+    spare(sock)
+
+
+def spare(sock: socket.socket) -> None:
+    """Wait for a job on `sock`, run it, exit."""
     # "ready" only once the modules the launcher named at start are in too (torch: seconds): the
     # launcher warms one spare at a time, and gives a job to a ready spare first.
     got = _receive(sock, block=False)

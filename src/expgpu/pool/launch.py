@@ -15,7 +15,8 @@ from expgpu.pool import jobs as jobfiles
 from expgpu.pool.jobs import Job, Record
 from expgpu.pool.scheduler import at_once, thread_budget
 from expgpu.pool.settings import Settings, job_need, pool_gpus, settings
-from expgpu.pool.spares import SPARES_LOG, Spare, task_modules
+from expgpu.pool.forkserver import ForkServer
+from expgpu.pool.spares import SPARES_LOG, Spare, spare_env, task_modules
 
 log = logging.getLogger("expgpu.pool")
 
@@ -43,17 +44,21 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
     own_code = not gpus or simulate is not None
     warm = task_modules(config, own_code)
     first_wave = min(len(job_overrides), len(gpus) or s.cpu_slots, s.max_parallel or math.inf)
-    spares = [Spare(state, hide_gpus=bool(gpus), warm=warm) for _ in range(first_wave)]
+    server = ForkServer(state / SPARES_LOG, spare_env(hide_gpus=bool(gpus)), warm)
+    spares = [Spare(state, hide_gpus=bool(gpus), server=server) for _ in range(first_wave)]
     try:
         jobs = _compose_all(hydra_context, config, job_overrides, initial_job_idx, s, gpus)
     except BaseException:
         for spare in spares:
             spare.dismiss()
+        server.close()
         _tidy(state)
         raise
     more = [m for m in (task_modules(jobs[0].config, own_code) if jobs else []) if m not in warm]
-    for spare in spares if more else []:
-        spare.warm(more)
+    if more:   # the first wave's forks are made already (or soon): they import these themselves
+        server.warm(more)
+        for spare in spares:
+            spare.warm(more)
     warm += more
     threads, job_env, threads_text = _threads(s, jobs, gpus)
     if gpus:
@@ -65,7 +70,7 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
         log.info("\t#%d : %s", job.num, job.label)
     return _run(jobs, gpus, s, sweep_dir, lease_dir, desc, spares, (hydra_context, task_function),
                 Record(sweep_dir, gpus, s.cpu_slots, threads_text, simulate is not None and bool(gpus)),
-                job_env, threads, warm, own_code)
+                job_env, threads, warm, own_code, server)
 
 
 def _compose_all(ctx, config, job_overrides, initial_job_idx: int, s: Settings, gpus: list) -> list[Job]:
@@ -106,7 +111,7 @@ def _threads(s: Settings, jobs: list[Job], gpus: list) -> tuple[int | None, dict
 
 def _run(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, desc: str, spares: list[Spare],
          shared: tuple, record: Record, job_env: dict, threads: int | None, warm: list[str],
-         own_code: bool) -> list:
+         own_code: bool, server: ForkServer) -> list:
     # Shared by every job: Hydra's loader and callbacks, the task function and Hydra's singletons
     # (ConfigStore, JobRuntime), pickled once with cloudpickle as Hydra's joblib launcher does.
     import cloudpickle
@@ -118,13 +123,16 @@ def _run(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, d
     state = sweep_dir / jobfiles.STATE
     context = state / f"pool-context-{os.getpid()}.pkl"
     pool = Pool(jobs, gpus, s, sweep_dir, context, lease_dir, desc, spares, record, job_env, threads, warm,
-                own_code)
+                own_code, server)
     try:
         atomic_write_bytes(context, cloudpickle.dumps((*shared, Singleton.get_state())))
+        if own_code and server.alive():   # the forks to come find it unpickled (spares.task_modules: why not always)
+            server.warm([], context)
         pool.run()
     finally:
         for spare in pool.spares:
             spare.dismiss()
+        server.close()   # after the jobs: its forks die with it
         context.unlink(missing_ok=True)
         _tidy(state)
     pool.summary(log)

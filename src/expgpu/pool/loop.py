@@ -25,7 +25,7 @@ POLL_S = 0.02   # how often the launcher looks at its jobs and the free GPUs (at
 class Pool(Starter):
     def __init__(self, jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, context: Path,
                  lease_dir: Path | None, desc: str, spares: list[Spare], record: Record,
-                 job_env: dict[str, str], threads: int | None, warm: list[str], own_code: bool):
+                 job_env: dict[str, str], threads: int | None, warm: list[str], own_code: bool, server):
         self.jobs, self.gpus, self.s = jobs, gpus, s
         self.sweep_dir, self.context, self.lease_dir = sweep_dir, context, lease_dir
         self.scheduler = Scheduler(patience=max(1, len(gpus)))
@@ -33,6 +33,7 @@ class Pool(Starter):
         self.desc, self.record = desc, record
         self.job_env, self.threads, self.warm = job_env, threads, warm   # what every job gets
         self.own_code = own_code   # spares may import the task's modules ahead (spares.task_modules)
+        self.server = server       # the fork server the spares are forked from
         self.stop_signal: int | None = None
         self._hard = False
         self._kill_at: float | None = None
@@ -149,6 +150,8 @@ class Pool(Starter):
         """Wait until a running job's process exits or `timeout` passes: a slot is refilled the
         moment its job ends, not up to a poll interval later (a wave of 1-s jobs loses ~1%)."""
         fds = [j.exit_fd for j in self._running() if j.exit_fd is not None]
+        if fds and self.server.sock is not None:   # it reports the exit code a moment after the exit
+            fds.append(self.server.sock)
         if fds:
             select.select(fds, [], [], timeout)
         else:

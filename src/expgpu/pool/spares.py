@@ -17,26 +17,38 @@ from pathlib import Path
 from typing import Sequence
 
 from expgpu import procs
+from expgpu.pool.forkserver import ForkedProc, ForkServer
 
 SPARES_LOG = "pool-spares.log"   # in the sweep's .expgpu/: output of processes not yet given a job
 
 
-class Spare:
-    """A job's process, started before its job and warming up until it gets one."""
+def spare_env(hide_gpus: bool) -> dict[str, str]:
+    """The environment of a process that has no job yet (a spare, the fork server)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPGPU_POOL_")}
+    env["EXPGPU_POOL_PARENT"] = str(os.getpid())
+    if hide_gpus:  # no GPU at all until it is told its own
+        env.update(procs.gpu_env([], os.environ.get("CUDA_DEVICE_ORDER")))
+    return env
 
-    def __init__(self, state: Path, hide_gpus: bool, warm: Sequence[str] = (), context: Path | None = None):
+
+class Spare:
+    """A job's process, started before its job and warming up until it gets one: a fork of the
+    sweep's fork server (warm at once), or, without one, a process of its own that imports `warm`
+    (and unpickles `context`) itself."""
+
+    def __init__(self, state: Path, hide_gpus: bool, warm: Sequence[str] = (), context: Path | None = None,
+                 server: ForkServer | None = None):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("EXPGPU_POOL_")}
-        env["EXPGPU_POOL_PARENT"] = str(os.getpid())
-        if hide_gpus:  # no GPU at all until it is told its own
-            env.update(procs.gpu_env([], os.environ.get("CUDA_DEVICE_ORDER")))
         self.log = state / SPARES_LOG
         try:
-            with open(self.log, "ab") as out:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "expgpu.pool.child", str(theirs.fileno())], env=env,
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                    pass_fds=[theirs.fileno()])
+            if server is not None:
+                self.proc = server.fork(theirs)
+            else:
+                with open(self.log, "ab") as out:
+                    self.proc = subprocess.Popen(
+                        [sys.executable, "-m", "expgpu.pool.child", str(theirs.fileno())], env=spare_env(hide_gpus),
+                        stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                        pass_fds=[theirs.fileno()])
         except BaseException:
             ours.close()
             raise
@@ -45,7 +57,8 @@ class Spare:
         ours.setblocking(False)
         self.sock: socket.socket | None = ours
         self.ready = False
-        self.warm(warm, context)
+        if server is None:
+            self.warm(warm, context)
 
     def is_ready(self) -> bool:
         if not self.ready and self.sock is not None:
@@ -84,10 +97,12 @@ class Spare:
     def dismiss(self) -> None:
         """No job for it after all: it holds nothing and ran nothing of anyone's, so it just goes."""
         if self.sock is not None:
-            self.sock.close()
+            self.sock.close()   # a fork not made yet sees the launcher gone, and leaves at once
             self.sock = None
-        procs.kill_group(self.proc.pid)   # it leads its own session: its pgid is its pid
-        self.proc.wait()
+        pid = self.proc.known_pid() if isinstance(self.proc, ForkedProc) else self.proc.pid
+        if pid is not None:
+            procs.kill_group(pid)   # it leads its own session: its pgid is its pid
+            self.proc.wait()
 
 
 def task_modules(cfg, own_code: bool) -> list[str]:

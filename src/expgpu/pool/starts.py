@@ -44,7 +44,10 @@ class Starter:
             leases.release_all(list(held.values()))
 
     def _new_spare(self) -> Spare:
-        # The context (the task function) only where the task's own modules may be imported ahead
+        if self.server.alive():
+            return Spare(self.sweep_dir / jobfiles.STATE, hide_gpus=bool(self.gpus), server=self.server)
+        # Without the fork server (it refused to fork, or died): a process that warms up itself; the
+        # context (the task function) only where the task's own modules may be imported ahead
         # (spares.task_modules): unpickling it may import them.
         return Spare(self.sweep_dir / jobfiles.STATE, hide_gpus=bool(self.gpus), warm=self.warm,
                      context=self.context if self.own_code else None)
@@ -95,6 +98,7 @@ class Starter:
             spare.give({"job_file": str(job_file), "console": str(job.dir / jobfiles.CONSOLE),
                         "env": self._job_env(job, gpus, slot), "threads": self.threads},
                        [lease.fd for lease in job_leases])
+            job.exit_fd = procs.exit_fd(spare.proc.pid)   # a fork's pid: once the server made it
         except OSError as e:
             leases.release_all(job_leases)
             job.state = "failed"
@@ -106,7 +110,6 @@ class Starter:
             self._dirty = True
             return
         job.proc = spare.proc
-        job.exit_fd = procs.exit_fd(job.proc.pid)
         for lease in job_leases:  # the job's process holds the lease from now on
             lease.handed_over()
         job.state, job.gpus, job.slot, job.started = "running", gpus, slot, time.time()
