@@ -314,7 +314,7 @@ def test_ctrl_c_stops_every_job_and_leaves_no_process_and_no_lease(tmp_path):
     assert time.monotonic() - t < 30
     assert "expgpu: interrupted" in done.stderr
     states = sorted(j["state"] for j in sweep.pool()["jobs"])
-    assert states == ["not_started", "not_started", "stopped", "stopped"]
+    assert states == ["not_started", "not_started", "stopped", "stopped"], [(j["state"], j["error"]) for j in sweep.pool()["jobs"]]
     for pid in pids:
         assert not _alive(pid), f"job process {pid} outlived the sweep"
     assert not _processes_of(sweep.proc.pid), "a job process (or a warm spare) outlived the sweep"

@@ -103,6 +103,10 @@ def _receive(sock: socket.socket, block: bool):
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 256)
         except BlockingIOError:
             return None
+        except ConnectionResetError:   # the launcher hung up; what it sent before is still there
+            if not block:
+                return None
+            return _receive(sock, block=False)
         except OSError:
             return None
         if not msg:

@@ -91,6 +91,9 @@ class Spare:
             socket.send_fds(self.sock, [msg], fds)
         else:
             self.sock.sendmsg([msg])
+        # Closing with its "ready" unread would reset the connection (ECONNRESET): a process
+        # already waiting for its job would get that error instead of the job sent just before.
+        self.is_ready()
         self.sock.close()
         self.sock = None
 
