@@ -418,19 +418,37 @@ def test_each_job_gets_its_share_of_the_cores_unless_the_user_chose(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_spares_import_torch_and_the_task_module_before_their_job_without_starting_cuda(tmp_path):
+def test_the_task_module_is_imported_once_per_sweep_ahead_of_the_jobs_without_starting_cuda(tmp_path):
     sweep = Sweep(tmp_path)
     done = sweep.run(["task=sleep", "task.model.seconds=0.5", "task.model.tag=range(4)", simulate(2)])
     assert done.returncode == 0, done.stderr
     imported = {r["pid"]: r["job"] for r in sweep.records("import")}
     jobs = sweep.records()
     assert len(jobs) == 4
-    # Every job's process had imported the task's module while it had no job yet (-1)...
-    assert all(imported.get(j["pid"]) == -1 for j in jobs), (imported, [j["pid"] for j in jobs])
+    # The task's module was imported once for the whole sweep, by a process without a job (-1): the
+    # fork server every job's process is forked from. No job imported it again...
+    assert list(imported.values()) == [-1], imported
+    assert not any(j["pid"] in imported for j in jobs), (imported, [j["pid"] for j in jobs])
     # ...and CUDA was not started by it: each job's mask (set at hand-over) still counts.
     assert not any(j["cuda_initialized"] for j in jobs)
     assert {j["cvd"] for j in jobs} <= {"0", "1"}
 
+
+@pytest.mark.timeout(240)
+def test_without_the_fork_server_jobs_still_run_in_processes_started_one_by_one(tmp_path):
+    # A task module that starts a thread when imported: the fork server (which imports it ahead on
+    # CPU slots) must not fork with it, and the pool starts each job's process itself instead.
+    sweep = Sweep(tmp_path)
+    (sweep.code / "threaded_task.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n"
+        "from pool_task import Sleep  # noqa\n")
+    done = sweep.run(["task=sleep", "task.model._target_=threaded_task.Sleep", "task.model.seconds=0",
+                      "task.model.tag=range(4)", "hydra.launcher.cpu_slots=2"])
+    assert done.returncode == 0, done.stderr
+    assert [j["state"] for j in sweep.pool()["jobs"]] == ["finished"] * 4
+    assert sorted(r["tag"] for r in sweep.records()) == [0, 1, 2, 3]
+    assert "not forking" in (sweep.dir / ".expgpu" / "pool-spares.log").read_text()
 
 @pytest.mark.timeout(240)
 def test_the_jobs_atexit_handlers_run_in_every_job(tmp_path):

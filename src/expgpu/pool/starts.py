@@ -93,12 +93,18 @@ class Starter:
         try:
             job_file = jobfiles.write_job_file(job, self.context)
             spare = self._process()
+            try:
+                pid = spare.proc.pid   # a fork's: once the server has made it
+            except OSError:   # the fork server is gone (it refused to fork): a process of its own
+                spare.dismiss()
+                spare = self._new_spare()
+                pid = spare.proc.pid
             for lease in job_leases:
-                lease.note(pid=spare.proc.pid, sweep=str(self.sweep_dir), job=job.num)
+                lease.note(pid=pid, sweep=str(self.sweep_dir), job=job.num)
             spare.give({"job_file": str(job_file), "console": str(job.dir / jobfiles.CONSOLE),
                         "env": self._job_env(job, gpus, slot), "threads": self.threads},
                        [lease.fd for lease in job_leases])
-            job.exit_fd = procs.exit_fd(spare.proc.pid)   # a fork's pid: once the server made it
+            job.exit_fd = procs.exit_fd(pid)
         except OSError as e:
             leases.release_all(job_leases)
             job.state = "failed"
