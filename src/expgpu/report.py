@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from expgpu.errors import EXIT_USER_ERROR, UserError
+from expgpu.rundir import METRICS, POOL_RECORD, RESULT, atomic_write_bytes, failure_files
 
 CSV_FILE = "report.csv"
 PNG_FILE = "loss_curves.png"
@@ -144,8 +145,8 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
     found = _overrides(job_dir, row)
     if found is not None:
         row.overrides = _shown(found)
-    result = _read_json(job_dir / "result.json", row)
-    row.curve, span = _curve(job_dir / "metrics.jsonl", row)
+    result = _read_json(job_dir / RESULT, row)
+    row.curve, span = _curve(job_dir / METRICS, row)
     if result is not None:
         row.status = str(result.get("status", "unknown"))
         metrics = result.get("metrics") or {}
@@ -156,7 +157,7 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
         if isinstance(timing.get("train_s"), (int, float)):
             row.wall_s = round(float(timing.get("startup_s") or 0) + float(timing["train_s"]), 3)
     elif row.status != "broken":
-        failures = sorted((job_dir / ".expgpu").glob("rank*.failure.json"))
+        failures = failure_files(job_dir)
         if failures:
             info = _read_json(failures[0], row) or {}
             row.status, row.error = "failed", str(info.get("message", row.error))
@@ -195,7 +196,7 @@ def _job_dirs(sweep: Path, depth: int = 3) -> list[tuple[str, Path]]:
         path = Path(root)
         rel = path.relative_to(sweep)
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        if rel.parts and (".hydra" in os.listdir(path) or "result.json" in files or "metrics.jsonl" in files):
+        if rel.parts and (".hydra" in os.listdir(path) or RESULT in files or METRICS in files):
             found.append((str(rel), path))
             dirs[:] = []
         elif len(rel.parts) >= depth:
@@ -207,7 +208,7 @@ def collect(sweep: Path) -> list[Row]:
     if not sweep.is_dir():
         raise UserError(f"{sweep}: no such directory; give a sweep dir such as outputs/multirun/DATE/TIME")
     pool_doc = None
-    pool_path = sweep / "pool.json"
+    pool_path = sweep / POOL_RECORD
     if pool_path.exists():
         try:
             pool_doc = json.loads(pool_path.read_text())
@@ -228,7 +229,7 @@ def collect(sweep: Path) -> list[Row]:
         rows += [read_job(p, n) for n, p in _job_dirs(sweep) if p.resolve() not in seen]
         return rows
     jobs = _job_dirs(sweep)
-    if not jobs and ((sweep / ".hydra").is_dir() or (sweep / "result.json").exists()):
+    if not jobs and ((sweep / ".hydra").is_dir() or (sweep / RESULT).exists()):
         return [read_job(sweep, sweep.name)]   # a single run dir
     if not jobs:
         raise UserError(f"{sweep}: no job dirs in it (a job dir holds .hydra/ or result.json); "
@@ -268,8 +269,6 @@ def table(rows: list[Row]) -> str:
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
-    from expgpu.checkpoint import atomic_write_bytes
-
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r.settings() if k not in keys]
@@ -295,8 +294,6 @@ def plot(rows: list[Row], path: Path, title: str) -> bool:
 
     matplotlib.use("Agg")  # no display: a file, from a terminal, a cluster node or CI
     import matplotlib.pyplot as plt
-
-    from expgpu.checkpoint import atomic_write_bytes
 
     # Overrides every job shares go in the title; the legend tells jobs apart by the rest.
     common = [o for o in curves[0].overrides if all(o in r.overrides for r in curves)] if len(curves) > 1 else []

@@ -15,11 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from expgpu.errors import UserError, WorkerFailed, one_line
-
-CONSOLE = "console.log"     # a job's stdout and stderr, in its job dir
-RECORD = "pool.json"        # in the sweep dir
-STATE = ".expgpu"           # in a job dir: the job file and the returned JobReturn (removed after)
-JOB_FILE, RETURN_FILE = "pool-job.pkl", "pool-return.pkl"
+from expgpu.rundir import CONSOLE, POOL_JOB as JOB_FILE, POOL_RECORD as RECORD, POOL_RETURN as RETURN_FILE, STATE
 
 
 class JobFailed(WorkerFailed):
@@ -189,7 +185,7 @@ class Record:
         self.batch = len({r["batch"] for r in self.before})   # this launch()'s number, from 0
 
     def write(self, jobs: list[Job], stop_signal: int | None) -> None:
-        from expgpu.checkpoint import atomic_write_bytes
+        from expgpu.rundir import atomic_write_bytes
 
         rows = self.before + [self._row(j) for j in jobs]
         doc = {**self.head, "batches": self._batches(rows),

@@ -117,7 +117,7 @@ def _run(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, d
     import cloudpickle
     from hydra.core.singleton import Singleton
 
-    from expgpu.checkpoint import atomic_write_bytes
+    from expgpu.rundir import atomic_write_bytes
     from expgpu.pool.loop import Pool
 
     state = sweep_dir / jobfiles.STATE

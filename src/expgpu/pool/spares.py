@@ -19,7 +19,7 @@ from typing import Sequence
 from expgpu import procs
 from expgpu.pool.forkserver import ForkedProc, ForkServer
 
-SPARES_LOG = "pool-spares.log"   # in the sweep's .expgpu/: output of processes not yet given a job
+from expgpu.rundir import SPARES_LOG  # noqa: F401  (the pool's modules name it from here)
 
 
 def spare_env(hide_gpus: bool) -> dict[str, str]:
@@ -124,7 +124,7 @@ def task_modules(cfg, own_code: bool) -> list[str]:
     if task is None or OmegaConf.select(cfg, "launch", default=None) is None:
         return []
     # torch._dynamo: the first torch.optim optimizer built in a process imports it (2 s on 2 cores)
-    found: list[str] = ["torch", "torch.optim", "torch._dynamo", "expgpu.worker", "expgpu.run",
+    found: list[str] = ["torch", "torch.optim", "torch._dynamo", "expgpu.rank_process", "expgpu.run",
                         "expgpu.dist", "expgpu.task", "expgpu.tasks.supervised"]
 
     def walk(node) -> None:
