@@ -18,7 +18,9 @@ end-to-end = the whole command, Hydra's own start-up included
 
 --cpu: 6 jobs of task a (400 steps, CPU-bound), basic launcher vs hydra/launcher=gpu_pool
 hydra.launcher.cpu_slots=2, no OMP_NUM_THREADS set (the pool's thread budget decides); the whole
-command's wall time is compared (goal: pool <= basic / 1.1). startup = a pool job's start-to-first-step
+command's wall time is compared (goal: pool <= basic / 1.1). basic_1t: the basic launcher with
+OMP_NUM_THREADS=1, a baseline that other processes on the machine slow down less (torch's OpenMP
+threads on every core collapse when another process takes one). startup = a pool job's start-to-first-step
 (result.json timing.startup_s: from its hand-over to a process to its first training step), median of
 the jobs after the first wave (those get a spare that warmed up while others ran; goal <= 0.3 s).
 --before SRC runs the same pool sweep on another checkout's src/ too (e.g. the commit before a change),
@@ -115,15 +117,15 @@ def run_cpu(kind: str, tmp: Path, n: int, jobs: int, steps: int, slots: int, src
     sweep = tmp / f"cpu-{kind}{n}"
     args = [sys.executable, "-m", "expgpu", "-m", "task=a", f"task.max_steps={steps}",
             f"task.seed=range({jobs})", "checkpoint.resume=false", f"hydra.sweep.dir={sweep}"]
-    if kind != "basic":
+    if not kind.startswith("basic"):
         args += ["hydra/launcher=gpu_pool", f"hydra.launcher.cpu_slots={slots}"]
     t0 = time.time()
-    done = subprocess.run(args, env=env(src, threads=False), cwd=tmp, capture_output=True, text=True)
+    done = subprocess.run(args, env=env(src, threads=kind == "basic_1t"), cwd=tmp, capture_output=True, text=True)
     wall = time.time() - t0
     if done.returncode != 0:
         sys.exit(f"{kind} sweep failed:\n{done.stderr[-3000:]}")
     out = {"wall": wall, "span": None, "startup": []}
-    if kind != "basic":
+    if not kind.startswith("basic"):
         rows = json.loads((sweep / "pool.json").read_text())["jobs"]
         out["span"] = max(j["ended"] for j in rows) - min(j["started"] for j in rows)
         late = sorted(rows, key=lambda j: j["started"])[slots:]   # after the first wave: warm spares
@@ -133,8 +135,9 @@ def run_cpu(kind: str, tmp: Path, n: int, jobs: int, steps: int, slots: int, src
 
 
 def cpu_main(args) -> None:
-    kinds = ["basic", "pool"] + (["pool_before"] if args.before else [])
-    srcs = {"basic": REPO / "src", "pool": REPO / "src", "pool_before": Path(args.before or ".")}
+    kinds = ["basic", "basic_1t", "pool"] + (["pool_before"] if args.before else [])
+    srcs = {"basic": REPO / "src", "basic_1t": REPO / "src", "pool": REPO / "src",
+            "pool_before": Path(args.before or ".")}
     res: dict[str, list[dict]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as d:
         for n in range(args.rounds):
