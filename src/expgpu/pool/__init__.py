@@ -3,14 +3,16 @@
     launch.py     one launch() batch: settings, GPUs, every job's config, its thread budget, the loop
     settings.py   hydra.launcher.* checked; the GPUs a job needs
     scheduler.py  which job gets which GPUs or CPU slot; CPU threads per job (pure)
-    loop.py       the event loop: reap ended jobs, start what fits (starts.py), signals
-    spares.py     processes started ahead of their jobs (torch imported), the launcher's handle
+    loop.py       the event loop: reap ended jobs, signals, the end of a sweep
+    starts.py     lease GPUs, ask the scheduler, hand jobs to spares, keep spares ready
+    forkserver.py one warm process per sweep (torch imported once) that forks each job's process
+    spares.py     a job's process before its job (a fork, or one started on its own), the launcher's handle
     child.py      the job's side: wait, set the job's environment, run_job, send back, exit
     jobs.py       a job, its files, pool.json (every batch's jobs)
     board.py      the live table / log lines
 
-Each job runs in a process of its own, started ahead of time and warmed up (Hydra, torch and the
-task's modules imported while other jobs run) but given nothing of its job, and no GPU, until its
+Each job runs in a process of its own, forked ahead of time from the sweep's fork server (Hydra,
+torch and the task's modules imported once) but given nothing of its job, and no GPU, until its
 GPUs are leased: then it gets its environment (CUDA_VISIBLE_DEVICES: its GPUs' NVML indices, with
 CUDA_DEVICE_ORDER=PCI_BUS_ID; OMP/MKL_NUM_THREADS: its share of the cores) before any of the job's
 code runs, so nothing in it can touch another job's GPU. Inside, expgpu's usual line runs on that

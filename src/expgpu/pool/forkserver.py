@@ -37,19 +37,7 @@ REPLY_TIMEOUT_S = 120.0   # for a fork, the server may first finish importing to
 
 class ForkServer:
     def __init__(self, log: Path, env: dict[str, str], warm: Sequence[str]):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            with open(log, "ab") as out:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "expgpu.pool.child", "--forkserver", str(theirs.fileno())], env=env,
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                    pass_fds=[theirs.fileno()])
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        self.sock = ours
+        self.proc, self.sock = start_child(["--forkserver"], env, log)
         self.pids: dict[int, int] = {}    # fork request -> pid
         self.codes: dict[int, int] = {}   # pid -> exit code
         self._next = 0
@@ -98,6 +86,24 @@ class ForkServer:
             self.sock = None
         procs.kill_group(self.proc.pid)
         self.proc.wait()
+
+
+def start_child(args: list[str], env: dict[str, str], log: Path) -> tuple[subprocess.Popen, socket.socket]:
+    """`python -m expgpu.pool.child ARGS FD` in a session of its own, output to `log`, and the
+    launcher's end of its socket."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "expgpu.pool.child", *args, str(theirs.fileno())], env=env,
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                pass_fds=[theirs.fileno()])
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return proc, ours
 
 
 class ForkedProc:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from expgpu import procs
-from expgpu.pool.forkserver import ForkedProc, ForkServer
+from expgpu.pool.forkserver import ForkedProc, ForkServer, start_child
 
 from expgpu.rundir import SPARES_LOG  # noqa: F401  (the pool's modules name it from here)
 
@@ -38,22 +37,18 @@ class Spare:
 
     def __init__(self, state: Path, hide_gpus: bool, warm: Sequence[str] = (), context: Path | None = None,
                  server: ForkServer | None = None):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = state / SPARES_LOG
-        try:
-            if server is not None:
+        if server is not None:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
                 self.proc = server.fork(theirs)
-            else:
-                with open(self.log, "ab") as out:
-                    self.proc = subprocess.Popen(
-                        [sys.executable, "-m", "expgpu.pool.child", str(theirs.fileno())], env=spare_env(hide_gpus),
-                        stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                        pass_fds=[theirs.fileno()])
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
+        else:
+            self.proc, ours = start_child([], spare_env(hide_gpus), self.log)
         ours.setblocking(False)
         self.sock: socket.socket | None = ours
         self.ready = False
