@@ -41,6 +41,19 @@ def write_failure(run_dir: Path, rank: int, message: str, user_error: bool = Fal
     atomic_write_bytes(path, json.dumps({"rank": rank, "message": message, "user_error": user_error}).encode())
 
 
+def job_failure_path(run_dir: Path) -> Path:
+    return run_dir / ".expgpu" / "failure.json"
+
+
+def write_job_failure(run_dir: Path, message: str, user_error: bool = False) -> None:
+    """Why the job (not one rank) failed, in one line, for `expgpu-report` whatever the launcher."""
+    from expgpu.checkpoint import atomic_write_bytes
+
+    path = job_failure_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps({"message": " ".join(message.split()), "user_error": user_error}).encode())
+
+
 @dataclass
 class Failure:
     rank: int

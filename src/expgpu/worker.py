@@ -76,7 +76,9 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
         except BaseException as e:
             if on_error is not None:
                 on_error(e)
+            run._finish_loggers("failed", {})
             raise
+        run._finish_loggers(status, metrics)
         checksum = run._checksum()
         me = {"rank": info.rank, "host": host, "device": str(device),
               "gpus": [g.index for g in my_gpus], "names": [g.name for g in my_gpus], "param_checksum": checksum}
