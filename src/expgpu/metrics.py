@@ -94,7 +94,7 @@ class MetricsLog:
         for name, value in values.items():
             pending[name] = (step, value)
 
-    def flush(self, epoch: int) -> None:
+    def flush(self, epoch: int, to_loggers: bool = True) -> None:
         if not self.pending:
             return
         if self.file is None:
@@ -109,7 +109,7 @@ class MetricsLog:
             self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         self.last_row = written[-1]
-        if self.loggers is not None:
+        if self.loggers is not None and to_loggers:
             self.loggers.write(written)
         last = max(rows)
         self.progress.update(last, rows[last])
@@ -122,9 +122,12 @@ class MetricsLog:
     def load_state_dict(self, state: list) -> None:
         self.pending = {name: (int(step), value) for name, step, value in state}
 
-    def close(self, epoch: int, flush: bool = True) -> None:
+    def close(self, epoch: int, flush: bool = True, crashed: bool = False) -> None:
         if flush:
-            self.flush(epoch)
+            # After a crash the last row is off the log_every cadence (the step it crashed at): kept
+            # in metrics.jsonl, where a resume trims it, but not sent to loggers, which cannot take
+            # a point back; a resume sends them the rows from the checkpoint on.
+            self.flush(epoch, to_loggers=not crashed)
         if self.file is not None:
             self.file.close()
             self.file = None

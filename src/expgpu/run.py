@@ -263,7 +263,7 @@ class Run:
         finally:
             if self._metrics is not None:
                 # after a stop, what was logged since the last row is in the checkpoint (written on resume)
-                self._metrics.close(self.epoch, flush=not self._stopped)
+                self._metrics.close(self.epoch, flush=not self._stopped, crashed=not finished and not self._stopped)
 
     def _finish_loggers(self, status: str, metrics: dict) -> None:
         """rank 0: the loggers' runs end (finished, stopped: resumable, failed) with the returned metrics."""

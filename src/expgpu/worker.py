@@ -78,7 +78,9 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
                 on_error(e)
             run._finish_loggers("failed", {})
             raise
-        run._finish_loggers(status, metrics)
+        # The run's speed beside what it returned: the loggers' runs compare it across a sweep.
+        speed = run._timings(t_start)["steps_per_s"]
+        run._finish_loggers(status, {**metrics, **({"steps_per_s": speed} if speed is not None else {})})
         checksum = run._checksum()
         me = {"rank": info.rank, "host": host, "device": str(device),
               "gpus": [g.index for g in my_gpus], "names": [g.name for g in my_gpus], "param_checksum": checksum}

@@ -29,8 +29,9 @@ class JobInfo:
 
     @property
     def name(self) -> str:
-        """A logger run's name: the job's overrides, as Hydra's override_dirname spells them."""
-        shown = [o for o in self.overrides if not o.startswith("hydra.")]
+        """A logger run's name: the job's overrides, as Hydra's override_dirname spells them, less
+        the choice of loggers (which says nothing about the experiment)."""
+        shown = [o for o in self.overrides if not o.lstrip("+~").startswith(("hydra.", "logger=", "logger."))]
         if shown:
             return ",".join(shown)
         return f"job {self.num}" if self.num is not None else self.job_name

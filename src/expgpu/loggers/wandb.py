@@ -15,6 +15,8 @@ sent before a crash, after the last checkpoint, are not sent again (W&B drops a 
 
 from __future__ import annotations
 
+import uuid
+
 from expgpu import loggers
 from expgpu.loggers.state import LoggerState
 
@@ -32,7 +34,8 @@ class WandbLogger:
         saved = self.state.get(self.name) or {}
         job = self.state.job
         continuing = resumed and bool(saved.get("id"))
-        run_id = saved["id"] if continuing else wandb.util.generate_id()
+        # W&B's own id maker moved between releases: 8 lowercase hex characters, as W&B's ids are.
+        run_id = saved["id"] if continuing else uuid.uuid4().hex[:8]
         s = self.settings
         self.run = wandb.init(
             project=s.get("project") or "expgpu", entity=s.get("entity"), mode=str(s.get("mode") or "offline"),
