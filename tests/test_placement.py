@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, clean_env, expgpu
 from launcher_envs import CYCLIC_NODE0, CYCLIC_NODE1, SRUN_E, TORCHRUN_2_PLUS_1_NODE1
 
-from expgpu import placement
+from expgpu import placement, rundir
 from expgpu.ranks import RankInfo
 
 SIM = [{"name": "A100", "memory_mb": 40960, "free_mb": 30000}, {"name": "V100", "memory_mb": 16384},
@@ -50,7 +50,7 @@ def test_local_rank_0_plans_once_and_the_others_read_it(tmp_path):
     late.join(10)
     assert seen[0] == seen[1]
     assert [[g.index for g in a] for a in seen[0].assignments] == [[2], [0]]
-    path = placement.plan_path(tmp_path, "torchrun-r1-0")
+    path = rundir.node_plan_file(tmp_path, socket.gethostname(), "torchrun-r1-0")
     assert json.loads(path.read_text())["strategy"] == "free_memory"
 
 

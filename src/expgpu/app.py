@@ -17,9 +17,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from expgpu import config, loggers, placement, ranks, requeue, spawn, stopping, worker
-from expgpu.checkpoint import atomic_write_bytes
+from expgpu import config, loggers, placement, rank_process, ranks, requeue, rundir, spawn, stopping
 from expgpu.errors import UserError, first_line
+from expgpu.rundir import atomic_write_bytes
 
 log = logging.getLogger("expgpu")
 
@@ -62,7 +62,7 @@ def _write_plan(run_dir: Path, node, info: ranks.RankInfo, extra: dict | None = 
     doc = {"host": socket.gethostname(), "strategy": node.strategy, "ranks": rows,
            "node": node.to_dict(), **(extra or {})}
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(run_dir / worker.PLAN_FILE, (json.dumps(doc, indent=2) + "\n").encode())
+    atomic_write_bytes(run_dir / rundir.PLAN, (json.dumps(doc, indent=2) + "\n").encode())
     return rows
 
 
@@ -76,7 +76,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     except BaseException as e:
         # The first failure is the cause (under srun every rank runs this; the others echo it).
         # A config error before the run dir exists leaves nothing behind.
-        if run_dir.is_dir() and not spawn.job_failure_path(run_dir).exists():
+        if run_dir.is_dir() and not rundir.job_failure_file(run_dir).exists():
             spawn.write_job_failure(run_dir, str(e) if isinstance(e, (UserError, WorkerFailed))
                                     else f"{type(e).__name__}: {first_line(e)}", isinstance(e, UserError))
         raise
@@ -111,24 +111,23 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
         if info.local_rank == 0:
             rows = _write_plan(run_dir, node, info)
             print(placement.table(rows, node.strategy), flush=True)
-            print(f"plan written to {run_dir / worker.PLAN_FILE} (dry run: nothing trained)", flush=True)
+            print(f"plan written to {run_dir / rundir.PLAN} (dry run: nothing trained)", flush=True)
             return {"status": "dry_run", "plan": rows}
         return None
 
     if info.rank == 0:
-        spawn.job_failure_path(run_dir).unlink(missing_ok=True)   # from an attempt this one reruns
+        rundir.job_failure_file(run_dir).unlink(missing_ok=True)   # from an attempt this one reruns
         if loggers.chosen(plain):
             loggers.record_job(run_dir)   # the sweep and overrides, which only this process knows
     if nproc == 1:
-        return _finished(worker.run(plain, info, run_dir), info, run_dir)
+        return _finished(rank_process.run(plain, info, run_dir), info, run_dir)
 
     # Supervisor: one plan for the node, written where the workers read it.
     node = placement.compute(plain, nproc)
     _write_plan(run_dir, node, info)
-    state = run_dir / ".expgpu"
-    state.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(state / worker.CONFIG_FILE, json.dumps(plain).encode())
-    atomic_write_bytes(state / worker.LOGGING_FILE, json.dumps(_job_logging()).encode())
+    rundir.state_dir(run_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(rundir.config_file(run_dir), json.dumps(plain).encode())
+    atomic_write_bytes(rundir.logging_file(run_dir), json.dumps(_job_logging()).encode())
     multi_node = info.world_size > 1  # one supervisor per node (e.g. srun --ntasks-per-node=1)
     failure = spawn.run(nproc, run_dir, node_rank=info.rank, nnodes=info.world_size,
                         master_addr=info.master_addr if multi_node else "127.0.0.1",
@@ -138,7 +137,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
             raise UserError(failure.message)
         raise WorkerFailed(failure)
     if info.rank == 0:
-        return _finished(json.loads((run_dir / "result.json").read_text()), info, run_dir)
+        return _finished(json.loads((run_dir / rundir.RESULT).read_text()), info, run_dir)
     return None
 
 
@@ -148,7 +147,7 @@ def _finished_earlier(run_dir: Path, plain: dict) -> dict | None:
     if not plain["checkpoint"]["resume"]:
         return None
     try:
-        result = json.loads((run_dir / "result.json").read_text())
+        result = json.loads((run_dir / rundir.RESULT).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(result, dict) or result.get("status") != "finished":
@@ -174,7 +173,7 @@ def _finished(result: dict | None, info: ranks.RankInfo, run_dir: Path) -> dict 
     devices = sorted({r["device"] for r in result["plan"]})
     log.info("done: task %s, %d steps on %d rank(s) (%s, %s): %s -> %s", result["task"], result["steps"],
              result["world_size"], ",".join(devices), result["backend"] or "no process group",
-             describe(result["metrics"]), Path(result["run_dir"]) / "result.json")
+             describe(result["metrics"]), Path(result["run_dir"]) / rundir.RESULT)
     return result
 
 

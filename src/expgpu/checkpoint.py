@@ -10,51 +10,13 @@ run shape is an error naming the file, never a restart from step 0.
 from __future__ import annotations
 
 import io
-import os
-import time
 from pathlib import Path
 from typing import Any
 
 from expgpu.errors import UserError
+from expgpu.rundir import atomic_write_bytes
 
 FORMAT = 2   # 2: the objects a run tracks (run.track), each rank's RNG and data position
-FILENAME = "checkpoint.pt"
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, a second Ctrl-C: the old file stays, the partial one goes
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def wait_for_file(path: Path, timeout_s: float, what: str) -> str:
-    """The text of a file another process publishes with atomic_write_bytes (never half-written).
-
-    Raises RuntimeError naming `what` when it does not appear within timeout_s.
-    """
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} within {timeout_s:.0f}s ({path})")
-        time.sleep(0.01)
-    return path.read_text()
 
 
 def save(path: Path, state: dict[str, Any]) -> None:

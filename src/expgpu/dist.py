@@ -42,10 +42,10 @@ def _local_store_port(info: RankInfo, run_dir: Path, timeout_s: float):
     """
     import torch.distributed as dist
 
-    from expgpu.checkpoint import atomic_write_bytes, wait_for_file
+    from expgpu.rundir import atomic_write_bytes, store_port_file, wait_for_file
 
     launch = os.environ.get("EXPGPU_LAUNCH_ID", "0")
-    port_file = run_dir / ".expgpu" / f"store-{launch}.port"
+    port_file = store_port_file(run_dir, launch)
     timeout = datetime.timedelta(seconds=timeout_s)
     if info.rank == 0:
         store = dist.TCPStore(info.master_addr, 0, info.world_size, True, timeout=timeout,

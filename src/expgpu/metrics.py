@@ -22,11 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from expgpu.errors import UserError
+from expgpu.rundir import METRICS, atomic_write_bytes
 
 log = logging.getLogger("expgpu")
-
-FILENAME = "metrics.jsonl"
-
 
 def scalar(name: str, value: Any) -> Any:
     """A loggable value (a number or a one-element tensor, detached), or a one-line error."""
@@ -47,8 +45,6 @@ def _number(value: Any) -> float | int:
 
 def trim(path: Path, step: int) -> int:
     """Drop the rows after `step` (all of them for 0), atomically; the last step it held (-1: none)."""
-    from expgpu.checkpoint import atomic_write_bytes
-
     if not path.exists():
         return -1
 
@@ -70,7 +66,7 @@ class MetricsLog:
     """rank 0's metrics.jsonl, progress display and loggers (expgpu.loggers: fed the same rows)."""
 
     def __init__(self, run_dir: Path, total_steps: int | None = None, loggers=None):
-        self.path = Path(run_dir) / FILENAME
+        self.path = Path(run_dir) / METRICS
         self.pending: dict[str, tuple[int, Any]] = {}
         self.file = None
         self.progress: _Progress | None = None

@@ -15,7 +15,7 @@ import socket
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from expgpu.checkpoint import atomic_write_bytes, wait_for_file
+from expgpu.rundir import atomic_write_bytes, node_plan_file, wait_for_file
 from expgpu.gpus import NodePlan, inventory, plan
 from expgpu.ranks import RankInfo
 
@@ -72,10 +72,6 @@ def gpu_map_params(cfg: dict) -> dict:
     return params
 
 
-def plan_path(run_dir: Path, launch: str) -> Path:
-    return run_dir / ".expgpu" / f"plan-{socket.gethostname()}-{launch}.json"
-
-
 def shared(cfg: dict, info: RankInfo, run_dir: Path, timeout_s: float,
            env: Mapping[str, str] | None = None) -> NodePlan:
     env = os.environ if env is None else env
@@ -85,7 +81,7 @@ def shared(cfg: dict, info: RankInfo, run_dir: Path, timeout_s: float,
     launch = launch_id(env)
     if info.local_world_size == 1 or launch is None:
         return compute(cfg, info.local_world_size)
-    path = plan_path(run_dir, launch)
+    path = node_plan_file(run_dir, socket.gethostname(), launch)
     if info.local_rank == 0:
         node = compute(cfg, info.local_world_size)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -427,7 +427,7 @@ def _tidy(state: Path) -> None:
 
 
 def _write(path: Path, data: bytes) -> None:
-    from expgpu.checkpoint import atomic_write_bytes
+    from expgpu.rundir import atomic_write_bytes
 
     atomic_write_bytes(path, data)
 

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from expgpu import checkpoint, dist, loggers, rng
+from expgpu import checkpoint, dist, loggers, rng, rundir
 from expgpu.errors import UserError, first_line
 from expgpu.feed import Feed, RankSampler
 from expgpu.metrics import MetricsLog
@@ -206,7 +206,7 @@ class Run:
         return {"task": self._spec.name, "world_size": self.world_size, "fingerprint": self._spec.fingerprint}
 
     def _resume(self) -> None:
-        path = self.run_dir / checkpoint.FILENAME
+        path = self.run_dir / rundir.CHECKPOINT
         if not (self.cfg.checkpoint.resume and path.exists()):
             return
         state = checkpoint.load(path, self._expect(), self._spec.identity)
@@ -237,7 +237,7 @@ class Run:
         mine = {"rng": rng.capture(self.device), "epoch": feed.epoch, "position": feed.position}
         ranks = dist.gather_objects(mine, self.world_size)
         if self.is_main:
-            path = self.run_dir / checkpoint.FILENAME
+            path = self.run_dir / rundir.CHECKPOINT
             checkpoint.save(path, {
                 **self._expect(), "params": _json(self._spec.identity), "step": self.step, "ranks": ranks,
                 "tracked": {name: obj.state_dict() for name, obj in self._tracked.items()},

@@ -6,14 +6,115 @@ would start a fresh one and lose its checkpoint. So the directory is derived fro
 what the ranks of one run share: the SLURM job id, torchrun's run id (or the start
 time of the torchrun agent all local workers descend from), or, for a plain run,
 the time now, made unique by creating the directory atomically.
+
+This module is also the one place that spells a run dir's layout, and owns the atomic write that
+every file in it goes through (write, fsync, rename: a kill leaves the old file or the new one):
+
+    RUN_DIR/result.json                     rank 0, at the end (the function's metrics, timings)
+    RUN_DIR/metrics.jsonl                   rank 0, what run.log wrote
+    RUN_DIR/checkpoint.pt                   rank 0, every checkpoint.every_steps and at a stop
+    RUN_DIR/plan.json                       the node plan (dry run and spawn)
+    RUN_DIR/logs/rank<N>.log                each spawned rank's log
+    RUN_DIR/metrics.csv, tensorboard/,      rank 0, the chosen loggers (expgpu.loggers)
+        wandb/, mlflow.db (a single run)
+    RUN_DIR/.expgpu/                        expgpu's hand-over files between its own processes:
+        config.json, logging.json           the resolved config and hydra.job_logging, for spawned ranks
+        rank<N>.failure.json                the one-line reason a rank failed (the report shows it)
+        failure.json                        the one-line reason the job failed, whatever the launcher
+        loggers.json                        the job's sweep and overrides, the loggers' run ids (resume)
+        plan-<host>-<launch>.json           local rank 0's GPU plan, for the node's other ranks
+        store-<launch>.port                 rank 0's TCPStore port, for spawned ranks
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import os
+import time
 from pathlib import Path
 from typing import Mapping
+
+RESULT = "result.json"
+METRICS = "metrics.jsonl"
+CHECKPOINT = "checkpoint.pt"
+PLAN = "plan.json"
+STATE = ".expgpu"
+
+
+def state_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / STATE
+
+
+def config_file(run_dir: Path) -> Path:
+    return state_dir(run_dir) / "config.json"
+
+
+def logging_file(run_dir: Path) -> Path:
+    return state_dir(run_dir) / "logging.json"
+
+
+def failure_file(run_dir: Path, rank: int) -> Path:
+    return state_dir(run_dir) / f"rank{rank}.failure.json"
+
+
+def failure_files(run_dir: Path) -> list[Path]:
+    return sorted(state_dir(run_dir).glob("rank*.failure.json"))
+
+
+def job_failure_file(run_dir: Path) -> Path:
+    return state_dir(run_dir) / "failure.json"
+
+
+def loggers_file(run_dir: Path) -> Path:
+    return state_dir(run_dir) / "loggers.json"
+
+
+def node_plan_file(run_dir: Path, host: str, launch: str) -> Path:
+    return state_dir(run_dir) / f"plan-{host}-{launch}.json"
+
+
+def store_port_file(run_dir: Path, launch: str) -> Path:
+    return state_dir(run_dir) / f"store-{launch}.port"
+
+
+def rank_log(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / "logs" / f"rank{rank}.log"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a second Ctrl-C: the old file stays, the partial one goes
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def wait_for_file(path: Path, timeout_s: float, what: str) -> str:
+    """The text of a file another process publishes with atomic_write_bytes (never half-written).
+
+    Raises RuntimeError naming `what` when it does not appear within timeout_s.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} within {timeout_s:.0f}s ({path})")
+        time.sleep(0.01)
+    return path.read_text()
 
 _chosen: dict[str, str] = {}
 # False when the command only prints (--cfg, --info, --help, shell completion): the name is still
@@ -43,16 +144,16 @@ def default_run_dir(root: str = "outputs", env: Mapping[str, str] | None = None,
         # whose start time is the same for each of them.
         import psutil
 
-        day, time = _stamp(psutil.Process(os.getppid()).create_time())
-        return f"{root}/{day}/{time}-torchrun{os.getppid()}"
-    day, time = _stamp(now if now is not None else _dt.datetime.now().timestamp())
-    base = Path(root) / day / time
+        day, hms = _stamp(psutil.Process(os.getppid()).create_time())
+        return f"{root}/{day}/{hms}-torchrun{os.getppid()}"
+    day, hms = _stamp(now if now is not None else _dt.datetime.now().timestamp())
+    base = Path(root) / day / hms
     if not claim:
         return str(base)
     # Two runs started within the same second must not share a directory (and
     # resume each other's checkpoints): claim one with an atomic mkdir.
     for n in range(1000):
-        candidate = base if n == 0 else base.with_name(f"{time}_{n}")
+        candidate = base if n == 0 else base.with_name(f"{hms}_{n}")
         try:
             candidate.mkdir(parents=True)
             return str(candidate)

@@ -1,6 +1,6 @@
 """expgpu's own local launcher: N worker processes, fail-fast, no orphans.
 
-Each worker is a fresh `python -m expgpu.worker RUN_DIR` that learns its rank from
+Each worker is a fresh `python -m expgpu.rank_process RUN_DIR` that learns its rank from
 EXPGPU_* variables and isolates its GPU before it imports torch. The parent never
 imports torch (workers start sooner) and only watches: when one worker fails,
 the others are stopped at once (SIGTERM, then SIGKILL after a grace period) and the
@@ -23,33 +23,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from expgpu import stopping
+from expgpu.rundir import atomic_write_bytes, failure_file, failure_files, job_failure_file
 
 log = logging.getLogger("expgpu")
 
 GRACE_S = 5.0  # a stopped worker gets this long to exit before SIGKILL
 
 
-def failure_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / ".expgpu" / f"rank{rank}.failure.json"
-
-
 def write_failure(run_dir: Path, rank: int, message: str, user_error: bool = False) -> None:
-    from expgpu.checkpoint import atomic_write_bytes
-
-    path = failure_path(run_dir, rank)
+    path = failure_file(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps({"rank": rank, "message": message, "user_error": user_error}).encode())
 
 
-def job_failure_path(run_dir: Path) -> Path:
-    return run_dir / ".expgpu" / "failure.json"
-
-
 def write_job_failure(run_dir: Path, message: str, user_error: bool = False) -> None:
     """Why the job (not one rank) failed, in one line, for `expgpu-report` whatever the launcher."""
-    from expgpu.checkpoint import atomic_write_bytes
-
-    path = job_failure_path(run_dir)
+    path = job_failure_file(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps({"message": " ".join(message.split()), "user_error": user_error}).encode())
 
@@ -66,13 +55,13 @@ def _die_with_parent() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     # A stop signal that lands before the worker installs its handler would kill it
-    # unsaved (SIGTERM's, SIGUSR2's default action): hold them until worker.main does.
+    # unsaved (SIGTERM's, SIGUSR2's default action): hold them until rank_process.main does.
     stopping.block_in_child()
 
 
 def _describe(run_dir: Path, rank: int, code: int) -> Failure:
     try:
-        info = json.loads(failure_path(run_dir, rank).read_text())
+        info = json.loads(failure_file(run_dir, rank).read_text())
         return Failure(rank, info["message"], info["user_error"], code)
     except (OSError, ValueError, KeyError):
         if code < 0:
@@ -114,7 +103,7 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
     """Start nproc workers and wait; None when all succeeded, else the first failure."""
     launch = uuid.uuid4().hex[:12]
     world = nproc * nnodes
-    for stale in (run_dir / ".expgpu").glob("rank*.failure.json"):  # from a run this one resumes
+    for stale in failure_files(run_dir):  # from a run this one resumes
         stale.unlink()
     stopper = stopping.current()
     early = stopper.received if stopper else None  # a signal while Hydra composed: pass it on
@@ -133,7 +122,7 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
         })
         if stopper is not None:  # workers stop on what this process stops on (stopping.Stopper.install)
             env[stopping.ENV_SIGNALS] = ",".join(stopper.owned)
-        procs.append(subprocess.Popen([sys.executable, "-m", "expgpu.worker", str(run_dir)], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", "expgpu.rank_process", str(run_dir)], env=env,
                                       preexec_fn=_die_with_parent))
 
     # Ctrl-C reaches the workers too (same process group); they checkpoint and exit.
@@ -163,8 +152,8 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
                 # ("connection closed by peer"). A rank killed outright wrote nothing:
                 # it went first. The cause may still be exiting (printing its traceback,
                 # tearing its group down) when its echo has already ended: it counts too.
-                bad += [(r, 1) for r, c in enumerate(codes) if c is None and failure_path(run_dir, r).exists()]
-                rank, code = min(bad, key=lambda rc: _mtime(failure_path(run_dir, rc[0])))
+                bad += [(r, 1) for r, c in enumerate(codes) if c is None and failure_file(run_dir, r).exists()]
+                rank, code = min(bad, key=lambda rc: _mtime(failure_file(run_dir, rc[0])))
                 _stop(procs)
                 return _describe(run_dir, rank, code)
             if all(c == 0 for c in codes):

@@ -120,7 +120,7 @@ class Cache:
     def scores(self, gpus: Sequence[Gpu], run: Callable[[Gpu, str], float]) -> dict[int, float]:
         from filelock import FileLock, Timeout
 
-        from expgpu.checkpoint import atomic_write_bytes
+        from expgpu.rundir import atomic_write_bytes
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Held while measuring: two processes planning at once (torchrun's local rank 0 on a

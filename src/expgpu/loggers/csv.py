@@ -67,7 +67,7 @@ class CsvLogger:
             return list(csv.DictReader(f))
 
     def _rewrite(self, rows: list[dict]) -> None:
-        from expgpu.checkpoint import atomic_write_bytes
+        from expgpu.rundir import atomic_write_bytes
 
         if not self.columns:
             self.columns = _FIRST + _LAST

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-FILE = "loggers.json"
+from expgpu.rundir import atomic_write_bytes, loggers_file
+
 
 
 @dataclass
@@ -63,7 +64,7 @@ class JobInfo:
 class LoggerState:
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / ".expgpu" / FILE
+        self.path = loggers_file(self.run_dir)
         doc = self._read()
         job = doc.get("job") or {}
         known = {k: v for k, v in job.items() if k in JobInfo.__dataclass_fields__}
@@ -85,8 +86,6 @@ class LoggerState:
         self._write({**self._read(), logger: value})
 
     def _write(self, doc: dict) -> None:
-        from expgpu.checkpoint import atomic_write_bytes
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(self.path, (json.dumps(doc, indent=1) + "\n").encode())
 

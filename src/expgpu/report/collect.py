@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from expgpu.errors import UserError
+from expgpu.rundir import METRICS, RESULT, failure_files, job_failure_file
 
 # Logged every step but not a result: not drawn (the learning rate is, when nothing else is).
 _NOT_PLOTTED = ("epoch", "time", "step")
@@ -141,9 +142,8 @@ def _objective(job_dir: Path, row: Row) -> None:
 
 def _failure(job_dir: Path, row: Row) -> str | None:
     """Why the job failed, in one line: the job's own record, else the rank that failed first."""
-    state = job_dir / ".expgpu"
-    job = state / "failure.json"
-    ranks = sorted(state.glob("rank*.failure.json"), key=lambda p: (p.stat().st_mtime, p.name))
+    job = job_failure_file(job_dir)
+    ranks = sorted(failure_files(job_dir), key=lambda p: (p.stat().st_mtime, p.name))
     for path in ([job] if job.exists() else []) + ranks:
         info = _read_json(path, row) or {}
         if info.get("message"):
@@ -187,8 +187,8 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
     found = _overrides(job_dir, row)
     if found is not None:
         row.overrides = _shown(found)
-    result = _read_json(job_dir / "result.json", row)
-    row.series, span = _series(job_dir / "metrics.jsonl", row)
+    result = _read_json(job_dir / RESULT, row)
+    row.series, span = _series(job_dir / METRICS, row)
     _objective(job_dir, row)
     if result is not None:
         row.status = str(result.get("status", "unknown"))
@@ -241,7 +241,7 @@ def _job_dirs(sweep: Path, depth: int = 3) -> list[tuple[str, Path]]:
         path = Path(root)
         rel = path.relative_to(sweep)
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        if rel.parts and (".hydra" in os.listdir(path) or "result.json" in files or "metrics.jsonl" in files):
+        if rel.parts and (".hydra" in os.listdir(path) or RESULT in files or METRICS in files):
             found.append((str(rel), path))
             dirs[:] = []
         elif len(rel.parts) >= depth:
@@ -274,7 +274,7 @@ def collect(sweep: Path) -> list[Row]:
         rows += [read_job(p, n) for n, p in _job_dirs(sweep) if p.resolve() not in seen]
         return rows
     jobs = _job_dirs(sweep)
-    if not jobs and ((sweep / ".hydra").is_dir() or (sweep / "result.json").exists()):
+    if not jobs and ((sweep / ".hydra").is_dir() or (sweep / RESULT).exists()):
         return [read_job(sweep, sweep.name)]   # a single run dir
     if not jobs:
         raise UserError(f"{sweep}: no job dirs in it (a job dir holds .hydra/ or result.json); "

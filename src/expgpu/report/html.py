@@ -69,6 +69,6 @@ def _rel(path: Path, base: Path) -> str:
 
 
 def write(rows: list[Row], ranking: Ranking, path: Path, title: str, png: str | None) -> None:
-    from expgpu.checkpoint import atomic_write_bytes
+    from expgpu.rundir import atomic_write_bytes
 
     atomic_write_bytes(path, page(rows, ranking, title, png, path.parent).encode())

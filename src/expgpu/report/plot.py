@@ -41,7 +41,7 @@ def plot(rows: list[Row], ranking: Ranking, path: Path, title: str) -> list[str]
     matplotlib.use("Agg")  # no display: a file, from a terminal, a cluster node or CI
     import matplotlib.pyplot as plt
 
-    from expgpu.checkpoint import atomic_write_bytes
+    from expgpu.rundir import atomic_write_bytes
 
     drawn = [r for r in ranking.rows if any(r.series.get(n) for n in names)]
     crowded = len(drawn) > LEGEND_ALL

@@ -53,7 +53,7 @@ def table(rows: list[Row], ranking: Ranking) -> str:
 
 
 def write_csv(rows: list[Row], ranking: Ranking, path: Path) -> None:
-    from expgpu.checkpoint import atomic_write_bytes
+    from expgpu.rundir import atomic_write_bytes
 
     keys: list[str] = []
     for r in rows:

@@ -4,7 +4,7 @@
         -> dist.process_group -> Run -> fn(run, **params) -> result.json (rank 0)
 
 Started in-process by `python -m expgpu` (single process, torchrun, srun, mpirun), or
-as `python -m expgpu.worker RUN_DIR` by expgpu's own spawn, which hands down the
+as `python -m expgpu.rank_process RUN_DIR` by expgpu's own spawn, which hands down the
 resolved config and the node plan in RUN_DIR/.expgpu/.
 """
 
@@ -19,16 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-from expgpu import placement
-from expgpu.checkpoint import atomic_write_bytes
+from expgpu import placement, rundir
+from expgpu.rundir import atomic_write_bytes
 from expgpu.gpus import NodePlan, apply
 from expgpu.ranks import RankInfo
 
 log = logging.getLogger("expgpu")
-
-CONFIG_FILE = "config.json"   # under RUN_DIR/.expgpu: the resolved config for spawned workers
-PLAN_FILE = "plan.json"       # under RUN_DIR: the node plan (dry run and spawn)
-
 
 def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
         t_start: float | None = None, on_error=None) -> dict | None:
@@ -61,7 +57,7 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
     node_gpus = ([[g.index for g in my_gpus]] if node.strategy == "inherited"
                  else [[g.index for g in a] for a in node.assignments])
     backend = dist.choose_backend(cfg["backend"]["name"], node_gpus, cuda_available=device.type == "cuda")
-    # Installed already by the CLI entry or worker.main (a signal during startup is kept);
+    # Installed already by the CLI entry or rank_process.main (a signal during startup is kept);
     # here when a launcher calls the task function itself. Left installed: a signal that
     # lands after training (SLURM's own SIGTERM after a requeue) must not kill the exit path.
     stopper = stopping.install()
@@ -104,7 +100,7 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
         **run._extra,
         "run_dir": str(run_dir),
     }
-    atomic_write_bytes(run_dir / "result.json", (json.dumps(result, indent=2) + "\n").encode())
+    atomic_write_bytes(run_dir / rundir.RESULT, (json.dumps(result, indent=2) + "\n").encode())
     return result
 
 
@@ -149,9 +145,6 @@ def _metrics(returned, target: str) -> dict:
     return out
 
 
-LOGGING_FILE = "logging.json"   # under RUN_DIR/.expgpu: hydra.job_logging, resolved, for spawned workers
-
-
 def setup_logging(run_dir: Path, rank: int) -> None:
     """The logging the user chose with hydra/job_logging (default, stdout, disabled, ...), as in the
     process that spawned this one, with "[rank N]" before each message; also logs/rank<N>.log
@@ -168,7 +161,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
 
     logging.setLogRecordFactory(tagged)
     try:
-        chosen = json.loads((run_dir / ".expgpu" / LOGGING_FILE).read_text())
+        chosen = json.loads(rundir.logging_file(run_dir).read_text())
     except (OSError, ValueError):
         chosen = None   # hydra/job_logging=none, or a run dir of an older expgpu
     root = logging.getLogger()
@@ -176,8 +169,9 @@ def setup_logging(run_dir: Path, rank: int) -> None:
         logging.config.dictConfig(chosen)
     else:
         root.setLevel(logging.INFO)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    file = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    log_file = rundir.rank_log(run_dir, rank)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    file = logging.FileHandler(log_file)
     file.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
     root.addHandler(file)
 
@@ -198,8 +192,8 @@ def main() -> None:
     setup_logging(run_dir, rank)
     try:
         info = ranks.detect()
-        cfg = json.loads((run_dir / ".expgpu" / CONFIG_FILE).read_text())
-        node = NodePlan.from_dict(json.loads((run_dir / PLAN_FILE).read_text())["node"])
+        cfg = json.loads(rundir.config_file(run_dir).read_text())
+        node = NodePlan.from_dict(json.loads((run_dir / rundir.PLAN).read_text())["node"])
         run(cfg, info, run_dir, node, on_error=lambda e: _record_failure(run_dir, rank, e))
     except UserError as e:
         # The supervisor prints it, once: every rank may hit the same bad input (a checkpoint
@@ -224,9 +218,9 @@ def main() -> None:
 def _record_failure(run_dir: Path, rank: int, e: BaseException) -> None:
     """This rank's failure, for the supervisor, once: the first record is the time it failed."""
     from expgpu.errors import UserError
-    from expgpu.spawn import failure_path, write_failure
+    from expgpu.spawn import write_failure
 
-    if failure_path(run_dir, rank).exists():
+    if rundir.failure_file(run_dir, rank).exists():
         return
     if isinstance(e, UserError):
         write_failure(run_dir, rank, str(e), user_error=True)
