@@ -147,14 +147,20 @@ def test_sigterm_then_rerun_continues_the_same_tensorboard_and_mlflow_runs(tmp_p
         assert [int(r["step"]) for r in csv.DictReader(f)] == [s for s, _ in reference]
 
 
-def test_a_rank_killed_after_its_checkpoint_leaves_no_duplicate_and_no_missing_step(tmp_path, reference):
-    # SIGKILL at step 253, 53 steps after the last checkpoint: MLflow and TensorBoard already hold rows
-    # the resume redoes (and MLflow may not have been sent its last rows).
+@pytest.mark.parametrize("kind", ["exception", "kill"])
+def test_a_crash_after_the_checkpoint_leaves_no_duplicate_and_no_missing_step(tmp_path, reference, kind):
+    # A crash at step 253, 53 steps after the last checkpoint. An exception: the loggers were sent
+    # every row up to 250, which the resume redoes (MLflow cannot take them back: they must not be
+    # sent again). SIGKILL: MLflow's last batch was never sent (the resume sends it from metrics.jsonl).
     run_dir = tmp_path / "run"
     args = ARGS + ["logger=[tensorboard,mlflow]", "checkpoint.every_steps=100"]
-    killed = expgpu(args + ["faults.crash_rank=0", "faults.crash_step=253", "faults.kind=kill"], run_dir)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert max(s for s, _ in _history(run_dir, "loss")) == 250
+    crashed = expgpu(args + ["faults.crash_rank=0", "faults.crash_step=253", f"faults.kind={kind}"], run_dir)
+    assert crashed.returncode == (1 if kind == "exception" else -signal.SIGKILL), crashed.stderr[-3000:]
+    assert max(s for s, _ in _history(run_dir, "loss")) == (253 if kind == "exception" else 250)
+    if kind == "exception":
+        [run] = _mlflow_runs(run_dir)
+        assert run.info.status == "FAILED"
+        assert max(s for s, _ in _mlflow_history(run_dir, run.info.run_id, "loss")) == 250
     resumed = expgpu(args, run_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.result["resumed_from_step"] == 200
