@@ -18,7 +18,6 @@ from typing import Any
 from expgpu.rundir import atomic_write_bytes, loggers_file
 
 
-
 @dataclass
 class JobInfo:
     overrides: list[str] = field(default_factory=list)   # the job's own (hydra.overrides.task)
