@@ -67,8 +67,10 @@ class TensorBoardLogger:
                 # The HPARAMS tab: every hyperparameter against the metrics the task returned, read
                 # from the scalars of those names (their last values).
                 names = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-                exp, ssi, sei = hparams(loggers.hyperparameters(self.cfg) | {"overrides": " ".join(
-                    self.state.job.overrides)}, names)
+                # bool is an int to torch's hparams(), which would show true as 1.0: spell it out.
+                values = {k: str(v).lower() if isinstance(v, bool) else v
+                          for k, v in loggers.hyperparameters(self.cfg).items()}
+                exp, ssi, sei = hparams(values | {"overrides": " ".join(self.state.job.overrides)}, names)
                 fw = self.writer._get_file_writer()
                 for summary in (exp, ssi, sei):
                     fw.add_summary(summary, step)
