@@ -1,4 +1,6 @@
-"""`python -m expgpu.report DIR` on real sweep dirs, including broken and missing jobs."""
+"""`expgpu-report DIR` (and the sweep-end report) on real sweep dirs: the best job first, the overrides
+that differ, a column per returned metric, curves of loss and evaluation metrics, report.html, the
+one-line reason of a failed job, and broken or missing job dirs listed, never fatal."""
 
 from __future__ import annotations
 
@@ -20,14 +22,20 @@ def report(path: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+def sweep_of(sweep: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "expgpu", "-m", *args, f"hydra.sweep.dir={sweep}"], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=200)
+
+
 @pytest.fixture(scope="module")
 def basic_sweep(tmp_path_factory) -> Path:
     """A real two-job sweep with Hydra's basic launcher (jobs one after the other, in-process)."""
     sweep = tmp_path_factory.mktemp("report") / "sweep"
-    done = subprocess.run([sys.executable, "-m", "expgpu", "-m", "task=a,b", "task.max_steps=20", "task.log_every=5",
-                           f"hydra.sweep.dir={sweep}"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                          timeout=200)
+    done = sweep_of(sweep, "task=a,b", "task.max_steps=20", "task.log_every=5")
     assert done.returncode == 0, done.stderr
+    # The sweep-end report: written by the sweep itself, the best job named in one line.
+    assert (sweep / "report.html").exists() and (sweep / "report.csv").exists()
+    assert f"sweep report: {sweep / 'report.html'} (2 jobs); ranked by eval_loss" in done.stdout + done.stderr
     return sweep
 
 
@@ -36,27 +44,78 @@ def rows_of(csv_path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def test_one_row_per_job_csv_and_loss_curves(basic_sweep, tmp_path):
+def test_one_row_per_job_best_first_csv_html_and_curves(basic_sweep, tmp_path):
     sweep = tmp_path / "sweep"
     shutil.copytree(basic_sweep, sweep)
+    for name in ("report.csv", "report.html", "loss_curves.png"):
+        (sweep / name).unlink()
     done = report(sweep)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].split()[:7] == ["job", "status", "devices", "steps", "final_loss", "accuracy", "wall_s"]
-    assert lines[1].split()[:4] == ["0", "finished", "cpu", "20"]
-    assert "task=a task.max_steps=20 task.log_every=5" in lines[1]
-    rows = rows_of(sweep / "report.csv")
-    assert [(r["job"], r["task"], r["status"]) for r in rows] == [("0", "a", "finished"), ("1", "b", "finished")]
+    b = json.loads((sweep / "1" / "result.json").read_text())["metrics"]
+    # task b returns eval_loss (task a does not): it is the metric, and b the best (only) job ranked.
+    assert lines[0] == f"ranked by eval_loss (lower is better); best: job 1 (task=b), eval_loss {b['eval_loss']:.6g}"
+    assert lines[1] == "every job: task.max_steps=20 task.log_every=5"
+    assert lines[2].split() == ["rank", "job", "status", "eval_loss", "final_loss", "accuracy", "steps", "wall_s",
+                                "devices", "overrides"]
+    assert lines[3].split()[:3] == ["1*", "1", "finished"] and lines[3].split()[-1] == "task=b"
+    assert lines[4].split()[:3] == ["-", "0", "finished"] and lines[4].split()[-1] == "task=a"
+
+    rows = rows_of(sweep / "report.csv")   # job order, a rank column
+    assert [(r["job"], r["task"], r["status"], r["rank"], r["best"]) for r in rows] == [
+        ("0", "a", "finished", "", ""), ("1", "b", "finished", "1", "yes")]
     for r, n in zip(rows, (0, 1)):
         result = json.loads((sweep / str(n) / "result.json").read_text())
         assert float(r["final_loss"]) == result["metrics"]["final_loss"]
         assert float(r["wall_s"]) > 0
     assert rows[1]["accuracy"] != "" and rows[0]["accuracy"] == ""   # task b classifies, a regresses
+
     png = (sweep / "loss_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    import matplotlib.image
+    page = (sweep / "report.html").read_text()
+    assert "<tr class='best'>" in page and "<img src='loss_curves.png'" in page and "task=b" in page
 
-    assert matplotlib.image.imread(sweep / "loss_curves.png").shape[1] >= 800
+
+def test_the_objective_ranks_the_jobs_and_the_curves_show_eval_metrics(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = sweep_of(sweep, "task=b", "task.max_steps=20", "task.eval_every=10", "task.optimizer.lr=0.001,0.1,0.03",
+                    "objective=accuracy")
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = {n: json.loads((sweep / str(n) / "result.json").read_text())["metrics"] for n in range(3)}
+    best = max(results, key=lambda n: results[n]["accuracy"])
+    out = report(sweep, "--no-plot").stdout.splitlines()
+    assert out[0].startswith(f"ranked by accuracy (higher is better); best: job {best} (task.optimizer.lr=")
+    assert out[1] == "every job: task=b task.max_steps=20 task.eval_every=10 objective=accuracy"
+    assert out[2].split()[3:6] == ["accuracy", "final_loss", "eval_loss"]
+    order = [line.split()[1] for line in out[3:6]]
+    assert order == [str(n) for n in sorted(results, key=lambda n: -results[n]["accuracy"])]
+    assert [line.split()[-1] for line in out[3:6]] == [f"task.optimizer.lr={lr}" for lr in
+                                                     [("0.001", "0.1", "0.03")[int(n)] for n in order]]
+    by_hand = report(sweep, "--no-plot", "--metric", "eval_loss").stdout.splitlines()[0]
+    assert by_hand.startswith("ranked by eval_loss (lower is better); best: job ")
+    unknown = report(sweep, "--metric", "bleu")
+    assert unknown.returncode == 2 and unknown.stderr.strip() == (
+        "expgpu-report: error: --metric bleu: no job returned it; they returned accuracy, eval_loss, final_loss")
+
+    from expgpu.report import collect, rank
+    from expgpu.report.plot import panels
+
+    rows = collect(sweep)
+    assert panels(rows, rank(rows)) == ["loss", "accuracy", "eval_loss"]   # loss, the objective, eval metrics
+
+
+def test_a_failed_job_shows_its_one_line_reason(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = sweep_of(sweep, "task=a", "task.max_steps=20", "faults.crash_rank=0", "faults.crash_step=5,1000")
+    assert done.returncode == 1
+    # Hydra skips its multirun-end callbacks when a job fails: the report is written at exit instead.
+    assert f"expgpu: sweep report: {sweep / 'report.html'}" in done.stdout
+    reason = "RuntimeError: injected crash (faults.crash_rank=0 faults.crash_step=5)"
+    out = report(sweep, "--no-plot").stdout
+    assert f"  job 0: {reason}" in out
+    status = {r["job"]: (r["status"], r["error"]) for r in rows_of(sweep / "report.csv")}
+    assert status == {"0": ("failed", reason), "1": ("finished", "")}
+    assert reason in (sweep / "report.html").read_text()
 
 
 def test_broken_and_missing_job_dirs_are_listed_not_fatal(basic_sweep, tmp_path):
@@ -78,9 +137,37 @@ def test_broken_and_missing_job_dirs_are_listed_not_fatal(basic_sweep, tmp_path)
     assert status["0"][0] == status["1"][0] == "finished"
     assert status["2"] == ("missing", "no job dir")
     assert status["3"][0] == "broken" and "result.json unreadable" in status["3"][1]
-    assert status["4"] == ("failed", "RuntimeError: CUDA out of memory")
-    assert "job 4: RuntimeError: CUDA out of memory" in done.stdout
+    assert status["4"] == ("failed", "rank 1: RuntimeError: CUDA out of memory")
+    assert "job 4: rank 1: RuntimeError: CUDA out of memory" in done.stdout
     assert (sweep / "loss_curves.png").exists()   # the broken job's curve is still drawn
+
+
+def test_at_42_jobs_the_legend_names_the_best_ten_beside_the_plot(basic_sweep, tmp_path):
+    """42 copies of a real job dir, each with its own learning rate and final loss."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    for n in range(42):
+        job = sweep / str(n)
+        shutil.copytree(basic_sweep / "0", job)
+        (job / ".hydra" / "overrides.yaml").write_text(f"- task=a\n- task.optimizer.lr={n / 1000}\n")
+        result = json.loads((job / "result.json").read_text())
+        result["metrics"]["final_loss"] = abs(n - 20) + 0.5   # job 20 best, then 19 and 21, ...
+        (job / "result.json").write_text(json.dumps(result))
+    from expgpu.report import collect, rank
+    from expgpu.report.plot import plot
+
+    rows = collect(sweep)
+    ranking = rank(rows)
+    assert ranking.metric == "final_loss" and ranking.best.job == "20"
+    labels = plot(rows, ranking, sweep / "loss_curves.png", "42 jobs")
+    assert len(labels) == 10 and labels[0] == "#20 task.optimizer.lr=0.02"
+    assert {lbl.split()[0] for lbl in labels} == {f"#{n}" for n in (20, 19, 21, 18, 22, 17, 23, 16, 24, 15)}
+    import matplotlib.image
+
+    assert matplotlib.image.imread(sweep / "loss_curves.png").shape[1] > 1000   # room for the legend beside it
+    done = report(sweep)
+    assert done.returncode == 0 and done.stdout.splitlines()[0].startswith(
+        "ranked by final_loss (lower is better); best: job 20 (task.optimizer.lr=0.02), final_loss 0.5")
 
 
 def test_a_single_run_dir_and_bad_arguments(basic_sweep, tmp_path):
@@ -93,8 +180,12 @@ def test_a_single_run_dir_and_bad_arguments(basic_sweep, tmp_path):
 
     missing = report(tmp_path / "nope")
     assert missing.returncode == 2
-    assert missing.stderr.strip() == (f"expgpu.report: error: {tmp_path / 'nope'}: no such directory; "
+    assert missing.stderr.strip() == (f"expgpu-report: error: {tmp_path / 'nope'}: no such directory; "
                                       "give a sweep dir such as outputs/multirun/DATE/TIME")
     (tmp_path / "empty").mkdir()
     empty = report(tmp_path / "empty")
     assert empty.returncode == 2 and "no job dirs in it" in empty.stderr and "Traceback" not in empty.stderr
+    script = Path(sys.executable).parent / "expgpu-report"   # the console script runs the same
+    same = subprocess.run([str(script), str(run), "--no-plot"], cwd=REPO, env=clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert same.returncode == 0 and same.stdout == done.stdout

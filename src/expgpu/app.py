@@ -17,8 +17,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from expgpu import config, placement, rank_process, ranks, requeue, rundir, spawn, stopping
-from expgpu.errors import Stopped, UserError, WorkerFailed
+from expgpu import config, loggers, placement, rank_process, ranks, requeue, rundir, spawn, stopping
+from expgpu.errors import Stopped, UserError, WorkerFailed, first_line
 from expgpu.rundir import atomic_write_bytes
 
 log = logging.getLogger("expgpu")
@@ -49,9 +49,27 @@ def _write_plan(run_dir: Path, node, info: ranks.RankInfo, extra: dict | None = 
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict | None:
+    """Train as the config says (see the module's docstring); a failure leaves its one-line reason
+    in the run dir (.expgpu/failure.json), where the report reads it under any launcher."""
+    try:
+        return _run(cfg, run_dir)
+    except (Stopped, KeyboardInterrupt):
+        raise
+    except BaseException as e:
+        # The first failure is the cause (under srun every rank runs this; the others echo it).
+        # A config error before the run dir exists leaves nothing behind.
+        if run_dir.is_dir() and not rundir.job_failure_file(run_dir).exists():
+            spawn.write_job_failure(run_dir, str(e) if isinstance(e, (UserError, WorkerFailed))
+                                    else f"{type(e).__name__}: {first_line(e)}", isinstance(e, UserError))
+        raise
+
+
+def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
     stopping.install()  # here for launchers that call the task function (submitit); idempotent
     config.check(cfg)
     plain = config.plain(cfg)
+    if not plain["dry_run"]:
+        loggers.check(plain)   # a logger's package missing: one line now, not a traceback in rank 0
     if not plain["task"].get("name"):
         plain["task"]["name"] = _task_name(plain)
     info = ranks.detect()
@@ -79,6 +97,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
             return {"status": "dry_run", "plan": rows}
         return None
 
+    if info.rank == 0:
+        rundir.job_failure_file(run_dir).unlink(missing_ok=True)   # from an attempt this one reruns
+        if loggers.chosen(plain):
+            loggers.record_job(run_dir)   # the sweep and overrides, which only this process knows
     if nproc == 1:
         return _finished(rank_process.run(plain, info, run_dir), info, run_dir)
 

@@ -60,6 +60,12 @@ class Shard(enum.Enum):
     auto = "auto"
 
 
+class WandbMode(enum.Enum):
+    offline = "offline"    # written under the run dir only; `wandb sync` uploads it later
+    online = "online"
+    disabled = "disabled"
+
+
 class FaultKind(enum.Enum):
     exception = "exception"  # the rank raises RuntimeError
     kill = "kill"     # the rank SIGKILLs itself (a segfault, the OOM killer)
@@ -127,6 +133,43 @@ class FaultsConfig:
     device_ms_per_example: float = 0.0  # bench: every rank sleeps this per example (an emulated device)
 
 
+# logger=csv (the default), logger=[csv,tensorboard], logger=none: each chosen logger's settings
+# appear under logger.<name> (conf/logger/<name>.yaml); the others stay null. expgpu/loggers/.
+@dataclass
+class CsvLoggerConfig:
+    file: str = "metrics.csv"         # beside metrics.jsonl in the run dir
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    dir: str = "tensorboard"          # under the run dir; a sweep's jobs each add a subdir named by their overrides
+
+
+@dataclass
+class MlflowLoggerConfig:
+    # null: $MLFLOW_TRACKING_URI if set, else sqlite:///<sweep dir or run dir>/mlflow.db (offline, local)
+    tracking_uri: Optional[str] = None
+    # null: the sweep dir in a multirun (one experiment per sweep), else hydra.job.name
+    experiment: Optional[str] = None
+
+
+@dataclass
+class WandbLoggerConfig:
+    project: str = "expgpu"
+    entity: Optional[str] = None
+    mode: WandbMode = WandbMode.offline  # online needs `wandb login` (or WANDB_API_KEY)
+    group: Optional[str] = None          # null: the sweep dir in a multirun (one group per sweep)
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggerConfig:
+    csv: Optional[CsvLoggerConfig] = None
+    tensorboard: Optional[TensorBoardLoggerConfig] = None
+    mlflow: Optional[MlflowLoggerConfig] = None
+    wandb: Optional[WandbLoggerConfig] = None
+
+
 @dataclass
 class Config:
     # A training function and its parameters, or the built-in loop's (expgpu/task.py checks them
@@ -139,6 +182,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)   # where metrics go besides metrics.jsonl
     dry_run: bool = False  # print the rank -> GPU plan, write plan.json, exit without CUDA
     # A metric the task returns (or a list of them) that the Hydra task function returns in turn,
     # for optimizing sweepers: objective=eval_loss with hydra/sweeper=optuna.

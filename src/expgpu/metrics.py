@@ -43,39 +43,45 @@ def _number(value: Any) -> float | int:
     return int(v) if isinstance(v, bool) else v   # NaN and inf stay: Python's json reads them back
 
 
-def trim(path: Path, step: int) -> None:
-    """Drop the rows after `step` (all of them for 0), atomically."""
+def trim(path: Path, step: int) -> int:
+    """Drop the rows after `step` (all of them for 0), atomically; the last step it held (-1: none)."""
     if not path.exists():
-        return
+        return -1
 
-    def before(line: str) -> bool:
+    def step_of(line: str) -> int | None:
         try:
-            return json.loads(line)["step"] <= step
+            return int(json.loads(line)["step"])
         except (ValueError, KeyError, TypeError):  # a line torn by a kill mid-write
-            return False
+            return None
 
     lines = path.read_text().splitlines(keepends=True)
-    keep = [line for line in lines if before(line)]
+    steps = [step_of(line) for line in lines]
+    keep = [line for line, s in zip(lines, steps) if s is not None and s <= step]
     if len(keep) != len(lines):
         atomic_write_bytes(path, "".join(keep).encode())
+    return max((s for s in steps if s is not None), default=-1)
 
 
 class MetricsLog:
-    """rank 0's metrics.jsonl and progress display."""
+    """rank 0's metrics.jsonl, progress display and loggers (expgpu.loggers: fed the same rows)."""
 
-    def __init__(self, run_dir: Path, total_steps: int | None = None):
+    def __init__(self, run_dir: Path, total_steps: int | None = None, loggers=None):
         self.path = Path(run_dir) / METRICS
         self.pending: dict[str, tuple[int, Any]] = {}
         self.file = None
         self.progress: _Progress | None = None
         self.total = total_steps
+        self.loggers = loggers
+        self.last_row: dict[str, Any] | None = None
 
-    def open(self, resumed_step: int, total_steps: int | None) -> None:
-        """Before the first row: trim what a resume redoes, open for appending."""
+    def open(self, resumed_step: int, total_steps: int | None, resumed: bool = False) -> None:
+        """Before the first row: trim what a resume redoes, open for appending, start the loggers."""
         if self.file is None:
-            trim(self.path, resumed_step)
+            flushed_before = trim(self.path, resumed_step)
             self.file = open(self.path, "a")
             self.progress = _Progress(total_steps, resumed_step)
+            if self.loggers is not None:
+                self.loggers.start(resumed, resumed_step, flushed_before, self.path)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         # Kept as given (checked at the flush): this runs every step. A tensor kept here holds no
@@ -84,7 +90,7 @@ class MetricsLog:
         for name, value in values.items():
             pending[name] = (step, value)
 
-    def flush(self, epoch: int) -> None:
+    def flush(self, epoch: int, to_loggers: bool = True) -> None:
         if not self.pending:
             return
         if self.file is None:
@@ -94,9 +100,13 @@ class MetricsLog:
             rows.setdefault(step, {})[name] = _number(scalar(name, value))
         self.pending.clear()
         now = round(time.time(), 3)
-        for step in sorted(rows):
-            self.file.write(json.dumps({"step": step, **rows[step], "epoch": epoch, "time": now}) + "\n")
+        written = [{"step": step, **rows[step], "epoch": epoch, "time": now} for step in sorted(rows)]
+        for row in written:
+            self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        self.last_row = written[-1]
+        if self.loggers is not None and to_loggers:
+            self.loggers.write(written)
         last = max(rows)
         self.progress.update(last, rows[last])
 
@@ -108,14 +118,22 @@ class MetricsLog:
     def load_state_dict(self, state: list) -> None:
         self.pending = {name: (int(step), value) for name, step, value in state}
 
-    def close(self, epoch: int, flush: bool = True) -> None:
+    def close(self, epoch: int, flush: bool = True, crashed: bool = False) -> None:
         if flush:
-            self.flush(epoch)
+            # After a crash the last row is off the log_every cadence (the step it crashed at): kept
+            # in metrics.jsonl, where a resume trims it, but not sent to loggers, which cannot take
+            # a point back; a resume sends them the rows from the checkpoint on.
+            self.flush(epoch, to_loggers=not crashed)
         if self.file is not None:
             self.file.close()
             self.file = None
         if self.progress is not None:
             self.progress.close()
+
+    def finish_loggers(self, status: str, metrics: dict, step: int) -> None:
+        """After the function: the loggers get its outcome (finished, stopped, failed) and returned metrics."""
+        if self.loggers is not None:
+            self.loggers.finish(status, metrics, step, self.last_row)
 
 
 class _Progress:

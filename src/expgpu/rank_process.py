@@ -72,7 +72,11 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
         except BaseException as e:
             if on_error is not None:
                 on_error(e)
+            run._finish_loggers("failed", {})
             raise
+        # The run's speed beside what it returned: the loggers' runs compare it across a sweep.
+        speed = run._timings(t_start)["steps_per_s"]
+        run._finish_loggers(status, {**metrics, **({"steps_per_s": speed} if speed is not None else {})})
         checksum = run._checksum()
         me = {"rank": info.rank, "host": host, "device": str(device),
               "gpus": [g.index for g in my_gpus], "names": [g.name for g in my_gpus], "param_checksum": checksum}

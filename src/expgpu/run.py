@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from expgpu import checkpoint, dist, rundir, rng
+from expgpu import checkpoint, dist, loggers, rng, rundir
 from expgpu.errors import UserError, first_line
 from expgpu.feed import Feed, RankSampler
 from expgpu.metrics import MetricsLog
@@ -76,7 +76,7 @@ class Run:
         self._in_step = False
         self._saved_at: int | None = None
         self._stopped = False
-        self._metrics = MetricsLog(self.run_dir) if self.is_main else None
+        self._metrics = MetricsLog(self.run_dir, loggers=loggers.build(cfg, self.run_dir)) if self.is_main else None
         self._gpu_speed = gpu_speed        # this rank's GPU score (data.shard=proportional)
         self._start_step = 0
         self._timing: dict[str, float | None] = {"first_step_at": None, "t10": None, "end": None}
@@ -154,7 +154,7 @@ class Run:
     def _loop(self, max_steps: int) -> Iterator[tuple[int, Any]]:
         self._resume()
         if self._metrics is not None:
-            self._metrics.open(self.step, max_steps)
+            self._metrics.open(self.step, max_steps, resumed=self.resumed_from_step is not None)
         every, log_every = self.cfg.checkpoint.every_steps, self._spec.log_every
         start = self._start_step = self.step
         if self._stopper.should_stop(self.step, force=True):   # a signal while starting up: save, no steps
@@ -263,7 +263,12 @@ class Run:
         finally:
             if self._metrics is not None:
                 # after a stop, what was logged since the last row is in the checkpoint (written on resume)
-                self._metrics.close(self.epoch, flush=not self._stopped)
+                self._metrics.close(self.epoch, flush=not self._stopped, crashed=not finished and not self._stopped)
+
+    def _finish_loggers(self, status: str, metrics: dict) -> None:
+        """rank 0: the loggers' runs end (finished, stopped: resumable, failed) with the returned metrics."""
+        if self._metrics is not None:
+            self._metrics.finish_loggers(status, metrics, self.step)
 
     def _timings(self, t_start: float) -> dict:
         first, t10, end = self._timing["first_step_at"], self._timing["t10"], self._timing["end"]

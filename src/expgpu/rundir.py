@@ -15,9 +15,13 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
     RUN_DIR/checkpoint.pt                   rank 0, every checkpoint.every_steps and at a stop
     RUN_DIR/plan.json                       the node plan (dry run and spawn)
     RUN_DIR/logs/rank<N>.log                each spawned rank's log
+    RUN_DIR/metrics.csv, tensorboard/,      rank 0, the chosen loggers (expgpu.loggers)
+        wandb/, mlflow.db (a single run)
     RUN_DIR/.expgpu/                        expgpu's hand-over files between its own processes:
         config.json, logging.json           the resolved config and hydra.job_logging, for spawned ranks
         rank<N>.failure.json                the one-line reason a rank failed (the report shows it)
+        failure.json                        the one-line reason the job failed, whatever the launcher
+        loggers.json                        the job's sweep and overrides, the loggers' run ids (resume)
         plan-<host>-<launch>.json           local rank 0's GPU plan, for the node's other ranks
         store-<launch>.port                 rank 0's TCPStore port, for spawned ranks
 
@@ -66,6 +70,14 @@ def failure_file(run_dir: Path, rank: int) -> Path:
 
 def failure_files(run_dir: Path) -> list[Path]:
     return sorted(state_dir(run_dir).glob("rank*.failure.json"))
+
+
+def job_failure_file(run_dir: Path) -> Path:
+    return state_dir(run_dir) / "failure.json"
+
+
+def loggers_file(run_dir: Path) -> Path:
+    return state_dir(run_dir) / "loggers.json"
 
 
 def node_plan_file(run_dir: Path, host: str, launch: str) -> Path:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from expgpu import procs, stopping
-from expgpu.rundir import atomic_write_bytes, failure_file, failure_files
+from expgpu.rundir import atomic_write_bytes, failure_file, failure_files, job_failure_file
 
 log = logging.getLogger("expgpu")
 
@@ -33,6 +33,13 @@ def write_failure(run_dir: Path, rank: int, message: str, user_error: bool = Fal
     path = failure_file(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps({"rank": rank, "message": message, "user_error": user_error}).encode())
+
+
+def write_job_failure(run_dir: Path, message: str, user_error: bool = False) -> None:
+    """Why the job (not one rank) failed, in one line, for `expgpu-report` whatever the launcher."""
+    path = job_failure_file(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps({"message": " ".join(message.split()), "user_error": user_error}).encode())
 
 
 @dataclass

@@ -1,35 +1,28 @@
-"""`python -m expgpu.report SWEEP_DIR`: one row per job of a sweep, report.csv and the loss curves.
+"""What a sweep dir holds, job by job: one Row each, whatever launcher wrote it.
 
-    python -m expgpu.report outputs/multirun/2025-01-31/12-00-00
-
-Works on any sweep dir Hydra wrote (basic launcher, gpu_pool, SLURM through submitit) and on a
-single run dir. Each job dir gives its overrides (.hydra/overrides.yaml), its outcome and devices
-(result.json; a failed rank's .expgpu/rank*.failure.json), its loss history (metrics.jsonl);
+Works on any sweep dir Hydra wrote (basic launcher, gpu_pool, joblib, SLURM through submitit) and
+on a single run dir. Each job dir gives its overrides (.hydra/overrides.yaml), its objective
+(.hydra/config.yaml's `objective`, an optimizing sweeper's direction in .hydra/hydra.yaml), its
+outcome, returned metrics and devices (result.json), why it failed (.expgpu/failure.json, else the
+first rank's .expgpu/rank*.failure.json), its logged history (metrics.jsonl: loss, eval metrics);
 gpu_pool's pool.json adds GPUs, wall times, errors and jobs that never started. A job dir that is
 missing or broken is a row saying so, never the end of the report.
-
-Writes SWEEP_DIR/report.csv (one column per override key, for a spreadsheet or pandas) and
-SWEEP_DIR/loss_curves.png (matplotlib's Agg backend: no display needed).
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
-import io
 import json
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from expgpu.errors import EXIT_USER_ERROR, UserError
-from expgpu.rundir import METRICS, POOL_RECORD, RESULT, atomic_write_bytes, failure_files
+from expgpu.errors import UserError
+from expgpu.rundir import METRICS, POOL_RECORD, RESULT, failure_files, job_failure_file
 
-CSV_FILE = "report.csv"
-PNG_FILE = "loss_curves.png"
+# Logged every step but not a result: not drawn (the learning rate is, when nothing else is).
+_NOT_PLOTTED = ("epoch", "time", "step")
 
 
 @dataclass
@@ -40,11 +33,24 @@ class Row:
     status: str = "unknown"
     devices: str = ""
     steps: int | None = None
-    final_loss: float | None = None
-    accuracy: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)   # result.json's (what the task returned)
+    objective: list[str] = field(default_factory=list)        # the job's `objective` key
+    maximize: list[bool] | None = None                        # an optimizing sweeper's direction
     wall_s: float | None = None
     error: str = ""
-    curve: list[tuple[int, float]] = field(default_factory=list)
+    series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)   # metrics.jsonl, by name
+
+    @property
+    def curve(self) -> list[tuple[int, float]]:
+        return self.series.get("loss", [])
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.metrics.get("final_loss")
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.metrics.get("accuracy")
 
     def settings(self) -> dict[str, str]:
         out = {}
@@ -87,27 +93,63 @@ def _overrides(job_dir: Path, row: Row) -> list[str] | None:
         return None
 
 
-def _curve(path: Path, row: Row) -> tuple[list[tuple[int, float]], float | None]:
-    """(step, loss) points and the wall-clock span of metrics.jsonl; bad lines are skipped."""
-    points, times, bad = [], [], 0
+def _series(path: Path, row: Row) -> tuple[dict[str, list[tuple[int, float]]], float | None]:
+    """Every logged number by name as (step, value) points, and the wall-clock span of
+    metrics.jsonl; bad lines are skipped (and counted in the row's error)."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    times, bad = [], 0
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
-        return [], None
+        return {}, None
     for line in lines:
         try:
             rec = json.loads(line)
-            step, loss = int(rec["step"]), float(rec["loss"])
+            step = int(rec["step"])
         except (ValueError, KeyError, TypeError):
             bad += bool(line.strip())
             continue
-        if math.isfinite(loss):
-            points.append((step, loss))
+        if not isinstance(rec, dict):
+            continue
+        for name, value in rec.items():
+            if name not in _NOT_PLOTTED and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value):
+                series.setdefault(name, []).append((step, float(value)))
         if isinstance(rec.get("time"), (int, float)):
             times.append(float(rec["time"]))
     if bad and not row.error:
         row.error = f"metrics.jsonl: {bad} unreadable line(s) skipped"
-    return points, (max(times) - min(times)) if len(times) > 1 else None
+    return series, (max(times) - min(times)) if len(times) > 1 else None
+
+
+def _objective(job_dir: Path, row: Row) -> None:
+    """The job's `objective` (a name or a list) and, under an optimizing sweeper, its direction."""
+    try:
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.load(job_dir / ".hydra" / "config.yaml")
+        obj = OmegaConf.to_container(cfg).get("objective") if OmegaConf.is_dict(cfg) else None
+        row.objective = [obj] if isinstance(obj, str) else [str(o) for o in obj or []]
+        hydra = OmegaConf.load(job_dir / ".hydra" / "hydra.yaml")
+        direction = OmegaConf.select(hydra, "hydra.sweeper.direction", default=None)
+    except Exception:   # no .hydra/ (a run dir expgpu wrote by itself), or unreadable: no objective
+        return
+    if direction is not None:
+        direction = OmegaConf.to_container(direction) if OmegaConf.is_config(direction) else direction
+        ways = [direction] if isinstance(direction, str) else list(direction)
+        row.maximize = [str(w).lower().endswith("maximize") for w in ways]
+
+
+def _failure(job_dir: Path, row: Row) -> str | None:
+    """Why the job failed, in one line: the job's own record, else the rank that failed first."""
+    job = job_failure_file(job_dir)
+    ranks = sorted(failure_files(job_dir), key=lambda p: (p.stat().st_mtime, p.name))
+    for path in ([job] if job.exists() else []) + ranks:
+        info = _read_json(path, row) or {}
+        if info.get("message"):
+            rank = f"rank {info['rank']}: " if "rank" in info and path != job else ""
+            return rank + " ".join(str(info["message"]).split())
+    return None
 
 
 def _devices(result: dict, simulated: bool) -> str:
@@ -146,22 +188,24 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
     if found is not None:
         row.overrides = _shown(found)
     result = _read_json(job_dir / RESULT, row)
-    row.curve, span = _curve(job_dir / METRICS, row)
+    row.series, span = _series(job_dir / METRICS, row)
+    _objective(job_dir, row)
     if result is not None:
         row.status = str(result.get("status", "unknown"))
         metrics = result.get("metrics") or {}
-        row.final_loss, row.accuracy = metrics.get("final_loss"), metrics.get("accuracy")
+        row.metrics = {str(k): v for k, v in metrics.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)} if isinstance(metrics, dict) else {}
         row.steps = result.get("steps")
         row.devices = _devices(result, _is_simulated(job_dir))
         timing = result.get("timing") or {}
         if isinstance(timing.get("train_s"), (int, float)):
             row.wall_s = round(float(timing.get("startup_s") or 0) + float(timing["train_s"]), 3)
-    elif row.status != "broken":
-        failures = failure_files(job_dir)
-        if failures:
-            info = _read_json(failures[0], row) or {}
-            row.status, row.error = "failed", str(info.get("message", row.error))
-        else:
+    reason = None
+    if row.status != "broken" and (result is None or row.status not in ("finished", "stopped")):
+        reason = _failure(job_dir, row)
+        if reason is not None:
+            row.status, row.error = "failed", reason
+        elif result is None:
             row.status = "no result"
     if pool:
         # The launcher saw how each job ended, and which ones are still running or never ran.
@@ -170,7 +214,8 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
             row.status = state
         elif state in ("running", "queued", "not_started") and row.status == "no result":
             row.status = state
-        row.error = pool.get("error") or row.error
+        if reason is None:   # the job's own record says more than "exited with code 1"
+            row.error = pool.get("error") or row.error
         if pool.get("wall_s") is not None:
             row.wall_s = pool["wall_s"]
         if not row.devices:
@@ -178,8 +223,8 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
             sim = " (sim)" if pool.get("simulated") else ""
             row.devices = (f"GPU {','.join(map(str, gpus))}{sim}" if gpus
                            else f"cpu slot {pool['slot']}" if pool.get("slot") is not None else "")
-    if row.final_loss is None and row.curve:
-        row.final_loss = row.curve[-1][1]
+    if row.final_loss is None and row.curve and row.status != "finished":
+        row.metrics["final_loss"] = row.curve[-1][1]   # where an unfinished run got to
         row.steps = row.steps if row.steps is not None else row.curve[-1][0]
     if row.wall_s is None and span is not None:
         row.wall_s = round(span, 3)
@@ -241,113 +286,3 @@ def collect(sweep: Path) -> list[Row]:
         for gap in sorted(set(range(nums[-1] + 1)) - set(nums)):
             rows.append(read_job(sweep / str(gap), str(gap)))
     return sorted(rows, key=lambda r: (0, int(r.job)) if r.job.isdigit() else (1, r.job))
-
-
-# ---------------------------------------------------------------------------------------------
-# Output
-
-def _fmt(x, digits: int = 4) -> str:
-    if x is None:
-        return ""
-    if isinstance(x, float):
-        return f"{x:.{digits}g}"
-    return str(x)
-
-
-def table(rows: list[Row]) -> str:
-    head = ("job", "status", "devices", "steps", "final_loss", "accuracy", "wall_s", "overrides")
-    lines = [head]
-    for r in rows:
-        lines.append((r.job, r.status, r.devices or "-", _fmt(r.steps), _fmt(r.final_loss), _fmt(r.accuracy, 3),
-                      _fmt(None if r.wall_s is None else round(r.wall_s, 1)), " ".join(r.overrides) or "-"))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    text = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
-    for r in rows:
-        if r.error and r.status != "finished":
-            text.append(f"  job {r.job}: {r.error}")
-    return "\n".join(text)
-
-
-def write_csv(rows: list[Row], path: Path) -> None:
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r.settings() if k not in keys]
-    out = io.StringIO()
-    w = csv.writer(out)
-    w.writerow(["job", *keys, "status", "devices", "steps", "final_loss", "accuracy", "wall_s",
-                "overrides", "dir", "error"])
-    for r in rows:
-        s = r.settings()
-        w.writerow([r.job, *(s.get(k, "") for k in keys), r.status, r.devices, _fmt(r.steps),
-                    "" if r.final_loss is None else repr(r.final_loss),
-                    "" if r.accuracy is None else repr(r.accuracy),
-                    "" if r.wall_s is None else r.wall_s, " ".join(r.overrides), r.dir or "", r.error])
-    atomic_write_bytes(path, out.getvalue().encode())
-
-
-def plot(rows: list[Row], path: Path, title: str) -> bool:
-    """The loss curves of every job that logged one; False when none did."""
-    curves = [r for r in rows if len(r.curve) >= 1]
-    if not curves:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display: a file, from a terminal, a cluster node or CI
-    import matplotlib.pyplot as plt
-
-    # Overrides every job shares go in the title; the legend tells jobs apart by the rest.
-    common = [o for o in curves[0].overrides if all(o in r.overrides for r in curves)] if len(curves) > 1 else []
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
-    try:
-        for r in curves:
-            steps, losses = zip(*r.curve)
-            label = f"#{r.job} " + " ".join(o for o in r.overrides if o not in common)
-            ax.plot(steps, losses, marker="o" if len(steps) == 1 else None, linewidth=1.4,
-                    label=label[:70] + (" *" if r.status != "finished" else ""))
-        if all(loss > 0 for r in curves for _, loss in r.curve):
-            ax.set_yscale("log")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.set_title(title + ("\n" + " ".join(common) if common else ""), fontsize=9)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, loc="best", title="* did not finish" if any(r.status != "finished" for r in curves)
-                  else None, title_fontsize=7)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-    finally:
-        plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
-    return True
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m expgpu.report",
-                                     description="One row per job of a sweep; report.csv and loss_curves.png.")
-    parser.add_argument("sweep_dir", type=Path, help="a sweep dir (outputs/multirun/DATE/TIME) or a run dir")
-    parser.add_argument("--no-plot", action="store_true", help="skip loss_curves.png")
-    args = parser.parse_args(argv)
-    try:
-        rows = collect(args.sweep_dir)
-    except UserError as e:
-        print(f"expgpu.report: error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    print(table(rows))
-    csv_path, png = args.sweep_dir / CSV_FILE, args.sweep_dir / PNG_FILE
-    try:
-        write_csv(rows, csv_path)
-        print(f"\n{len(rows)} job(s); wrote {csv_path}")
-        if not args.no_plot:
-            if plot(rows, png, str(args.sweep_dir)):
-                print(f"wrote {png}")
-            else:
-                print("no loss curves: no job has a metrics.jsonl")
-    except OSError as e:
-        print(f"expgpu.report: error: cannot write into {args.sweep_dir} ({e.strerror}); "
-              "copy the sweep dir somewhere writable", file=sys.stderr)
-        return EXIT_USER_ERROR
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

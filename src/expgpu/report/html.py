@@ -1,0 +1,74 @@
+"""report.html: the table and the curves on one page, for a browser (no server, no script, no network).
+
+The best job's row is highlighted, a failed job's row carries its one-line reason, each job links
+to its dir; loss_curves.png (beside the page) is shown under the table.
+"""
+
+from __future__ import annotations
+
+from html import escape
+from pathlib import Path
+
+from expgpu.report.collect import Row
+from expgpu.report.rank import Ranking, metric_columns, place
+from expgpu.report.table import fmt, headline
+
+_STYLE = """
+body { font: 14px system-ui, sans-serif; margin: 1.5em; color: #222; }
+table { border-collapse: collapse; margin: 1em 0; }
+th, td { padding: 3px 10px; border-bottom: 1px solid #ddd; text-align: left; white-space: nowrap; }
+th { background: #f3f3f3; position: sticky; top: 0; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+tr.best td { background: #e6f4e6; font-weight: 600; }
+tr.failed td, tr.broken td, tr.missing td { color: #a00; }
+td.why { white-space: normal; max-width: 50em; }
+.metric { color: #075; }
+img { max-width: 100%; border: 1px solid #ddd; }
+"""
+
+
+def page(rows: list[Row], ranking: Ranking, title: str, png: str | None, base: Path) -> str:
+    metrics = metric_columns(rows, ranking.metric)
+    head = ["rank", "job", "status", *metrics, "steps", "wall s", "devices", "overrides"]
+    out = [f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title>",
+           f"<style>{_STYLE}</style></head><body>", f"<h1>{escape(title)}</h1>",
+           f"<p>{escape(headline(ranking))}</p>"]
+    if ranking.common:
+        out.append(f"<p>Every job: <code>{escape(' '.join(ranking.common))}</code></p>")
+    out.append("<table><tr>" + "".join(
+        f"<th class='metric'>{escape(h)}</th>" if h == ranking.metric else f"<th>{escape(h)}</th>" for h in head)
+        + "</tr>")
+    for r in ranking.rows:
+        n = place(r, ranking)
+        cls = "best" if r is ranking.best else r.status.replace(" ", "-")
+        link = escape(_rel(r.dir, base)) if r.dir is not None else ""
+        cells = [f"<td class='num'>{n if n is not None else '-'}</td>",
+                 f"<td><a href='{link}'>{escape(r.job)}</a></td>" if link else f"<td>{escape(r.job)}</td>",
+                 f"<td>{escape(r.status)}</td>",
+                 *(f"<td class='num'>{escape(fmt(r.metrics.get(m), 5))}</td>" for m in metrics),
+                 f"<td class='num'>{escape(fmt(r.steps))}</td>",
+                 f"<td class='num'>{escape(fmt(None if r.wall_s is None else round(r.wall_s, 1)))}</td>",
+                 f"<td>{escape(r.devices or '-')}</td>",
+                 f"<td><code>{escape(' '.join(ranking.differs.get(r.job) or []) or '-')}</code></td>"]
+        out.append(f"<tr class='{escape(cls)}'>" + "".join(cells) + "</tr>")
+        if r.error and r.status != "finished":
+            out.append(f"<tr class='{escape(cls)}'><td></td><td class='why' colspan='{len(head) - 1}'>"
+                       f"{escape(r.error)}</td></tr>")
+    out.append("</table>")
+    if png:
+        out.append(f"<img src='{escape(png)}' alt='loss and evaluation curves'>")
+    out.append("</body></html>\n")
+    return "\n".join(out)
+
+
+def _rel(path: Path, base: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(base.resolve())) + "/"
+    except ValueError:
+        return Path(path).resolve().as_uri()
+
+
+def write(rows: list[Row], ranking: Ranking, path: Path, title: str, png: str | None) -> None:
+    from expgpu.rundir import atomic_write_bytes
+
+    atomic_write_bytes(path, page(rows, ranking, title, png, path.parent).encode())

@@ -1,0 +1,72 @@
+"""The report as text (for the terminal, best job first) and as report.csv (for a spreadsheet or
+pandas: one row per job in job order, a rank column, a column per override key and per metric)."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from expgpu.report.collect import Row
+from expgpu.report.rank import Ranking, metric_columns, place
+
+
+def fmt(x, digits: int = 4) -> str:
+    if x is None:
+        return ""
+    if isinstance(x, float):
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def headline(ranking: Ranking) -> str:
+    """One line: the metric, which way, and the best job (or why none is)."""
+    if ranking.metric is None:
+        return "no job returned a metric to rank by"
+    best = ranking.best
+    if best is None:
+        return f"ranked by {ranking.metric} ({ranking.direction}): no finished job returned it"
+    what = " ".join(ranking.differs.get(best.job) or []) or "no overrides"
+    return (f"ranked by {ranking.metric} ({ranking.direction}); best: job {best.job} ({what}), "
+            f"{ranking.metric} {fmt(best.metrics[ranking.metric], 6)}")
+
+
+def table(rows: list[Row], ranking: Ranking) -> str:
+    metrics = metric_columns(rows, ranking.metric)
+    head = ("rank", "job", "status", *metrics, "steps", "wall_s", "devices", "overrides")
+    lines = [head]
+    for r in ranking.rows:
+        n = place(r, ranking)
+        mark = "-" if n is None else f"{n}*" if r is ranking.best else str(n)
+        lines.append((mark, r.job, r.status, *(fmt(r.metrics.get(m)) for m in metrics), fmt(r.steps),
+                      fmt(None if r.wall_s is None else round(r.wall_s, 1)), r.devices or "-",
+                      " ".join(ranking.differs.get(r.job) or []) or "-"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    text = [headline(ranking)]
+    if ranking.common:
+        text.append(f"every job: {' '.join(ranking.common)}")
+    text += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    for r in ranking.rows:
+        if r.error and r.status != "finished":
+            text.append(f"  job {r.job}: {r.error}")
+    return "\n".join(text)
+
+
+def write_csv(rows: list[Row], ranking: Ranking, path: Path) -> None:
+    from expgpu.rundir import atomic_write_bytes
+
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r.settings() if k not in keys]
+    metrics = metric_columns(rows, ranking.metric)
+    out = io.StringIO()
+    w = csv.writer(out)
+    w.writerow(["rank", "best", "job", *keys, "status", *metrics, "steps", "wall_s", "devices",
+                "overrides", "dir", "error"])
+    for r in rows:   # job order, as the jobs ran: the rank column sorts it in a spreadsheet
+        s = r.settings()
+        n = place(r, ranking) or ""
+        w.writerow([n, "yes" if r is ranking.best else "", r.job, *(s.get(k, "") for k in keys), r.status,
+                    *("" if r.metrics.get(m) is None else repr(r.metrics[m]) for m in metrics), fmt(r.steps),
+                    "" if r.wall_s is None else r.wall_s, r.devices, " ".join(r.overrides), r.dir or "", r.error])
+    atomic_write_bytes(path, out.getvalue().encode())
