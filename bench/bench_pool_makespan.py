@@ -1,4 +1,5 @@
-"""gpu_pool's makespan for a sweep of jobs of known durations, against the ideal and Hydra's basic launcher.
+"""gpu_pool's makespan for a sweep of jobs of known durations, against the ideal and Hydra's basic launcher;
+with --cpu, CPU-bound training jobs against the basic launcher, and a pool job's start-to-first-step.
 
 The jobs sleep (a tiny Hydra app written to a temp dir, no torch): what is measured is the launcher,
 its per-job process start-up and how fast it refills a free slot, not the training. Three launchers
@@ -11,6 +12,19 @@ makespan   = first job start to last job end, as the jobs themselves recorded it
              includes each job's process start-up (the launcher's first Popen to the last exit).
 ideal      = max(total duration / slots, longest job)              (the pool's goal: <= 1.05 x ideal)
 end-to-end = the whole command, Hydra's own start-up included
+
+    python bench/bench_pool_makespan.py --eight          # 8 jobs of 2 s on 4 simulated GPUs (ideal 4 s)
+    python bench/bench_pool_makespan.py --cpu [--before DIR/src]
+
+--cpu: 6 jobs of task a (400 steps, CPU-bound), basic launcher vs hydra/launcher=gpu_pool
+hydra.launcher.cpu_slots=2, no OMP_NUM_THREADS set (the pool's thread budget decides); the whole
+command's wall time is compared (goal: pool <= basic / 1.1). basic_1t: the basic launcher with
+OMP_NUM_THREADS=1, a baseline that other processes on the machine slow down less (torch's OpenMP
+threads on every core collapse when another process takes one). startup = a pool job's start-to-first-step
+(result.json timing.startup_s: from its hand-over to a process to its first training step), median of
+the jobs after the first wave (those get a spare that warmed up while others ran; goal <= 0.3 s).
+--before SRC runs the same pool sweep on another checkout's src/ too (e.g. the commit before a change),
+alternating with this one, for a before/after figure in one run.
 """
 
 import argparse
@@ -64,10 +78,13 @@ if __name__ == "__main__":
 '''
 
 
-def env() -> dict:
+def env(src: Path = REPO / "src", threads: bool = True) -> dict:
     e = {k: v for k, v in os.environ.items()
-         if not k.startswith(("SLURM_", "EXPGPU_", "TORCHELASTIC_")) and k != "CUDA_VISIBLE_DEVICES"}
-    e.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+         if not k.startswith(("SLURM_", "EXPGPU_", "TORCHELASTIC_")) and k != "CUDA_VISIBLE_DEVICES"
+         and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    e["PYTHONPATH"] = str(src)
+    if threads:
+        e["OMP_NUM_THREADS"] = "1"
     return e
 
 
@@ -94,12 +111,82 @@ def run(kind: str, durations: list[float], slots: int, tmp: Path, n: int) -> tup
     return max(j["ended"] for j in jobs) - min(j["started"] for j in jobs), wall
 
 
+def run_cpu(kind: str, tmp: Path, n: int, jobs: int, steps: int, slots: int, src: Path) -> dict:
+    """One sweep of `jobs` task-a trainings: the command's wall time, the pool's makespan, and each
+    job's start-to-first-step."""
+    sweep = tmp / f"cpu-{kind}{n}"
+    args = [sys.executable, "-m", "expgpu", "-m", "task=a", f"task.max_steps={steps}",
+            f"task.seed=range({jobs})", "checkpoint.resume=false", f"hydra.sweep.dir={sweep}"]
+    if not kind.startswith("basic"):
+        args += ["hydra/launcher=gpu_pool", f"hydra.launcher.cpu_slots={slots}"]
+    t0 = time.time()
+    done = subprocess.run(args, env=env(src, threads=kind == "basic_1t"), cwd=tmp, capture_output=True, text=True)
+    wall = time.time() - t0
+    if done.returncode != 0:
+        sys.exit(f"{kind} sweep failed:\n{done.stderr[-3000:]}")
+    out = {"wall": wall, "span": None, "startup": []}
+    if not kind.startswith("basic"):
+        rows = json.loads((sweep / "pool.json").read_text())["jobs"]
+        out["span"] = max(j["ended"] for j in rows) - min(j["started"] for j in rows)
+        late = sorted(rows, key=lambda j: j["started"])[slots:]   # after the first wave: warm spares
+        out["startup"] = [json.loads((Path(j["dir"]) / "result.json").read_text())["timing"]["startup_s"]
+                          for j in late]
+    return out
+
+
+def cpu_main(args) -> None:
+    kinds = ["basic", "basic_1t", "pool"] + (["pool_before"] if args.before else [])
+    srcs = {"basic": REPO / "src", "basic_1t": REPO / "src", "pool": REPO / "src",
+            "pool_before": Path(args.before or ".")}
+    res: dict[str, list[dict]] = {k: [] for k in kinds}
+    with tempfile.TemporaryDirectory() as d:
+        for n in range(args.rounds):
+            for kind in kinds:
+                r = run_cpu(kind, Path(d), n, args.jobs, args.steps, 2, srcs[kind])
+                res[kind].append(r)
+                st = f" startup median {statistics.median(r['startup']):.3f}s" if r["startup"] else ""
+                print(f"  round {n}: {kind:11s} end-to-end {r['wall']:6.2f}s" + st, flush=True)
+    med = {k: statistics.median(r["wall"] for r in res[k]) for k in kinds}
+    print(f"\n{args.jobs} jobs of task a ({args.steps} steps), 2 CPU slots, {os.cpu_count()} cores, "
+          f"no OMP_NUM_THREADS (median of {args.rounds} rounds)")
+    print(f"{'launcher':12s} {'end-to-end':>11s} {'x basic':>8s} {'startup (warm spare)':>21s}")
+    for k in kinds:
+        ups = [u for r in res[k] for u in r["startup"]]
+        up = f"{statistics.median(ups):.3f}s (max {max(ups):.3f})" if ups else "-"
+        print(f"{k:12s} {med[k]:10.2f}s {med[k] / med['basic']:8.3f} {up:>21s}")
+    print(f"\ngpu_pool / basic = {med['pool'] / med['basic']:.3f} (goal <= {1 / 1.1:.3f})")
+
+
+def eight_main(args) -> None:
+    """8 jobs of 2 s on 4 simulated GPUs: the pool's makespan against the ideal 4 s."""
+    spans = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        (tmp / "app.py").write_text(APP)
+        for n in range(args.rounds):
+            span, wall = run("pool_gpu", [2.0] * 8, 4, tmp, n)
+            spans.append(span)
+            print(f"  round {n}: makespan {span:6.3f}s  end-to-end {wall:6.2f}s", flush=True)
+    m = statistics.median(spans)
+    print(f"\n8 jobs of 2 s, 4 simulated GPUs: makespan median {m:.3f}s (max {max(spans):.3f}s), "
+          f"x ideal 4 s = {m / 4:.3f} (goal <= 1.05)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every job duration by this")
+    ap.add_argument("--eight", action="store_true", help="8 jobs of 2 s on 4 simulated GPUs")
+    ap.add_argument("--cpu", action="store_true", help="CPU-bound task-a jobs: pool vs basic, startup")
+    ap.add_argument("--jobs", type=int, default=6, help="--cpu: jobs in the sweep")
+    ap.add_argument("--steps", type=int, default=400, help="--cpu: steps per job")
+    ap.add_argument("--before", help="--cpu: another checkout's src/ to run the pool sweep on too")
     args = ap.parse_args()
+    if args.cpu:
+        return cpu_main(args)
+    if args.eight:
+        return eight_main(args)
     # Four waves of `slots` jobs, longest first: a schedule in sweep order can reach the ideal.
     base = [5.0] * args.slots + [3.0] * args.slots + [2.0] * args.slots + [1.0] * args.slots
     durations = [round(d * args.scale, 3) for d in base]

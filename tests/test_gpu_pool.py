@@ -11,6 +11,8 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,9 +26,10 @@ from conftest import clean_env
 from expgpu import leases
 from expgpu.gpus import inventory
 from expgpu.pool import Scheduler
+from expgpu.pool.scheduler import at_once, thread_budget
 
 SLEEP_TASK = '''
-import json, os, signal, time
+import atexit, json, os, signal, time
 import torch
 
 
@@ -35,15 +38,29 @@ def _log(rec):
         f.write(json.dumps(rec) + "\\n")
 
 
+# Where and when this module was imported: a warm spare imports it before its process has a job.
+_log({"event": "import", "pid": os.getpid(), "job": int(os.environ.get("EXPGPU_POOL_JOB", "-1"))})
+
+
+def hang_forever():
+    time.sleep(3600)
+
+
 class Sleep(torch.nn.Linear):
     """Records what this job's process sees, sleeps, then trains like any model (or fails)."""
 
-    def __init__(self, seconds=1.0, fail="", tag=0):
+    def __init__(self, seconds=1.0, fail="", tag=0, at_exit=""):
         super().__init__(4, 1)
         self.fail = fail
         me = {"job": int(os.environ.get("EXPGPU_POOL_JOB", "-1")), "pid": os.getpid(), "tag": tag,
               "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"), "lease": os.environ.get("EXPGPU_POOL_GPUS"),
-              "slot": os.environ.get("EXPGPU_POOL_SLOT")}
+              "slot": os.environ.get("EXPGPU_POOL_SLOT"), "omp": os.environ.get("OMP_NUM_THREADS"),
+              "mkl": os.environ.get("MKL_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
+              "cuda_initialized": torch.cuda.is_initialized()}
+        if at_exit == "write":   # what users do to flush W&B, close files, write summaries
+            atexit.register(_log, {**me, "event": "atexit"})
+        elif at_exit == "hang":
+            atexit.register(hang_forever)
         _log({**me, "event": "start", "t": time.time()})
         time.sleep(seconds)
         _log({**me, "event": "end", "t": time.time()})
@@ -62,6 +79,7 @@ model:
   seconds: 1.0
   fail: ""
   tag: 0
+  at_exit: ""
 dataset:
   _target_: expgpu.tasks.data.SmoothRegression
   size: 64
@@ -85,7 +103,7 @@ def simulate(n: int) -> str:
 class Sweep:
     """One `python -m expgpu -m hydra/launcher=gpu_pool ...` with its sweep dir, records and leases."""
 
-    def __init__(self, tmp: Path, name: str = "sweep", lease_dir: Path | None = None):
+    def __init__(self, tmp: Path, name: str = "sweep", lease_dir: Path | None = None, **env: str | None):
         self.tmp, self.dir = tmp, tmp / name
         self.log = tmp / f"{name}.jsonl"
         self.lease_dir = lease_dir or tmp / "leases"
@@ -96,6 +114,11 @@ class Sweep:
         self.code = code
         self.env = clean_env(PYTHONPATH=str(code), POOL_TEST_LOG=str(self.log),
                              EXPGPU_LEASE_DIR=str(self.lease_dir))
+        for key, value in env.items():   # None: not set at all (as OMP_NUM_THREADS for most users)
+            if value is None:
+                self.env.pop(key, None)
+            else:
+                self.env[key] = value
         self.proc: subprocess.Popen | None = None
 
     def args(self, overrides: list[str]) -> list[str]:
@@ -179,6 +202,17 @@ def test_scheduler_cpu_slots_and_room():
     s = Scheduler(patience=1)
     assert s.pick([("a", 0), ("b", 0), ("c", 0)], [], [0, 1], room=10) == [("a", (), 0), ("b", (), 1)]
     assert s.pick([("a", 1), ("b", 1), ("c", 1)], [0, 1, 2], [], room=2) == [("a", (0,), None), ("b", (1,), None)]
+
+
+def test_thread_budget_shares_the_cores_among_the_jobs_that_run_at_once():
+    assert at_once([0] * 6, n_gpus=0, cpu_slots=2, max_parallel=None) == 2
+    assert thread_budget(2, [0] * 6, 0, 2, None) == 1           # 2 cores, 2 slots: 1 thread each
+    assert thread_budget(16, [0] * 6, 0, 2, None) == 8
+    assert thread_budget(16, [0], 0, 4, None) == 16              # one job alone gets every core
+    assert thread_budget(16, [1] * 8, 4, 1, None) == 4           # 4 GPU jobs at once
+    assert thread_budget(16, [2] * 8, 4, 1, None) == 8           # 2-GPU jobs: 2 at once
+    assert thread_budget(16, [1] * 8, 4, 1, max_parallel=2) == 8
+    assert thread_budget(2, [1] * 8, 8, 1, None) == 1            # never 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +314,7 @@ def test_ctrl_c_stops_every_job_and_leaves_no_process_and_no_lease(tmp_path):
     assert time.monotonic() - t < 30
     assert "expgpu: interrupted" in done.stderr
     states = sorted(j["state"] for j in sweep.pool()["jobs"])
-    assert states == ["not_started", "not_started", "stopped", "stopped"]
+    assert states == ["not_started", "not_started", "stopped", "stopped"], [(j["state"], j["error"]) for j in sweep.pool()["jobs"]]
     for pid in pids:
         assert not _alive(pid), f"job process {pid} outlived the sweep"
     assert not _processes_of(sweep.proc.pid), "a job process (or a warm spare) outlived the sweep"
@@ -345,12 +379,123 @@ def test_real_training_jobs_on_a_simulated_pool(tmp_path):
     assert seen == ["a", "b"]
 
 
+@pytest.mark.timeout(240)
+def test_the_log_never_shows_more_jobs_running_than_slots(tmp_path):
+    sweep = Sweep(tmp_path)
+    done = sweep.run(["task=sleep", "task.model.seconds=0.3", "task.model.tag=range(6)",
+                      "hydra.launcher.cpu_slots=2"])
+    assert done.returncode == 0, done.stderr
+    shown = [int(n) for n in re.findall(r"running (\d+)", done.stdout)]
+    assert len(shown) >= 12, done.stdout   # a line per start and per end
+    assert max(shown) == 2, [line for line in done.stdout.splitlines() if "running 3" in line]
+    assert "done 6/6, running 0, queued 0" in done.stdout
+
+
+@pytest.mark.timeout(240)
+def test_each_job_gets_its_share_of_the_cores_unless_the_user_chose(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    share = max(1, cores // 2)
+    # Nobody set OMP_NUM_THREADS: 2 slots share the cores.
+    sweep = Sweep(tmp_path, "budget", OMP_NUM_THREADS=None, MKL_NUM_THREADS=None)
+    done = sweep.run(["task=sleep", "task.model.seconds=0", "task.model.tag=range(4)", "hydra.launcher.cpu_slots=2"])
+    assert done.returncode == 0, done.stderr
+    assert f"{share} thread{'s' if share > 1 else ''} per job ({cores} cores, 2 jobs at once" in done.stdout
+    seen = {(r["omp"], r["mkl"], r["torch_threads"]) for r in sweep.records()}
+    assert seen == {(str(share), str(share), share)}, seen
+    # hydra.launcher.threads_per_job decides
+    chosen = Sweep(tmp_path, "chosen", OMP_NUM_THREADS=None)
+    done = chosen.run(["task=sleep", "task.model.seconds=0", "task.model.tag=range(2)", "hydra.launcher.cpu_slots=2",
+                       "hydra.launcher.threads_per_job=3"])
+    assert done.returncode == 0, done.stderr
+    assert "3 threads per job (hydra.launcher.threads_per_job)" in done.stdout
+    assert {(r["omp"], r["torch_threads"]) for r in chosen.records()} == {("3", 3)}
+    # The user's own OMP_NUM_THREADS is kept
+    theirs = Sweep(tmp_path, "theirs", OMP_NUM_THREADS="2")
+    done = theirs.run(["task=sleep", "task.model.seconds=0", "task.model.tag=range(2)", "hydra.launcher.cpu_slots=2"])
+    assert done.returncode == 0, done.stderr
+    assert "threads per job as set (OMP_NUM_THREADS=2)" in done.stdout
+    assert {(r["omp"], r["torch_threads"]) for r in theirs.records()} == {("2", 2)}
+
+
+@pytest.mark.timeout(240)
+def test_the_task_module_is_imported_once_per_sweep_ahead_of_the_jobs_without_starting_cuda(tmp_path):
+    sweep = Sweep(tmp_path)
+    done = sweep.run(["task=sleep", "task.model.seconds=0.5", "task.model.tag=range(4)", simulate(2)])
+    assert done.returncode == 0, done.stderr
+    imported = {r["pid"]: r["job"] for r in sweep.records("import")}
+    jobs = sweep.records()
+    assert len(jobs) == 4
+    # The task's module was imported once for the whole sweep, by a process without a job (-1): the
+    # fork server every job's process is forked from. No job imported it again...
+    assert list(imported.values()) == [-1], imported
+    assert not any(j["pid"] in imported for j in jobs), (imported, [j["pid"] for j in jobs])
+    # ...and CUDA was not started by it: each job's mask (set at hand-over) still counts.
+    assert not any(j["cuda_initialized"] for j in jobs)
+    assert {j["cvd"] for j in jobs} <= {"0", "1"}
+
+
+@pytest.mark.timeout(240)
+def test_without_the_fork_server_jobs_still_run_in_processes_started_one_by_one(tmp_path):
+    # A task module that starts a thread when imported: the fork server (which imports it ahead on
+    # CPU slots) must not fork with it, and the pool starts each job's process itself instead.
+    sweep = Sweep(tmp_path)
+    (sweep.code / "threaded_task.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n"
+        "from pool_task import Sleep  # noqa\n")
+    done = sweep.run(["task=sleep", "task.model._target_=threaded_task.Sleep", "task.model.seconds=0",
+                      "task.model.tag=range(4)", "hydra.launcher.cpu_slots=2"])
+    assert done.returncode == 0, done.stderr
+    assert [j["state"] for j in sweep.pool()["jobs"]] == ["finished"] * 4
+    assert sorted(r["tag"] for r in sweep.records()) == [0, 1, 2, 3]
+    assert "not forking" in (sweep.dir / ".expgpu" / "pool-spares.log").read_text()
+
+@pytest.mark.timeout(240)
+def test_the_jobs_atexit_handlers_run_in_every_job(tmp_path):
+    sweep = Sweep(tmp_path)
+    done = sweep.run(["task=sleep", "task.model.seconds=0", "task.model.at_exit=write", "task.model.tag=range(6)",
+                      "hydra.launcher.cpu_slots=2"])
+    assert done.returncode == 0, done.stderr
+    assert sorted(r["tag"] for r in sweep.records("atexit")) == list(range(6)), "atexit ran in 6 of 6 jobs"
+
+
+@pytest.mark.timeout(120)
+def test_a_hanging_atexit_handler_is_cut_after_the_grace_and_named(tmp_path):
+    sweep = Sweep(tmp_path, EXPGPU_ATEXIT_GRACE_S="1")
+    t = time.monotonic()
+    done = sweep.run(["task=sleep", "task.model.seconds=0", "task.model.at_exit=hang", "task.model.tag=0,1"], 100)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - t < 60
+    assert [j["state"] for j in sweep.pool()["jobs"]] == ["finished", "finished"]
+    for n in (0, 1):
+        console = (sweep.dir / str(n) / "console.log").read_text()
+        assert "expgpu: atexit handler pool_task.hang_forever (" in console, console
+        assert "did not return within 1s (EXPGPU_ATEXIT_GRACE_S); exiting without it" in console
+
+
+@pytest.mark.timeout(300)
+def test_pool_json_keeps_every_launch_batch_in_order(tmp_path):
+    # Optuna with n_jobs=1 calls launch() once per trial: 3 batches of 1 job each.
+    sweep = Sweep(tmp_path)
+    done = sweep.run(["task=a", "task.max_steps=5", "objective=final_loss", "hydra/sweeper=optuna",
+                      "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1", "hydra.sweeper.sampler.seed=0",
+                      "task.optimizer.lr=interval(0.001,0.1)", "hydra.launcher.cpu_slots=2"], 280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pool = sweep.pool()
+    assert [j["num"] for j in pool["jobs"]] == [0, 1, 2]
+    assert [j["state"] for j in pool["jobs"]] == ["finished"] * 3
+    assert pool["batches"] == [{"batch": 0, "jobs": [0]}, {"batch": 1, "jobs": [1]}, {"batch": 2, "jobs": [2]}]
+    assert [Path(j["dir"]).name for j in pool["jobs"]] == ["0", "1", "2"]
+    assert [row[1] for row in _report(sweep)] == ["finished"] * 3
+
+
 @pytest.mark.parametrize("override, message", [
     ("hydra.launcher.gpus=[7]", "hydra.launcher.gpus: GPU 7 is not on this machine; allowed: all, or a list of 0, 1"),
     ("hydra.launcher.cpu_slots=0", "hydra.launcher.cpu_slots=0 is not allowed: an integer >= 1"),
     ("hydra.launcher.gpus=[0,0]", "hydra.launcher.gpus=[0, 0]: a GPU is listed twice"),
     ("launch.nproc_per_node=3", "needs 3 GPUs (launch.nproc_per_node x gpu_map.gpus_per_rank), but the pool has 2"),
     ("hydra.launcher.gpus_per_job=-1", "hydra.launcher.gpus_per_job=-1 is not allowed: an integer >= 0 or null"),
+    ("hydra.launcher.threads_per_job=0", "hydra.launcher.threads_per_job=0 is not allowed: an integer >= 1 or null"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_launcher_settings_are_one_line_errors(tmp_path, override, message):
@@ -410,7 +555,7 @@ def _processes_of(launcher: int) -> list[int]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if "expgpu.pool_job" in (p.info["cmdline"] or []) and \
+            if "expgpu.pool.child" in (p.info["cmdline"] or []) and \
                     p.environ().get("EXPGPU_POOL_PARENT") == str(launcher) and _alive(p.pid):
                 found.append(p.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from expgpu.errors import UserError
-from expgpu.gpus import (STRATEGIES, NodePlan, apply, inventory, plan, set_device_ordinal,
-                         visible_devices_env)
+from expgpu.gpus import STRATEGIES, NodePlan, apply, inventory, plan, set_device_ordinal
+from expgpu.procs import gpu_env
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -291,11 +291,13 @@ def test_mask_under_slurm_cgroups_maps_positionally():
 
 # --- apply ----------------------------------------------------------------------------------------------
 
-def test_visible_devices_env_uses_nvml_indices_in_pci_order():
+def test_gpu_env_uses_nvml_indices_in_pci_order():
     gpus = node(HOMOGENEOUS)
-    assert visible_devices_env((gpus[3],)) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "3"}
-    assert visible_devices_env((gpus[2], gpus[0]))["CUDA_VISIBLE_DEVICES"] == "2,0"
-    assert visible_devices_env((gpus[1],), by_uuid=True)["CUDA_VISIBLE_DEVICES"] == "GPU-sim-1"
+    assert gpu_env((gpus[3],)) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "3"}
+    assert gpu_env((gpus[2], gpus[0]))["CUDA_VISIBLE_DEVICES"] == "2,0"
+    # A CUDA_DEVICE_ORDER the user chose is kept (not in the env): the GPUs are named by UUID
+    assert gpu_env((gpus[1],), "FASTEST_FIRST") == {"CUDA_VISIBLE_DEVICES": "GPU-sim-1"}
+    assert gpu_env(()) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ""}   # no GPU at all
 
 
 def test_set_device_ordinal_is_the_position_in_the_inherited_mask():

@@ -178,7 +178,7 @@ def main() -> None:
 
 def _report(e: BaseException) -> int | None:
     """Print what ended the run as one line; its exit code, or None for a real bug (traceback)."""
-    from expgpu.app import Stopped, WorkerFailed
+    from expgpu.errors import Stopped, WorkerFailed
 
     if isinstance(e, UserError):
         print(f"expgpu: error: {e}", file=sys.stderr)

@@ -18,28 +18,10 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from expgpu import config, loggers, placement, rank_process, ranks, requeue, rundir, spawn, stopping
-from expgpu.errors import UserError, first_line
+from expgpu.errors import Stopped, UserError, WorkerFailed, first_line
 from expgpu.rundir import atomic_write_bytes
 
 log = logging.getLogger("expgpu")
-
-
-class Stopped(Exception):
-    """Training stopped early on a signal; the checkpoint in the run dir resumes it."""
-
-    def __init__(self, result: dict, exit_code: int = 143, next_step: str = ""):
-        sig = result.get("stop_signal") or "a signal"
-        next_step = next_step or (f"Resume with the same overrides plus hydra.run.dir={result['run_dir']}")
-        super().__init__(f"stopped at step {result['steps']} of {result['max_steps']} by {sig}; "
-                         f"checkpoint saved. {next_step}")
-        self.result = result
-        self.exit_code = exit_code  # 128 + the signal: 130 Ctrl-C, 143 SIGTERM, 140 SIGUSR2
-
-
-class WorkerFailed(Exception):
-    def __init__(self, failure: spawn.Failure):
-        super().__init__(f"rank {failure.rank} failed: {failure.message}")
-        self.failure = failure
 
 
 def _task_name(cfg: dict) -> str:

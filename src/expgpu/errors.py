@@ -37,3 +37,34 @@ def env_int(env, name: str, *, minimum: int = 0) -> int:
     if value < minimum:
         raise UserError(f"environment variable {name}={raw!r} must be >= {minimum}")
     return value
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line with its type: "OSError: [Errno 28] No space left on device"."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# Outcomes of a run that are not user errors: the CLI prints each as one line with its own exit
+# code. Here, not in app.py, because every launcher raises or reports them (spawn, gpu_pool, SLURM).
+
+class Stopped(Exception):
+    """Training stopped early on a signal; the checkpoint in the run dir resumes it."""
+
+    def __init__(self, result: dict, exit_code: int = 143, next_step: str = ""):
+        sig = result.get("stop_signal") or "a signal"
+        next_step = next_step or (f"Resume with the same overrides plus hydra.run.dir={result['run_dir']}")
+        super().__init__(f"stopped at step {result['steps']} of {result['max_steps']} by {sig}; "
+                         f"checkpoint saved. {next_step}")
+        self.result = result
+        self.exit_code = exit_code  # 128 + the signal: 130 Ctrl-C, 143 SIGTERM, 140 SIGUSR2
+
+
+class WorkerFailed(Exception):
+    """A worker (a rank, or a sweep's job) failed: shown as `expgpu: <message>`, exit code 1.
+
+    `failure`: expgpu.spawn.Failure for a rank (its rank, message, exit code), None for a job."""
+
+    def __init__(self, failure):
+        super().__init__(f"rank {failure.rank} failed: {failure.message}")
+        self.failure = failure

@@ -208,11 +208,10 @@ def main() -> None:
         raise
     # Everything this rank writes is on disk (atomic writes, closed files); skip interpreter
     # shutdown, during which a gloo thread still alive past destroy_process_group can abort
-    # the process (dist._let_gloo_threads_finish says why).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # the process (dist._let_gloo_threads_finish says why), but run the user's atexit handlers.
+    from expgpu import procs
+
+    procs.fast_exit(0)
 
 
 def _record_failure(run_dir: Path, rank: int, e: BaseException) -> None:

@@ -24,6 +24,14 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
         loggers.json                        the job's sweep and overrides, the loggers' run ids (resume)
         plan-<host>-<launch>.json           local rank 0's GPU plan, for the node's other ranks
         store-<launch>.port                 rank 0's TCPStore port, for spawned ranks
+
+and, under hydra/launcher=gpu_pool:
+
+    SWEEP_DIR/pool.json                     every job of every launch() batch: GPUs, times, outcome
+    SWEEP_DIR/.expgpu/pool-spares.log       output of job processes not yet given a job (kept if not empty)
+    SWEEP_DIR/.expgpu/pool-context-<pid>.pkl  Hydra's context and the task function, for every job
+    JOB_DIR/console.log                     the job's stdout and stderr
+    JOB_DIR/.expgpu/pool-job.pkl, pool-return.pkl  the job handed to its process, its JobReturn (removed after)
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ METRICS = "metrics.jsonl"
 CHECKPOINT = "checkpoint.pt"
 PLAN = "plan.json"
 STATE = ".expgpu"
+POOL_RECORD = "pool.json"
+CONSOLE = "console.log"
+POOL_JOB, POOL_RETURN, SPARES_LOG = "pool-job.pkl", "pool-return.pkl", "pool-spares.log"
 
 
 def state_dir(run_dir: Path) -> Path:

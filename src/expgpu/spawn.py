@@ -10,7 +10,6 @@ failure is reported with the rank and its error. Workers die with the parent
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -22,7 +21,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from expgpu import stopping
+from expgpu import procs, stopping
 from expgpu.rundir import atomic_write_bytes, failure_file, failure_files, job_failure_file
 
 log = logging.getLogger("expgpu")
@@ -51,9 +50,8 @@ class Failure:
     returncode: int
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _child_setup() -> None:
+    procs.die_with_parent()
     # A stop signal that lands before the worker installs its handler would kill it
     # unsaved (SIGTERM's, SIGUSR2's default action): hold them until rank_process.main does.
     stopping.block_in_child()
@@ -69,12 +67,12 @@ def _describe(run_dir: Path, rank: int, code: int) -> Failure:
         return Failure(rank, f"exited with code {code}", False, code)
 
 
-def _stop(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
-    for p in procs:
+def _stop(workers: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
+    for p in workers:
         if p.poll() is None:
             p.send_signal(sig)
     deadline = time.monotonic() + GRACE_S
-    for p in procs:
+    for p in workers:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -82,19 +80,19 @@ def _stop(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
             p.wait()
 
 
-def _threads_per_worker(nproc: int) -> str | None:
-    """torch's intra-op threads per worker, unless the user chose (OMP_NUM_THREADS).
+def _threads_per_worker(nproc: int) -> dict[str, str]:
+    """torch's intra-op threads per worker (OMP/MKL_NUM_THREADS), unless the user chose.
 
     Each worker would otherwise start one thread per core: N workers oversubscribe the
     cores N times over, and CPU training runs several times slower (torchrun sets 1).
     Here each worker gets its share of the cores this process may run on.
     """
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if procs.user_threads():
+        return {}
+    cores = procs.cores()
     threads = max(1, cores // nproc)
     log.info("OMP_NUM_THREADS=%d for each of %d workers (%d cores); set it to choose", threads, nproc, cores)
-    return str(threads)
+    return procs.threads_env(threads)
 
 
 def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
@@ -108,11 +106,9 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
     stopper = stopping.current()
     early = stopper.received if stopper else None  # a signal while Hydra composed: pass it on
     threads = _threads_per_worker(nproc)
-    procs: list[subprocess.Popen] = []
+    workers: list[subprocess.Popen] = []
     for local_rank in range(nproc):
-        env = dict(os.environ, **(env_extra or {}))
-        if threads is not None:
-            env["OMP_NUM_THREADS"] = threads
+        env = dict(os.environ, **(env_extra or {}), **threads)
         env.update({
             "EXPGPU_RANK": str(node_rank * nproc + local_rank), "EXPGPU_LOCAL_RANK": str(local_rank),
             "EXPGPU_WORLD_SIZE": str(world), "EXPGPU_LOCAL_WORLD_SIZE": str(nproc),
@@ -122,8 +118,8 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
         })
         if stopper is not None:  # workers stop on what this process stops on (stopping.Stopper.install)
             env[stopping.ENV_SIGNALS] = ",".join(stopper.owned)
-        procs.append(subprocess.Popen([sys.executable, "-m", "expgpu.rank_process", str(run_dir)], env=env,
-                                      preexec_fn=_die_with_parent))
+        workers.append(subprocess.Popen([sys.executable, "-m", "expgpu.rank_process", str(run_dir)], env=env,
+                                        preexec_fn=_child_setup))
 
     # Ctrl-C reaches the workers too (same process group); they checkpoint and exit.
     # A SIGTERM sent to this parent alone is passed on to them.
@@ -131,7 +127,7 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
 
     def forward(signum, frame):
         forwarded.append(signum)
-        for p in procs:
+        for p in workers:
             if p.poll() is None:
                 p.send_signal(signum)
 
@@ -141,11 +137,11 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
     # Workers hold stop signals until their handler is in (block_in_child), so none is lost.
     late = stopper.received if stopper else None  # while the workers were being started
     for name in {early, late if late != "SIGINT" else None} - {None}:  # Ctrl-C reached them itself
-        for p in procs:
+        for p in workers:
             p.send_signal(signal.Signals[name])
     try:
         while True:
-            codes = [p.poll() for p in procs]
+            codes = [p.poll() for p in workers]
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
                 # The earliest failure is the cause; the others' errors are its echo
@@ -154,13 +150,13 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
                 # tearing its group down) when its echo has already ended: it counts too.
                 bad += [(r, 1) for r, c in enumerate(codes) if c is None and failure_file(run_dir, r).exists()]
                 rank, code = min(bad, key=lambda rc: _mtime(failure_file(run_dir, rc[0])))
-                _stop(procs)
+                _stop(workers)
                 return _describe(run_dir, rank, code)
             if all(c == 0 for c in codes):
                 return None
             time.sleep(0.05)
     finally:
-        _stop(procs, signal.SIGKILL)  # nothing outlives the parent, whatever happened
+        _stop(workers, signal.SIGKILL)  # nothing outlives the parent, whatever happened
         for s, h in old.items():
             signal.signal(s, h)
 

@@ -4,9 +4,9 @@
 Importing this package never imports torch: apply() does, lazily, after CUDA_VISIBLE_DEVICES is set.
 """
 
-from expgpu.gpus.apply import ISOLATIONS, apply, cuda_initialized, set_device_ordinal, visible_devices_env
+from expgpu.gpus.apply import ISOLATIONS, apply, cuda_initialized, set_device_ordinal
 from expgpu.gpus.inventory import Gpu, inventory, parse_visible_devices
 from expgpu.gpus.strategies import STRATEGIES, NodePlan, plan
 
 __all__ = ["Gpu", "inventory", "parse_visible_devices", "NodePlan", "plan", "STRATEGIES", "apply",
-           "visible_devices_env", "set_device_ordinal", "cuda_initialized", "ISOLATIONS"]
+           "set_device_ordinal", "cuda_initialized", "ISOLATIONS"]

@@ -16,6 +16,7 @@ import sys
 from typing import TYPE_CHECKING, MutableMapping, Sequence
 
 from expgpu.errors import UserError
+from expgpu.procs import gpu_env
 from expgpu.gpus.inventory import Gpu
 from expgpu.gpus.strategies import NodePlan
 
@@ -24,18 +25,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 ISOLATIONS = ("visible_devices", "set_device")
-
-
-def visible_devices_env(plan_gpus: Sequence[Gpu], *, by_uuid: bool = False) -> dict[str, str]:
-    """The environment that shows this rank only its GPU(s).
-
-    NVML indices, readable in logs: CUDA_DEVICE_ORDER=PCI_BUS_ID makes CUDA number GPUs in PCI bus
-    order too, so index 3 is the card nvidia-smi calls 3 (CUDA's default, FASTEST_FIRST, reorders
-    mixed cards). `by_uuid` names them by UUID instead, right whatever the order: for users who pinned
-    another CUDA_DEVICE_ORDER.
-    """
-    ids = [g.uuid if by_uuid else str(g.index) for g in plan_gpus]
-    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(ids)}
 
 
 def set_device_ordinal(gpu: Gpu, visible: Sequence[Gpu]) -> int:
@@ -74,7 +63,7 @@ def apply(plan: NodePlan, local_rank: int, isolation: str = "visible_devices",
         log.warning("CUDA_DEVICE_ORDER=%s kept as set; expgpu selects GPUs by UUID, but CUDA ordinals in "
                     "your logs will not match nvidia-smi (unset it or use PCI_BUS_ID)", order)
     if isolation == "visible_devices":
-        mask = visible_devices_env(gpus, by_uuid=order != "PCI_BUS_ID")["CUDA_VISIBLE_DEVICES"]
+        mask = gpu_env(gpus, order)["CUDA_VISIBLE_DEVICES"]
         inherited = env.get("CUDA_VISIBLE_DEVICES")
         if cuda_initialized() and inherited != mask:   # CUDA has read the mask: changing it does nothing
             raise UserError("CUDA was initialized before expgpu could isolate this rank's GPU with "

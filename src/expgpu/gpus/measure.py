@@ -169,11 +169,10 @@ def measure_in_child(gpu: Gpu | None, dtype: str, env: Mapping[str, str] | None 
                      timeout_s: float = TIMEOUT_S, device: str = "cuda") -> float:
     """TFLOP/s of `gpu`, measured by a child process that sees only that GPU (device="cpu":
     the same child on the CPU, with no GPU at all)."""
+    from expgpu.procs import gpu_env
+
     child_env = dict(os.environ if env is None else env)
-    if device == "cuda":
-        child_env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=gpu.uuid or str(gpu.index))
-    else:
-        child_env["CUDA_VISIBLE_DEVICES"] = ""
+    child_env.update(gpu_env([gpu] if device == "cuda" else [], child_env.get("CUDA_DEVICE_ORDER")))
     what = f"GPU {gpu.index} ({gpu.name})" if gpu is not None else "the CPU"
     cmd = [sys.executable, "-m", "expgpu.gpus.measure", "--dtype", dtype, "--device", device]
     try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from expgpu.errors import UserError
-from expgpu.rundir import METRICS, RESULT, failure_files, job_failure_file
+from expgpu.rundir import METRICS, POOL_RECORD, RESULT, failure_files, job_failure_file
 
 # Logged every step but not a result: not drawn (the learning rate is, when nothing else is).
 _NOT_PLOTTED = ("epoch", "time", "step")
@@ -253,7 +253,7 @@ def collect(sweep: Path) -> list[Row]:
     if not sweep.is_dir():
         raise UserError(f"{sweep}: no such directory; give a sweep dir such as outputs/multirun/DATE/TIME")
     pool_doc = None
-    pool_path = sweep / "pool.json"
+    pool_path = sweep / POOL_RECORD
     if pool_path.exists():
         try:
             pool_doc = json.loads(pool_path.read_text())

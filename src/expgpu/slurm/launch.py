@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from expgpu.app import WorkerFailed
-from expgpu.errors import UserError
+from expgpu.errors import UserError, WorkerFailed
 from expgpu.slurm import cluster, preview, resources
 
 log = logging.getLogger("expgpu")

@@ -2,10 +2,11 @@
 
     python -m expgpu -m hydra/launcher=gpu_pool task=a,b,digits task.optimizer.lr=1e-3,1e-2
 
-Each job is a fresh process that sees only its GPU(s) (CUDA_VISIBLE_DEVICES set before it starts);
-the next job starts the moment GPUs free up; GPUs are leased machine-wide, so two sweeps never
-share one. Hydra imports this module on every start: the work lives in expgpu.pool, imported
-inside launch().
+Each job is a process of its own, started ahead (torch imported), that sees only its GPU(s)
+(CUDA_VISIBLE_DEVICES set before any of the job's code runs) and its share of the CPU cores; the
+next job starts the moment GPUs free up; GPUs are leased machine-wide, so two sweeps never share
+one. Hydra imports this module on every start: the work lives in the expgpu.pool package,
+imported inside launch().
 """
 
 # No `from __future__ import annotations`: Hydra executes plugin modules without registering
@@ -38,6 +39,10 @@ class GpuPoolLauncherConf:
     wait_timeout_s: Optional[float] = None
     # After Ctrl-C / SIGTERM: how long running jobs get to checkpoint and exit before SIGKILL.
     grace_s: float = 15.0
+    # CPU threads per job (OMP_NUM_THREADS, MKL_NUM_THREADS, torch.set_num_threads). null: the
+    # cores shared out among the jobs that can run at once, unless OMP/MKL_NUM_THREADS is set; torch
+    # would otherwise start one thread per core in every job and oversubscribe the cores.
+    threads_per_job: Optional[int] = None
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="gpu_pool", node=GpuPoolLauncherConf,

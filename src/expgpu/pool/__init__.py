@@ -1,0 +1,33 @@
+"""The gpu_pool launcher's work: run a Hydra sweep's jobs in parallel, each on GPUs of its own.
+
+    launch.py     one launch() batch: settings, GPUs, every job's config, its thread budget, the loop
+    settings.py   hydra.launcher.* checked; the GPUs a job needs
+    scheduler.py  which job gets which GPUs or CPU slot; CPU threads per job (pure)
+    loop.py       the event loop: reap ended jobs, signals, the end of a sweep
+    starts.py     lease GPUs, ask the scheduler, hand jobs to spares, keep spares ready
+    forkserver.py one warm process per sweep (torch imported once) that forks each job's process
+    spares.py     a job's process before its job (a fork, or one started on its own), the launcher's handle
+    child.py      the job's side: wait, set the job's environment, run_job, send back, exit
+    jobs.py       a job, its files, pool.json (every batch's jobs)
+    board.py      the live table / log lines
+
+Each job runs in a process of its own, forked ahead of time from the sweep's fork server (Hydra,
+torch and the task's modules imported once) but given nothing of its job, and no GPU, until its
+GPUs are leased: then it gets its environment (CUDA_VISIBLE_DEVICES: its GPUs' NVML indices, with
+CUDA_DEVICE_ORDER=PCI_BUS_ID; OMP/MKL_NUM_THREADS: its share of the cores) before any of the job's
+code runs, so nothing in it can touch another job's GPU. Inside, expgpu's usual line runs on that
+mask (the inventory is narrowed to the leased GPUs). GPUs are leased machine-wide (expgpu.leases):
+the job's process holds the lock, so a GPU frees itself when its job ends, however it ends, and two
+sweeps never share a GPU.
+
+Jobs run in their own process group (session), so a Ctrl-C at the terminal reaches only the
+launcher, which passes it on to every running job (expgpu checkpoints and stops), waits grace_s,
+then SIGKILLs what is left; queued jobs never start. Jobs die with the launcher (PR_SET_PDEATHSIG).
+
+Nothing heavy is imported here or at Hydra start-up; the plugin imports launch() inside its launch().
+"""
+
+from expgpu.pool.launch import launch
+from expgpu.pool.scheduler import Scheduler
+
+__all__ = ["launch", "Scheduler"]

@@ -1,0 +1,215 @@
+"""A sweep's jobs as the pool sees them, and the files they leave: the job file a job's process
+reads, the JobReturn it sends back, and pool.json in the sweep dir (every job of every launch()
+batch: GPUs, times, outcome; expgpu.report reads it)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pickle
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from expgpu.errors import UserError, WorkerFailed, one_line
+from expgpu.rundir import CONSOLE, POOL_JOB as JOB_FILE, POOL_RECORD as RECORD, POOL_RETURN as RETURN_FILE, STATE
+
+
+class JobFailed(WorkerFailed):
+    """What a failed job's JobReturn raises: which job, its error in one line, where its output is.
+
+    A WorkerFailed (a sweep's job is its worker), which the CLI shows as one line,
+    `expgpu: job #3 (...) failed: ...`, with exit code 1."""
+
+    def __init__(self, message: str):
+        Exception.__init__(self, message)
+        self.failure = None
+
+    def __reduce__(self):
+        return (type(self), (str(self),))
+
+
+@dataclass
+class Job:
+    num: int
+    overrides: list[str]
+    config: Any                  # the job's composed config (DictConfig, hydra node included)
+    dir: Path
+    need: int                    # GPUs; 0 takes a CPU slot
+    state: str = "queued"        # queued | running | ending | finished | failed | stopped | not_started
+    gpus: list = field(default_factory=list)
+    slot: int | None = None
+    proc: Any = None             # its subprocess.Popen
+    exit_fd: int | None = None   # readable once proc has exited (a pidfd), None where unsupported
+    started: float | None = None
+    ended: float | None = None
+    returncode: int | None = None
+    error: str | None = None
+    ret: Any = None              # its hydra.core.utils.JobReturn
+
+    @property
+    def label(self) -> str:
+        shown = [o for o in self.overrides if not o.startswith("hydra.")]
+        return " ".join(shown) or "(no overrides)"
+
+    @property
+    def where(self) -> str:
+        if self.gpus:
+            return "GPU " + ",".join(str(g.index) for g in self.gpus)
+        return f"cpu slot {self.slot}" if self.slot is not None else "-"
+
+    def close_exit_fd(self) -> None:
+        if self.exit_fd is not None:
+            os.close(self.exit_fd)
+            self.exit_fd = None
+
+    def failure(self) -> str:
+        console = self.dir / CONSOLE
+        return f"job #{self.num} ({self.label}) {self.state}: {self.error}" + (
+            f"; its output: {console}" if console.exists() else "")
+
+
+def compose(ctx, master, overrides: Sequence[str], num: int, need) -> Job:
+    """The job's config as Hydra's own launchers compose it; `need(cfg)`: the GPUs it needs."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = ctx.config_loader.load_sweep_config(master, list(overrides))
+    with open_dict(cfg):
+        cfg.hydra.job.id = num
+        cfg.hydra.job.num = num
+    # The job dir as run_job will compute it (a subdir like ${hydra:job.override_dirname} reads
+    # HydraConfig), so the launcher knows where the job's console.log goes.
+    hc = HydraConfig.instance()
+    saved = hc.cfg
+    hc.set_config(cfg)
+    try:
+        job_dir = Path(str(OmegaConf.select(cfg, "hydra.sweep.dir"))) / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+    finally:
+        hc.cfg = saved
+    return Job(num, list(overrides), cfg, job_dir, need(cfg))
+
+
+def write_job_file(job: Job, context: Path) -> Path:
+    """What the job's process needs that its spare did not have: the launcher's sys.path, the shared
+    context file (Hydra's context, the task function, Hydra's singletons) and the job's config."""
+    import cloudpickle
+
+    state = job.dir / STATE
+    state.mkdir(parents=True, exist_ok=True)
+    (state / RETURN_FILE).unlink(missing_ok=True)
+    path = state / JOB_FILE
+    replace(path, pickle.dumps(list(sys.path)) + cloudpickle.dumps(
+        {"context": str(context), "config": job.config, "return": str(state / RETURN_FILE)}))
+    return path
+
+
+def replace(path: Path, data: bytes) -> None:
+    """Whole or absent (write, rename), without fsync: for a file read within the second and
+    deleted, where an fsync would only delay the next job's start (or end)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def job_return(job: Job, code: int | None, stop_signal: int | None, spares_log: Path):
+    """The JobReturn the job sent back; one made here when it sent none (killed, crashed)."""
+    from hydra.core.utils import JobStatus
+
+    ret, outcome = None, None
+    path = job.dir / STATE / RETURN_FILE
+    if path.exists():
+        try:
+            ret, outcome = pickle.loads(path.read_bytes())
+        except Exception as e:   # a class of the job's the launcher cannot import, a torn file
+            job.error = f"its JobReturn could not be read: {one_line(e)}"
+        path.unlink(missing_ok=True)
+    (job.dir / STATE / JOB_FILE).unlink(missing_ok=True)
+    if ret is None:
+        return _made_up_return(job, code, stop_signal, spares_log)
+    job.state = outcome["state"]
+    job.error = outcome.get("error")
+    if ret.status is JobStatus.FAILED and not isinstance(ret._return_value, UserError):
+        cause = ret._return_value
+        ret.return_value = JobFailed(job.failure())
+        ret._return_value.__cause__ = cause if isinstance(cause, BaseException) else None
+    return ret
+
+
+def _made_up_return(job: Job, code: int | None, stop_signal: int | None, spares_log: Path):
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf, open_dict
+
+    ret = JobReturn(overrides=job.overrides, working_dir=os.getcwd(), status=JobStatus.FAILED)
+    ret.cfg = copy.deepcopy(job.config)
+    with open_dict(ret.cfg):
+        del ret.cfg["hydra"]
+    ret.hydra_cfg = OmegaConf.create({"hydra": job.config.hydra})
+    if job.error is None:
+        if code is not None and code < 0:
+            job.error = f"killed by {signal.Signals(-code).name}"
+        elif stop_signal is not None:
+            job.error = f"stopped by {signal.Signals(stop_signal).name} (exit code {code})"
+        else:
+            job.error = f"exited with code {code}" + (last_line(job.dir / CONSOLE) or last_line(spares_log))
+    job.state = "stopped" if stop_signal is not None and job.state == "ending" else "failed"
+    ret.return_value = JobFailed(job.failure())
+    return ret
+
+
+def last_line(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return f" ({' '.join(lines[-1].split())[:300]})" if lines else ""
+
+
+# Rows of the launch() batches that ended in this process, by sweep dir: an optimizing sweeper
+# (Optuna with max_batch_size=1) calls launch() once per trial, and pool.json keeps them all.
+_earlier: dict[str, list[dict]] = {}
+
+
+class Record:
+    """pool.json: every job of every launch() batch of this sweep, in launch order."""
+
+    def __init__(self, sweep_dir: Path, pool_gpus: list, cpu_slots: int, threads: str, simulated: bool):
+        self.path = sweep_dir / RECORD
+        self.before = _earlier.setdefault(str(sweep_dir), [])
+        self.head = {"launcher": "gpu_pool", "pool": [g.index for g in pool_gpus], "cpu_slots": cpu_slots,
+                     "threads_per_job": threads}
+        self.simulated = simulated
+        self.batch = len({r["batch"] for r in self.before})   # this launch()'s number, from 0
+
+    def write(self, jobs: list[Job], stop_signal: int | None) -> None:
+        from expgpu.rundir import atomic_write_bytes
+
+        rows = self.before + [self._row(j) for j in jobs]
+        doc = {**self.head, "batches": self._batches(rows),
+               "interrupted": signal.Signals(stop_signal).name if stop_signal else None, "jobs": rows}
+        atomic_write_bytes(self.path, (json.dumps(doc, indent=1) + "\n").encode())
+
+    def close(self, jobs: list[Job]) -> None:
+        """This batch is over: the next launch() in this process adds its jobs after these."""
+        self.before.extend(self._row(j) for j in jobs)
+
+    def _row(self, j: Job) -> dict:
+        return {
+            "num": j.num, "overrides": j.overrides, "dir": str(j.dir), "state": j.state,
+            "gpus": [g.index for g in j.gpus], "gpu_names": [g.name for g in j.gpus],
+            "simulated": self.simulated, "slot": j.slot,
+            "need": j.need, "pid": j.proc.pid if j.proc else None, "started": j.started, "ended": j.ended,
+            "wall_s": round(j.ended - j.started, 3) if j.started and j.ended else None,
+            "returncode": j.returncode, "error": j.error, "batch": self.batch,
+        }
+
+    @staticmethod
+    def _batches(rows: list[dict]) -> list[dict]:
+        """One entry per launch(): its number and its jobs' numbers."""
+        out: dict[int, list[int]] = {}
+        for r in rows:
+            out.setdefault(r["batch"], []).append(r["num"])
+        return [{"batch": b, "jobs": nums} for b, nums in sorted(out.items())]

@@ -1,0 +1,152 @@
+"""launch(): one batch of a sweep's jobs (Hydra calls it once per sweep, or once per trial under an
+optimizing sweeper): settings, the GPUs, every job's config, each job's CPU threads, then the loop."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from expgpu import procs
+from expgpu.errors import UserError
+from expgpu.pool import jobs as jobfiles
+from expgpu.pool.jobs import Job, Record
+from expgpu.pool.scheduler import at_once, thread_budget
+from expgpu.pool.settings import Settings, job_need, pool_gpus, settings
+from expgpu.pool.forkserver import ForkServer
+from expgpu.pool.spares import SPARES_LOG, Spare, spare_env, task_modules
+
+log = logging.getLogger("expgpu.pool")
+
+
+def launch(params: Mapping[str, Any], hydra_context, task_function, config,
+           job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
+    from hydra.core.utils import configure_log, setup_globals
+    from omegaconf import OmegaConf
+
+    from expgpu import leases
+
+    setup_globals()
+    configure_log(config.hydra.hydra_logging, config.hydra.verbose)
+    s = settings(params)
+    simulate = OmegaConf.select(config, "inventory.simulate", default=None)
+    if OmegaConf.is_config(simulate):
+        simulate = OmegaConf.to_container(simulate, resolve=True)
+    gpus = pool_gpus(s, simulate)
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    state = sweep_dir / jobfiles.STATE
+    state.mkdir(parents=True, exist_ok=True)
+    lease_dir = leases.lease_dir(s.lease_dir) if gpus else None
+    # The first wave's processes warm up (torch: most of a job's start-up) while the jobs' configs
+    # are composed: with the modules the sweep's own config names, then those of its first job.
+    own_code = not gpus or simulate is not None
+    warm = task_modules(config, own_code)
+    first_wave = min(len(job_overrides), len(gpus) or s.cpu_slots, s.max_parallel or math.inf)
+    server = ForkServer(state / SPARES_LOG, spare_env(hide_gpus=bool(gpus)), warm)
+    spares = [Spare(state, hide_gpus=bool(gpus), server=server) for _ in range(first_wave)]
+    try:
+        jobs = _compose_all(hydra_context, config, job_overrides, initial_job_idx, s, gpus)
+    except BaseException:
+        for spare in spares:
+            spare.dismiss()
+        server.close()
+        _tidy(state)
+        raise
+    more = [m for m in (task_modules(jobs[0].config, own_code) if jobs else []) if m not in warm]
+    if more:   # the first wave's forks are made already (or soon): they import these themselves
+        server.warm(more)
+        for spare in spares:
+            spare.warm(more)
+    warm += more
+    threads, job_env, threads_text = _threads(s, jobs, gpus)
+    if gpus:
+        desc = f"GPU {','.join(str(g.index) for g in gpus)}" + (" (simulated)" if simulate is not None else "")
+    else:
+        desc = f"{s.cpu_slots} CPU slot{'s' if s.cpu_slots > 1 else ''}"
+    log.info("gpu_pool: %d jobs on %s, %s; sweep dir %s", len(jobs), desc, threads_text, sweep_dir)
+    for job in jobs:
+        log.info("\t#%d : %s", job.num, job.label)
+    return _run(jobs, gpus, s, sweep_dir, lease_dir, desc, spares, (hydra_context, task_function),
+                Record(sweep_dir, gpus, s.cpu_slots, threads_text, simulate is not None and bool(gpus)),
+                job_env, threads, warm, own_code, server)
+
+
+def _compose_all(ctx, config, job_overrides, initial_job_idx: int, s: Settings, gpus: list) -> list[Job]:
+    jobs = [jobfiles.compose(ctx, config, o, initial_job_idx + i, lambda cfg: job_need(cfg, s, len(gpus)))
+            for i, o in enumerate(job_overrides)]
+    for job in jobs:
+        if job.need > len(gpus):
+            how = ("hydra.launcher.gpus_per_job" if s.gpus_per_job is not None
+                   else "launch.nproc_per_node x gpu_map.gpus_per_rank")
+            raise UserError(f"job #{job.num} ({job.label}) needs {job.need} GPUs ({how}), but the pool has "
+                            f"{len(gpus)} ({', '.join(str(g.index) for g in gpus)}); ask for fewer per job, "
+                            "or set hydra.launcher.gpus")
+    return jobs
+
+
+def _threads(s: Settings, jobs: list[Job], gpus: list) -> tuple[int | None, dict[str, str], str]:
+    """(threads per job or None to leave them be, the variables each job gets, the start line's words).
+
+    Unless the user chose (OMP_NUM_THREADS / MKL_NUM_THREADS, or hydra.launcher.threads_per_job),
+    each job gets its share of the cores: the cores over the jobs that can run at once."""
+    user = procs.user_threads()
+    if s.threads_per_job is not None:
+        if user:
+            log.warning("gpu_pool: hydra.launcher.threads_per_job=%d is used for the jobs, not %s",
+                        s.threads_per_job, user)
+        n = s.threads_per_job
+        return n, procs.threads_env(n), f"{n} thread{'s' if n > 1 else ''} per job (hydra.launcher.threads_per_job)"
+    if user:
+        return None, {}, f"threads per job as set ({user})"
+    cores = procs.cores()
+    needs = [j.need for j in jobs]
+    n = thread_budget(cores, needs, len(gpus), s.cpu_slots, s.max_parallel)
+    together = at_once(needs, len(gpus), s.cpu_slots, s.max_parallel)
+    return n, procs.threads_env(n), (f"{n} thread{'s' if n > 1 else ''} per job ({cores} cores, {together} "
+                                     f"job{'s' if together > 1 else ''} at once; hydra.launcher.threads_per_job "
+                                     "to choose)")
+
+
+def _run(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, desc: str, spares: list[Spare],
+         shared: tuple, record: Record, job_env: dict, threads: int | None, warm: list[str],
+         own_code: bool, server: ForkServer) -> list:
+    # Shared by every job: Hydra's loader and callbacks, the task function and Hydra's singletons
+    # (ConfigStore, JobRuntime), pickled once with cloudpickle as Hydra's joblib launcher does.
+    import cloudpickle
+    from hydra.core.singleton import Singleton
+
+    from expgpu.rundir import atomic_write_bytes
+    from expgpu.pool.loop import Pool
+
+    state = sweep_dir / jobfiles.STATE
+    context = state / f"pool-context-{os.getpid()}.pkl"
+    pool = Pool(jobs, gpus, s, sweep_dir, context, lease_dir, desc, spares, record, job_env, threads, warm,
+                own_code, server)
+    try:
+        atomic_write_bytes(context, cloudpickle.dumps((*shared, Singleton.get_state())))
+        if own_code and server.alive():   # the forks to come find it unpickled (spares.task_modules: why not always)
+            server.warm([], context)
+        pool.run()
+    finally:
+        for spare in pool.spares:
+            spare.dismiss()
+        server.close()   # after the jobs: its forks die with it
+        context.unlink(missing_ok=True)
+        _tidy(state)
+    pool.summary(log)
+    if pool.stop_signal is not None:
+        raise KeyboardInterrupt
+    return [job.ret for job in jobs]
+
+
+def _tidy(state: Path) -> None:
+    """Leave the sweep's .expgpu/ only if a spare process had something to say."""
+    log_file = state / SPARES_LOG
+    try:
+        if log_file.exists() and log_file.stat().st_size == 0:
+            log_file.unlink()
+        state.rmdir()
+    except OSError:
+        pass

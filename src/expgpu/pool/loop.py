@@ -1,0 +1,165 @@
+"""The launcher's loop over its jobs' processes, the free GPUs and the signals it receives:
+reap finished jobs, lease free GPUs, start what fits (scheduler), keep spares warm, show it."""
+
+from __future__ import annotations
+
+import math
+import select
+import signal
+import time
+from pathlib import Path
+
+from expgpu import procs
+from expgpu.pool import jobs as jobfiles
+from expgpu.pool.board import Board
+from expgpu.pool.jobs import Job, Record
+from expgpu.pool.scheduler import Scheduler
+from expgpu.pool.settings import Settings
+from expgpu.pool.spares import SPARES_LOG, Spare
+from expgpu.pool.starts import Starter
+
+POLL_S = 0.02   # how often the launcher looks at its jobs and the free GPUs (at the latest: it
+                # wakes at once when a job's process exits)
+
+
+class Pool(Starter):
+    def __init__(self, jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, context: Path,
+                 lease_dir: Path | None, desc: str, spares: list[Spare], record: Record,
+                 job_env: dict[str, str], threads: int | None, warm: list[str], own_code: bool, server):
+        self.jobs, self.gpus, self.s = jobs, gpus, s
+        self.sweep_dir, self.context, self.lease_dir = sweep_dir, context, lease_dir
+        self.scheduler = Scheduler(patience=max(1, len(gpus)))
+        self.board: Board | None = None
+        self.desc, self.record = desc, record
+        self.job_env, self.threads, self.warm = job_env, threads, warm   # what every job gets
+        self.own_code = own_code   # spares may import the task's modules ahead (spares.task_modules)
+        self.server = server       # the fork server the spares are forked from
+        self.stop_signal: int | None = None
+        self._hard = False
+        self._kill_at: float | None = None
+        self._waiting_since: float | None = None
+        self._busy_elsewhere: tuple = ()
+        self.spares = spares   # processes started ahead of their jobs
+        self._dirty = False    # pool.json is behind
+        self._spares_broken = False   # a spare died before it got a job: stop starting them ahead
+        self.capacity = int(min(len(gpus) + (s.cpu_slots if not gpus or any(j.need == 0 for j in jobs) else 0),
+                                s.max_parallel or math.inf))
+
+    def run(self) -> None:
+        self.record.write(self.jobs, None)
+        self.board = Board(self.jobs, self.desc)
+        old = {}
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old[sig] = signal.signal(sig, self._on_signal)
+        except ValueError:  # not the main thread: signals stay with whoever handles them
+            pass
+        from expgpu import stopping
+
+        early = stopping.current() and stopping.current().received
+        if early:  # a Ctrl-C while Hydra composed the sweep: the CLI's Stopper kept it for us
+            self.stop_signal = signal.Signals[early]
+        try:
+            self._loop()
+        finally:
+            for job in self._running():  # an error in this loop: nothing outlives the launcher
+                procs.kill_group(job.proc.pid)
+                job.proc.wait()
+            for job in self.jobs:
+                job.close_exit_fd()
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            self.board.close()
+            self.record.write(self.jobs, self.stop_signal)
+            self.record.close(self.jobs)
+
+    def _loop(self) -> None:
+        while True:
+            ended = self._reap()
+            if self.stop_signal is not None:
+                self._stopping()
+            elif any(j.state == "queued" for j in self.jobs):
+                self._start_ready()
+                self._check_waiting()
+            self._settle(ended)
+            self._keep_spares()
+            if self._dirty:   # once per round, after the starts: not on a job's critical path
+                self._dirty = False
+                self.record.write(self.jobs, self.stop_signal)
+            if not any(j.state in ("queued", "running") for j in self.jobs):
+                return
+            self.board.tick()
+            self._idle(POLL_S)
+
+    def _running(self) -> list[Job]:
+        return [j for j in self.jobs if j.state == "running"]
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+        else:
+            self._hard = True   # a second Ctrl-C: kill now
+
+    def _stopping(self) -> None:
+        if self._kill_at is None:
+            for job in self.jobs:
+                if job.state == "queued":
+                    job.state = "not_started"
+            name = signal.Signals(self.stop_signal).name
+            for job in self._running():
+                procs.kill_group(job.proc.pid, self.stop_signal)
+            self._kill_at = time.monotonic() + self.s.grace_s
+            self.board.event(f"{name}: stopping {len(self._running())} running job(s) "
+                             f"(SIGKILL in {self.s.grace_s:.0f}s, again to kill now)")
+            self._dirty = True
+        if self._hard or time.monotonic() > self._kill_at:
+            for job in self._running():
+                procs.kill_group(job.proc.pid)
+
+    def _reap(self) -> list[Job]:
+        """Jobs whose process has just exited: their GPUs and slots are free from now on."""
+        ended = []
+        for job in self._running():
+            code = job.proc.poll()
+            if code is None:
+                continue
+            # The job is over: whatever it left running in its group (a forked loader worker
+            # holding the lease descriptor) goes too, so its GPUs free up now.
+            procs.kill_group(job.proc.pid)
+            job.close_exit_fd()
+            job.ended, job.returncode, job.state = time.time(), code, "ending"
+            ended.append(job)
+        return ended
+
+    def _settle(self, ended: list[Job]) -> None:
+        """Read what the ended jobs sent back (after the next jobs have started: not on their path)."""
+        for job in ended:
+            job.ret = self._job_return(job, job.returncode)
+            took = job.ended - job.started
+            if job.state == "finished":
+                self.board.event(f"#{job.num} finished in {took:.1f}s on {job.where}")
+            else:
+                self.board.event(f"#{job.num} {job.state} after {took:.1f}s on {job.where}: {job.error}")
+            self._dirty = True
+
+    def _job_return(self, job: Job, code: int | None):
+        spares_log = self.sweep_dir / jobfiles.STATE / SPARES_LOG
+        return jobfiles.job_return(job, code, self.stop_signal, spares_log)
+
+    def _idle(self, timeout: float) -> None:
+        """Wait until a running job's process exits or `timeout` passes: a slot is refilled the
+        moment its job ends, not up to a poll interval later (a wave of 1-s jobs loses ~1%)."""
+        fds = [j.exit_fd for j in self._running() if j.exit_fd is not None]
+        if fds and self.server.sock is not None:   # it reports the exit code a moment after the exit
+            fds.append(self.server.sock)
+        if fds:
+            select.select(fds, [], [], timeout)
+        else:
+            time.sleep(timeout)
+
+    def summary(self, log) -> None:
+        bad = [j for j in self.jobs if j.state in ("failed", "stopped")]
+        if self.board is not None and not self.board.was_live:   # else the table says it already
+            log.info("gpu_pool: %s", self.board.counts())
+        for j in bad:
+            log.error("%s", j.failure())

@@ -1,0 +1,107 @@
+"""hydra.launcher.* of the gpu_pool, checked (one line naming the key on bad input), and what a job needs."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from expgpu.errors import UserError
+
+
+@dataclass(frozen=True)
+class Settings:
+    gpus: tuple[int, ...] | None     # None: all
+    gpus_per_job: int | None
+    max_parallel: int | None
+    cpu_slots: int
+    lease_dir: str | None
+    wait_timeout_s: float | None
+    grace_s: float
+    threads_per_job: int | None = None   # None: the cores shared out among the jobs at once
+
+
+def settings(params: Mapping[str, Any]) -> Settings:
+    from omegaconf import OmegaConf
+
+    p = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+         for k, v in params.items()}
+    lease = p.get("lease_dir")
+    if lease is not None and not (isinstance(lease, str) and lease.strip()):
+        raise UserError(f"hydra.launcher.lease_dir={lease!r} is not allowed: a directory path or null")
+    return Settings(gpus=_gpus(p.get("gpus", "all")), gpus_per_job=_whole(p, "gpus_per_job", 0, True),
+                    max_parallel=_whole(p, "max_parallel", 1, True), cpu_slots=_whole(p, "cpu_slots", 1, False),
+                    lease_dir=lease, wait_timeout_s=_seconds(p, "wait_timeout_s", True),
+                    grace_s=_seconds(p, "grace_s", False),
+                    threads_per_job=_whole(p, "threads_per_job", 1, True))
+
+
+def _whole(p: Mapping[str, Any], key: str, low: int, none_ok: bool) -> int | None:
+    value = p.get(key)
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        allowed = f"an integer >= {low}" + (" or null" if none_ok else "")
+        raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: {allowed}")
+    return value
+
+
+def _seconds(p: Mapping[str, Any], key: str, none_ok: bool) -> float | None:
+    value = p.get(key)
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
+            or not math.isfinite(value):
+        raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: seconds >= 0"
+                        + (" or null" if none_ok else ""))
+    return float(value)
+
+
+def _gpus(gpus: Any) -> tuple[int, ...] | None:
+    if isinstance(gpus, int) and not isinstance(gpus, bool):
+        gpus = [gpus]
+    if gpus == "all" or gpus is None:
+        return None
+    if isinstance(gpus, list) and all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
+        if len(set(gpus)) != len(gpus):
+            raise UserError(f"hydra.launcher.gpus={gpus}: a GPU is listed twice; list each once")
+        return tuple(gpus)
+    raise UserError(f"hydra.launcher.gpus={gpus!r} is not allowed: all, or a list of GPU indices "
+                    "as nvidia-smi numbers them, e.g. [0,2]")
+
+
+def pool_gpus(s: Settings, simulate: Any = None) -> list:
+    """The GPUs this sweep may lease: the inventory (NVML, or simulated), narrowed by an inherited
+    CUDA_VISIBLE_DEVICES, then by hydra.launcher.gpus."""
+    from expgpu.gpus import inventory
+
+    visible = inventory(simulate)
+    if s.gpus is None:
+        return visible
+    by_index = {g.index: g for g in visible}
+    for i in s.gpus:
+        if i not in by_index:
+            seen = ", ".join(str(g) for g in sorted(by_index)) or "none"
+            mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+            why = f" (CUDA_VISIBLE_DEVICES={mask!r} hides the others)" if mask is not None else ""
+            raise UserError(f"hydra.launcher.gpus: GPU {i} is not on this machine; allowed: all, or "
+                            f"a list of {seen}{why}")
+    return [by_index[i] for i in s.gpus]
+
+
+def job_need(cfg: Any, s: Settings, pool_size: int) -> int:
+    """GPUs a job needs: hydra.launcher.gpus_per_job, else what its expgpu config asks for."""
+    from omegaconf import OmegaConf
+
+    if pool_size == 0:
+        return 0
+    if s.gpus_per_job is not None:
+        return s.gpus_per_job
+    nproc = OmegaConf.select(cfg, "launch.nproc_per_node", default=None)
+    per_rank = OmegaConf.select(cfg, "gpu_map.gpus_per_rank", default=None)
+    if nproc is None and per_rank is None:
+        return 1   # not an expgpu app: one GPU per job
+    nproc, per_rank = int(nproc or 1), int(per_rank or 1)
+    # share: ranks take turns on the GPUs they are given, so a job can run on one rank's worth
+    return per_rank if OmegaConf.select(cfg, "gpu_map.share", default=False) else nproc * per_rank

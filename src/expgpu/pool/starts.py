@@ -1,0 +1,153 @@
+"""Starting a sweep's jobs: lease free GPUs, ask the scheduler, hand each job to a warm spare, keep
+spares ready for the jobs to come, and say (or give up) when queued jobs wait for other sweeps'
+GPUs. The half of expgpu.pool.loop.Pool that starts things; the loop itself ends them."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+from expgpu import procs
+from expgpu.errors import one_line
+from expgpu.pool import jobs as jobfiles
+from expgpu.pool.jobs import Job
+from expgpu.pool.spares import Spare
+
+
+class Starter:
+    """Mixed into Pool, whose attributes (jobs, gpus, s, spares, board, ...) it uses."""
+
+    def _start_ready(self) -> None:
+        from expgpu import leases
+
+        running = self._running()
+        room = (self.s.max_parallel or math.inf) - len(running)
+        self._busy_elsewhere = ()
+        if room <= 0:
+            return
+        waiting = [(j.num, j.need) for j in self.jobs if j.state == "queued"]
+        held: dict[int, Any] = {}
+        if self.gpus and any(need for _, need in waiting):
+            ours = {g.index for j in running for g in j.gpus}
+            candidates = [g for g in self.gpus if g.index not in ours]
+            held = {lease.gpu.index: lease for lease in leases.acquire_free(self.lease_dir, candidates)}
+            self._busy_elsewhere = tuple(g for g in candidates if g.index not in held)
+        try:
+            used = {j.slot for j in running}
+            slots = [i for i in range(self.s.cpu_slots) if i not in used]
+            by_num = {j.num: j for j in self.jobs}
+            for num, indices, slot in self.scheduler.pick(waiting, list(held), slots, room):
+                self._start(by_num[num], [held.pop(i) for i in indices], slot)
+        finally:
+            leases.release_all(list(held.values()))
+
+    def _new_spare(self) -> Spare:
+        if self.server.alive():
+            return Spare(self.sweep_dir / jobfiles.STATE, hide_gpus=bool(self.gpus), server=self.server)
+        # Without the fork server (it refused to fork, or died): a process that warms up itself; the
+        # context (the task function) only where the task's own modules may be imported ahead
+        # (spares.task_modules): unpickling it may import them.
+        return Spare(self.sweep_dir / jobfiles.STATE, hide_gpus=bool(self.gpus), warm=self.warm,
+                     context=self.context if self.own_code else None)
+
+    def _keep_spares(self) -> None:
+        """Warm processes for the jobs to come: as many as could start at once, one warming at a time
+        (so they do not slow the running jobs' own start-up)."""
+        for spare in [sp for sp in self.spares if not sp.alive()]:
+            self.spares.remove(spare)
+            spare.dismiss()
+            self._spares_broken = True
+            self.warm = []   # perhaps a task module that spares cannot import ahead (CUDA at import)
+        queued = sum(j.state == "queued" for j in self.jobs) if self.stop_signal is None else 0
+        want = 0 if self._spares_broken else min(queued, self.capacity)
+        while len(self.spares) > want:
+            self.spares.pop().dismiss()
+        if len(self.spares) < want and all(sp.is_ready() for sp in self.spares):
+            self.spares.append(self._new_spare())
+
+    def _process(self) -> Spare:
+        """A process for the next job: a warmed-up one if there is one."""
+        alive = [sp for sp in self.spares if sp.alive()]
+        pick = next((sp for sp in alive if sp.is_ready()), alive[0] if alive else None)
+        if pick is not None:
+            self.spares.remove(pick)
+            return pick
+        return self._new_spare()
+
+    def _job_env(self, job: Job, gpus: list, slot: int | None) -> dict[str, str]:
+        env = {**self.job_env, "EXPGPU_POOL_JOB": str(job.num),
+               "EXPGPU_POOL_GPUS": ",".join(str(g.index) for g in gpus)}
+        if slot is not None:
+            env["EXPGPU_POOL_SLOT"] = str(slot)
+        if self.gpus:  # a machine with GPUs: a job sees its own and no other (none for a CPU job)
+            env.update(procs.gpu_env(gpus, os.environ.get("CUDA_DEVICE_ORDER")))
+        return env
+
+    def _start(self, job: Job, job_leases: list, slot: int | None) -> None:
+        from expgpu import leases
+
+        gpus = [lease.gpu for lease in job_leases]
+        spare = None
+        try:
+            job_file = jobfiles.write_job_file(job, self.context)
+            spare = self._process()
+            try:
+                pid = spare.proc.pid   # a fork's: once the server has made it
+            except OSError:   # the fork server is gone (it refused to fork): a process of its own
+                spare.dismiss()
+                spare = self._new_spare()
+                pid = spare.proc.pid
+            for lease in job_leases:
+                lease.note(pid=pid, sweep=str(self.sweep_dir), job=job.num)
+            spare.give({"job_file": str(job_file), "console": str(job.dir / jobfiles.CONSOLE),
+                        "env": self._job_env(job, gpus, slot), "threads": self.threads},
+                       [lease.fd for lease in job_leases])
+            job.exit_fd = procs.exit_fd(pid)
+        except OSError as e:
+            leases.release_all(job_leases)
+            job.state = "failed"
+            job.error = f"could not start: {one_line(e)}" + (jobfiles.last_line(spare.log) if spare else "")
+            if spare is not None:
+                spare.dismiss()
+            job.ret = self._job_return(job, None)
+            self.board.event(f"#{job.num} failed to start: {job.error}")
+            self._dirty = True
+            return
+        job.proc = spare.proc
+        for lease in job_leases:  # the job's process holds the lease from now on
+            lease.handed_over()
+        job.state, job.gpus, job.slot, job.started = "running", gpus, slot, time.time()
+        self._waiting_since = None
+        self.board.event(f"#{job.num} started on {job.where}: {job.label}")
+        self._dirty = True
+
+    def _check_waiting(self) -> None:
+        """Say who holds the GPUs queued jobs wait for; give up after wait_timeout_s."""
+        from expgpu import leases
+
+        queued = [j for j in self.jobs if j.state == "queued" and j.need > 0]
+        # The lock said busy a moment ago; the file says by whom (read, not locked: no churn).
+        # A job of ours that just ended may hold its lease a moment longer: that is no news.
+        holders = [(g, leases.noted(self.lease_dir, g)) for g in self._busy_elsewhere]
+        holders = [(g, h) for g, h in holders if h.get("sweep") != str(self.sweep_dir)]
+        if not queued or not holders:
+            self.board.waiting("")
+            self._waiting_since = None
+            return
+        who = "; ".join(f"GPU {g.index}: {leases.describe_holder(h or {'pid': '?'})}" for g, h in holders[:4])
+        self.board.waiting(f"waiting for GPUs leased by others ({who})")
+        if self._running() or self.s.wait_timeout_s is None:
+            self._waiting_since = None
+            return
+        now = time.monotonic()
+        self._waiting_since = self._waiting_since or now
+        if now - self._waiting_since > self.s.wait_timeout_s:
+            for job in queued:
+                job.state = "failed"
+                job.error = (f"no GPU within hydra.launcher.wait_timeout_s={self.s.wait_timeout_s:g}s; "
+                             f"leased by others: {who}")
+                job.ret = self._job_return(job, None)
+            self.board.event(f"gave up on {len(queued)} queued job(s) after {self.s.wait_timeout_s:g}s")
+            self._dirty = True

@@ -1,0 +1,158 @@
+"""Process helpers every launcher shares (spawn, the gpu_pool, its job processes, the workers).
+
+- die_with_parent(): a child that outlives its launcher would keep GPUs, leases and CPU busy;
+- kill_group(): jobs and workers lead their own process group, so whatever they forked goes too;
+- fast_exit(): skip interpreter shutdown, but not the user's atexit handlers;
+- gpu_env(): the CUDA_VISIBLE_DEVICES environment that shows a process only its GPU(s);
+- threads_env() / cores(): the CPU threads a process may use when several share the cores.
+
+Light on purpose (no torch, no Hydra): launchers import it on every start.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Mapping, Sequence
+
+# How long atexit handlers may run in fast_exit() before the process exits anyway; a handler still
+# running then is named on stderr. EXPGPU_ATEXIT_GRACE_S overrides it (seconds).
+ATEXIT_GRACE_S = 10.0
+ENV_ATEXIT_GRACE = "EXPGPU_ATEXIT_GRACE_S"
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG).
+
+    `parent`: the pid this process expects as its parent; if that one died before the request was
+    made, the request would never fire, so exit now. Elsewhere (not Linux) this does nothing: the
+    launcher's process-group kill is all there is.
+    """
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent is not None and os.getppid() != parent:
+        os._exit(137)
+
+
+def kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal the process group that `pid` leads (started with start_new_session=True)."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def exit_fd(pid: int) -> int | None:
+    """A descriptor that becomes readable when process `pid` exits (Linux >= 5.3), or None: a
+    launcher select()s on it to refill a slot the moment its job ends, not a poll interval later."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def atexit_grace_s(env: Mapping[str, str] | None = None) -> float:
+    raw = (os.environ if env is None else env).get(ENV_ATEXIT_GRACE)
+    try:
+        value = float(raw) if raw is not None else ATEXIT_GRACE_S
+    except ValueError:
+        value = ATEXIT_GRACE_S
+    return value if value >= 0 else ATEXIT_GRACE_S
+
+
+def fast_exit(code: int, grace_s: float | None = None) -> None:
+    """Exit now with `code`: run the atexit handlers (the user's flush W&B, close files and write
+    summaries there; logging's own flushes the log files), flush stdout/stderr, then os._exit.
+
+    Interpreter shutdown is skipped: for a process that loaded torch and Hydra it costs tens of
+    milliseconds of every job's slot, and a gloo thread still alive after the process group is gone
+    can abort it (expgpu.dist). A handler that has not returned after `grace_s` is named on stderr
+    and the process exits anyway: a hung flush must not hold a GPU and a pool slot for ever.
+    """
+    grace = atexit_grace_s() if grace_s is None else grace_s
+    done = threading.Event()
+    caller = sys._getframe()
+    main = threading.get_ident()
+
+    def watchdog() -> None:
+        if done.wait(grace):
+            return
+        frame = sys._current_frames().get(main)
+        print(f"expgpu: atexit handler {_running_handler(frame, caller.f_code)} did not return within "
+              f"{grace:g}s ({ENV_ATEXIT_GRACE}); exiting without it", file=sys.stderr, flush=True)
+        _flush()
+        os._exit(code)
+
+    threading.Thread(target=watchdog, name="expgpu-atexit-watchdog", daemon=True).start()
+    try:
+        atexit._run_exitfuncs()   # the registered handlers, last registered first, as at a normal exit
+    finally:
+        done.set()
+        logging.shutdown()
+        _flush()
+        os._exit(code)
+
+
+def _running_handler(frame, fast_exit_code) -> str:
+    """The atexit handler the main thread is in: the frame just below fast_exit's own."""
+    while frame is not None:
+        back = frame.f_back
+        if back is not None and back.f_code is fast_exit_code:
+            co = frame.f_code
+            name = getattr(co, "co_qualname", co.co_name)
+            module = frame.f_globals.get("__name__", "?")
+            return f"{module}.{name} ({co.co_filename}:{co.co_firstlineno})"
+        frame = back
+    return "(one without Python code)"
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def gpu_env(gpus: Sequence, order: str | None = None) -> dict[str, str]:
+    """The environment that shows a process only `gpus` (expgpu Gpu objects; none: no GPU at all).
+
+    NVML indices, readable in logs, with CUDA_DEVICE_ORDER=PCI_BUS_ID so that CUDA numbers GPUs as
+    nvidia-smi does (CUDA's default, FASTEST_FIRST, reorders mixed cards). `order`: the
+    CUDA_DEVICE_ORDER already in effect; another one than PCI_BUS_ID is kept (never overwritten) and
+    the GPUs are named by UUID, which is right whatever the order.
+    """
+    if order not in (None, "", "PCI_BUS_ID"):
+        return {"CUDA_VISIBLE_DEVICES": ",".join(g.uuid for g in gpus)}
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(g.index) for g in gpus)}
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity mask, e.g. under taskset or a cgroup cpuset)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def user_threads(env: Mapping[str, str] | None = None) -> str | None:
+    """The thread-count variable the user set (e.g. "OMP_NUM_THREADS=4"), or None."""
+    env = os.environ if env is None else env
+    for name in THREAD_VARS:
+        if env.get(name):
+            return f"{name}={env[name]}"
+    return None
+
+
+def threads_env(threads: int) -> dict[str, str]:
+    """OMP/MKL thread counts for a child: each of N processes sharing the cores would otherwise start
+    one thread per core and oversubscribe them N times (CPU training runs several times slower)."""
+    return {name: str(threads) for name in THREAD_VARS}
+
