@@ -280,7 +280,7 @@ def prepare(cfg: dict, world_size: int, rank: int, batch_size: int, loss_fn: Any
     then continues with the checkpoint's split (SplitState).
     """
     data, faults = cfg["data"], cfg.get("faults") or {}
-    mode = _plain(data.get("shard", "uniform"))
+    mode = data.get("shard", "uniform")
     factor = float(faults.get("slow_factor") or 1.0) if faults.get("slow_rank") == rank else 1.0
     ms = float(faults.get("device_ms_per_example") or 0.0)
     slow = Slowness(factor, ms) if factor > 1.0 or ms > 0 else None
@@ -328,10 +328,6 @@ class SplitState:
         if self.local is not None and self.sampler is not None:
             self.local.use(saved)
             self.sampler.sizes = list(saved.sizes)
-
-
-def _plain(value):
-    return getattr(value, "value", value)
 
 
 def average_gradients(parameters, world_size: int) -> None:

@@ -9,7 +9,6 @@ ordinal, for processes whose CUDA is already running.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import sys
@@ -51,7 +50,6 @@ def apply(plan: NodePlan, local_rank: int, isolation: str = "visible_devices",
     driver and fixes the mask). A rank with several GPUs sees them as cuda:0..k-1; set_device selects
     only the first one.
     """
-    isolation = isolation.value if isinstance(isolation, enum.Enum) else isolation
     if isolation not in ISOLATIONS:
         raise UserError(f"launch.isolation={isolation!r}: unknown; allowed: {', '.join(ISOLATIONS)}")
     gpus = plan.gpus_of(local_rank)

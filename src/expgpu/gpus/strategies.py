@@ -8,7 +8,6 @@ CUDA_VISIBLE_DEVICES narrowed the inventory.
 
 from __future__ import annotations
 
-import enum
 import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
@@ -52,8 +51,9 @@ STRATEGIES: dict[str, Callable[[list[Gpu], int, Mapping], NodePlan]] = {}
 
 
 def plan(gpus: list[Gpu], local_world_size: int, params: Mapping) -> NodePlan:
-    """The GPU(s) of every local rank, by gpu_map.strategy. `gpus` is inventory() (CUDA order)."""
-    name = _plain(params.get("strategy") or "sequential")
+    """The GPU(s) of every local rank, by gpu_map.strategy. `gpus` is inventory() (CUDA order);
+    `params` the gpu_map config as config.plain() gives it (strings, not the schema's enums)."""
+    name = params.get("strategy") or "sequential"
     if name not in STRATEGIES:
         raise UserError(f"gpu_map.strategy={name!r}: unknown; allowed: {', '.join(STRATEGIES)}")
     return STRATEGIES[name](gpus, local_world_size, params)
@@ -166,7 +166,7 @@ def _scores(gpus, given) -> dict[int, float]:
 
 def _settings(params: Mapping) -> dict:
     """Defaults for missing or null keys, and the range checks a config schema may not have made."""
-    p = {**_DEFAULTS, **{k: _plain(v) for k, v in params.items() if v is not None}}
+    p = {**_DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
     for key, low, high in (("gpus_per_rank", 1, None), ("min_free_mb", 0, None), ("max_util", 0, 100)):
         v = p[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
@@ -180,10 +180,6 @@ def _settings(params: Mapping) -> dict:
     if not isinstance(p["scores"], Mapping):
         raise UserError(f"gpu_map.scores={p['scores']!r}: expected a mapping like {{0: 2.0, A100: 1.5}}")
     return p
-
-
-def _plain(value):
-    return value.value if isinstance(value, enum.Enum) else value   # the config schema's enums
 
 
 def _span(indices) -> str:
