@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import clean_env
+from conftest import clean_env, expgpu
 
 from expgpu import leases
 from expgpu.gpus import inventory
@@ -471,6 +471,20 @@ def test_a_hanging_atexit_handler_is_cut_after_the_grace_and_named(tmp_path):
         console = (sweep.dir / str(n) / "console.log").read_text()
         assert "expgpu: atexit handler pool_task.hang_forever (" in console, console
         assert "did not return within 1s (EXPGPU_ATEXIT_GRACE_S); exiting without it" in console
+
+
+@pytest.mark.parametrize("pool", [True, False], ids=["gpu_pool", "nproc_per_node"])
+def test_a_bad_atexit_grace_is_one_line_before_anything_starts(tmp_path, pool):
+    sweep = Sweep(tmp_path, EXPGPU_ATEXIT_GRACE_S="ten")
+    if pool:
+        done = sweep.run(["task=sleep", "task.model.seconds=0", "task.model.tag=0,1"], 60)
+    else:
+        done = expgpu(["task=a", "task.max_steps=5", "launch.nproc_per_node=2"], tmp_path / "run",
+                      env=clean_env(EXPGPU_ATEXIT_GRACE_S="ten"), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "EXPGPU_ATEXIT_GRACE_S='ten' is not allowed: seconds >= 0" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not list(tmp_path.rglob("result.json")), "nothing ran"
 
 
 @pytest.mark.timeout(300)

@@ -14,11 +14,14 @@ from __future__ import annotations
 import atexit
 import ctypes
 import logging
+import math
 import os
 import signal
 import sys
 import threading
 from typing import Mapping, Sequence
+
+from expgpu.errors import UserError
 
 # How long atexit handlers may run in fast_exit() before the process exits anyway; a handler still
 # running then is named on stderr. EXPGPU_ATEXIT_GRACE_S overrides it (seconds).
@@ -60,12 +63,19 @@ def exit_fd(pid: int) -> int | None:
 
 
 def atexit_grace_s(env: Mapping[str, str] | None = None) -> float:
+    """EXPGPU_ATEXIT_GRACE_S, or the default; a bad value is a UserError. Launchers call this
+    before they start anything, so a typo is one line then, not a surprise at each job's exit."""
     raw = (os.environ if env is None else env).get(ENV_ATEXIT_GRACE)
+    if raw is None or raw == "":
+        return ATEXIT_GRACE_S
     try:
-        value = float(raw) if raw is not None else ATEXIT_GRACE_S
+        value = float(raw)
     except ValueError:
-        value = ATEXIT_GRACE_S
-    return value if value >= 0 else ATEXIT_GRACE_S
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise UserError(f"{ENV_ATEXIT_GRACE}={raw!r} is not allowed: seconds >= 0 that atexit handlers may run "
+                        f"at a job's exit (default {ATEXIT_GRACE_S:g}); unset it or fix it")
+    return value
 
 
 def fast_exit(code: int, grace_s: float | None = None) -> None:
@@ -77,7 +87,12 @@ def fast_exit(code: int, grace_s: float | None = None) -> None:
     can abort it (expgpu.dist). A handler that has not returned after `grace_s` is named on stderr
     and the process exits anyway: a hung flush must not hold a GPU and a pool slot for ever.
     """
-    grace = atexit_grace_s() if grace_s is None else grace_s
+    if grace_s is None:
+        try:
+            grace_s = atexit_grace_s()
+        except UserError:   # checked when the launcher started; an exit path must not raise
+            grace_s = ATEXIT_GRACE_S
+    grace = grace_s
     done = threading.Event()
     caller = sys._getframe()
     main = threading.get_ident()

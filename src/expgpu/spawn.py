@@ -101,6 +101,7 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
     """Start nproc workers and wait; None when all succeeded, else the first failure."""
     launch = uuid.uuid4().hex[:12]
     world = nproc * nnodes
+    procs.atexit_grace_s()   # a bad EXPGPU_ATEXIT_GRACE_S: one line now, not at every rank's exit
     for stale in failure_files(run_dir):  # from a run this one resumes
         stale.unlink()
     stopper = stopping.current()

@@ -31,6 +31,7 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
     setup_globals()
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
     s = settings(params)
+    procs.atexit_grace_s()   # a bad EXPGPU_ATEXIT_GRACE_S: one line now, before any job starts
     simulate = OmegaConf.select(config, "inventory.simulate", default=None)
     if OmegaConf.is_config(simulate):
         simulate = OmegaConf.to_container(simulate, resolve=True)
