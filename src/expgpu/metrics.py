@@ -26,6 +26,7 @@ from expgpu.rundir import METRICS, atomic_write_bytes
 
 log = logging.getLogger("expgpu")
 
+
 def scalar(name: str, value: Any) -> Any:
     """A loggable value (a number or a one-element tensor, detached), or a one-line error."""
     if hasattr(value, "detach"):

@@ -20,11 +20,12 @@ import time
 from pathlib import Path
 
 from expgpu import placement, rundir
-from expgpu.rundir import atomic_write_bytes
 from expgpu.gpus import NodePlan, apply
 from expgpu.ranks import RankInfo
+from expgpu.rundir import atomic_write_bytes
 
 log = logging.getLogger("expgpu")
+
 
 def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
         t_start: float | None = None, on_error=None) -> dict | None:
