@@ -3,7 +3,7 @@
 What a user would check: each logger holds exactly the rows of metrics.jsonl (same steps, same
 values); a run stopped by SIGTERM, or killed after its last checkpoint, and rerun in the same dir
 continues the same logger run with every step once; a sweep gives one logger run per job, grouped
-by sweep, named by the job's overrides, under the basic launcher, gpu_pool and submitit_local; a
+by sweep, named by the job's overrides, under the basic launcher, gpu_pool, submitit_local and joblib; a
 logger whose package is missing stops the run in one line naming the pip extra.
 """
 
@@ -175,6 +175,8 @@ LAUNCHERS = {
     "basic": [],
     "gpu_pool": ["hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2"],
     "submitit_local": ["hydra/launcher=submitit_local"],
+    # each job in a loky worker process (n_jobs=1 would run them in this one)
+    "joblib": ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"],
 }
 
 
