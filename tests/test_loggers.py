@@ -185,13 +185,21 @@ def _sweep(args: list[str], sweep_dir: Path, env: dict | None = None) -> subproc
                           cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=280)
 
 
+# SWEEP's jobs: a logger run's name (the job's overrides) -> the job's dir in the sweep dir
+SWEEP_JOBS = {"task=a,task.max_steps=20,task.log_every=5": "0", "task=b,task.max_steps=20,task.log_every=5": "1"}
+
+
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
 def test_a_sweep_is_one_mlflow_experiment_and_tensorboard_run_per_job(tmp_path, launcher):
     sweep = tmp_path / "sweep"
     done = _sweep(SWEEP + ["logger=[tensorboard,mlflow]"] + LAUNCHERS[launcher], sweep)
     assert done.returncode == 0, done.stderr[-3000:]
-    names = {"task=a,task.max_steps=20,task.log_every=5": "0", "task=b,task.max_steps=20,task.log_every=5": "1"}
+    assert_one_logger_run_per_job(sweep, SWEEP_JOBS)
 
+
+def assert_one_logger_run_per_job(sweep: Path, names: dict[str, str]) -> None:
+    """SWEEP's loggers: one MLflow experiment in the sweep's store with a FINISHED run per job, and a
+    TensorBoard run per job, each named by the job's overrides and holding its metrics.jsonl."""
     client = _mlflow(sweep)   # the sweep's own store, in the sweep dir
     [experiment] = [e for e in client.search_experiments() if e.name != "Default"]
     assert experiment.name == str(sweep)
