@@ -218,6 +218,22 @@ def assert_one_logger_run_per_job(sweep: Path, names: dict[str, str]) -> None:
         _same_floats(_tensorboard(log_dir, "loss"), _history(sweep / num, "loss"))
 
 
+def test_a_sweep_with_job_chdir_keeps_one_mlflow_store_in_the_sweep_dir(tmp_path):
+    # hydra.job.chdir=true runs each job in its job dir; the sweep dir given relative (as Hydra's
+    # default multirun/DATE/TIME is) still names the one under the dir the user started in.
+    done = subprocess.run([sys.executable, "-m", "expgpu", "-m", *SWEEP, "logger=mlflow", "hydra.job.chdir=true",
+                           "hydra.sweep.dir=sweep"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                          timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("mlflow.db")] == [Path("sweep/mlflow.db")]
+    client = _mlflow(tmp_path / "sweep")
+    [experiment] = [e for e in client.search_experiments() if e.name != "Default"]
+    runs = client.search_runs([experiment.experiment_id])
+    assert experiment.name == "sweep" and sorted(r.info.run_name for r in runs) == sorted(SWEEP_JOBS)
+    for r in runs:
+        assert r.data.tags["expgpu.sweep_dir"] == str(tmp_path / "sweep")
+
+
 def test_a_missing_logger_package_is_one_line_naming_the_extra_before_any_rank_starts(tmp_path):
     # The package is absent for this process only: sys.modules[name] = None makes Python's import
     # system (and importlib.util.find_spec) treat it as not installed.

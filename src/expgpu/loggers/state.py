@@ -53,8 +53,11 @@ class JobInfo:
         except (ImportError, ValueError):
             return JobInfo()
         multirun = hc.mode == RunMode.MULTIRUN
+        # Against the dir the user started in, not this process's: with hydra.job.chdir=true the job
+        # already runs in its job dir, where a relative sweep dir (multirun/DATE/TIME) is another place.
+        sweep_dir = Path(str(hc.runtime.cwd), str(hc.sweep.dir))
         return JobInfo(overrides=[str(o) for o in hc.overrides.task], multirun=multirun,
-                       sweep_dir=str(Path(str(hc.sweep.dir)).absolute()) if multirun else None,
+                       sweep_dir=str(sweep_dir) if multirun else None,
                        sweep_name=str(hc.sweep.dir) if multirun else None,
                        num=int(hc.job.num) if multirun and hc.job.get("num") is not None else None,
                        job_name=str(hc.job.name or "expgpu"))
