@@ -51,12 +51,13 @@ class MlflowLogger:
     def start(self, resumed: bool, step: int, flushed_before: int) -> int:
         from filelock import FileLock
 
-        for noisy in ("alembic", "mlflow"):
-            # A new store logs each schema migration at INFO (Hydra's job logging shows INFO):
-            # quiet them, unless the user chose a level for them.
-            if logging.getLogger(noisy).level == logging.NOTSET:
-                logging.getLogger(noisy).setLevel(logging.WARNING)
         from mlflow.tracking import MlflowClient
+
+        # A new store logs its schema migration at INFO, to stderr, once per sweep: quiet it, unless
+        # the user chose a level. After the import: importing mlflow sets its loggers' levels.
+        migration = logging.getLogger("mlflow.store.db.utils")
+        if migration.level == logging.NOTSET and not os.environ.get("MLFLOW_LOGGING_LEVEL"):
+            migration.setLevel(logging.WARNING)
 
         uri, local = self._store()
         if local is not None:
