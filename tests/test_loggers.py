@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import signal
 import struct
 import subprocess
@@ -217,6 +218,52 @@ def assert_one_logger_run_per_job(sweep: Path, names: dict[str, str]) -> None:
     for name, num in names.items():   # tensorboard --logdir SWEEP shows a run per job, named by its overrides
         log_dir = sweep / num / "tensorboard" / name
         _same_floats(_tensorboard(log_dir, "loss"), _history(sweep / num, "loss"))
+
+
+def test_a_joblib_sweep_stopped_by_ctrl_c_says_so_and_resumes_into_the_same_logger_runs(tmp_path, reference):
+    # Ctrl-C reaches the loky workers too: each job saves and raises Stopped, which the worker
+    # pickles back to the sweep (it broke joblib's pool: "A result has failed to un-serialize").
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "expgpu", "-m", "task=a,b", f"task.max_steps={STEPS}", "task.log_every=5",
+           "logger=[tensorboard,mlflow]", *LAUNCHERS["joblib"], f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not all(_rows(sweep / n) >= 20 for n in "01") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)   # what a Ctrl-C in the terminal does
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert any(line.startswith("expgpu: stopped at step") for line in err.splitlines()), err[-3000:]
+    first = {n: json.loads((sweep / n / ".expgpu" / "loggers.json").read_text())["mlflow"]["run_id"] for n in "01"}
+    assert {r.info.run_id: r.info.status for r in _mlflow_runs(sweep)} == {i: "KILLED" for i in first.values()}
+
+    again = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=280)
+    assert again.returncode == 0, again.stderr[-3000:]
+    runs = {r.info.run_id: r for r in _mlflow_runs(sweep)}
+    assert set(runs) == set(first.values())   # the same two MLflow runs, continued
+    for n, run_id in first.items():
+        result = json.loads((sweep / n / "result.json").read_text())
+        assert result["status"] == "finished" and 0 < result["resumed_from_step"] < STEPS
+        assert runs[run_id].info.status == "FINISHED"
+        loss = _history(sweep / n, "loss")
+        assert [s for s, _ in loss] == list(range(5, STEPS + 1, 5))
+        _same_floats(_mlflow_history(sweep, run_id, "loss"), loss)
+    _same_floats(_history(sweep / "0", "loss"), reference)   # task a, as if never stopped
+
+
+def test_a_joblib_job_whose_rank_fails_is_one_line(tmp_path):
+    done = _sweep(["task=a", "task.max_steps=20", "launch.nproc_per_node=2", "faults.crash_rank=1",
+                   "faults.crash_step=5", "logger=mlflow", *LAUNCHERS["joblib"]], tmp_path / "sweep")
+    assert done.returncode == 1 and "BrokenProcessPool" not in done.stderr, done.stderr[-3000:]
+    assert ("expgpu: rank 1 failed: RuntimeError: injected crash (faults.crash_rank=1 faults.crash_step=5)"
+            in done.stderr.splitlines())
+    assert [r.info.status for r in _mlflow_runs(tmp_path / "sweep")] == ["FAILED"]
+
+
+def _rows(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.read_text().count("\n") if metrics.exists() else 0
 
 
 def test_a_sweep_with_job_chdir_keeps_one_mlflow_store_in_the_sweep_dir(tmp_path):

@@ -48,7 +48,21 @@ def one_line(e: BaseException) -> str:
 # Outcomes of a run that are not user errors: the CLI prints each as one line with its own exit
 # code. Here, not in app.py, because every launcher raises or reports them (spawn, gpu_pool, SLURM).
 
-class Stopped(Exception):
+def _restore(cls: type, args: tuple, state: dict) -> Exception:
+    e = cls.__new__(cls)
+    e.args = args
+    e.__dict__.update(state)
+    return e
+
+
+class _Outcome(Exception):
+    def __reduce__(self):
+        # A launcher that runs jobs in worker processes (Hydra's joblib) pickles the job's exception
+        # back to the sweep: Exception's default would call cls(message), which these __init__s refuse.
+        return (_restore, (type(self), self.args, self.__dict__))
+
+
+class Stopped(_Outcome):
     """Training stopped early on a signal; the checkpoint in the run dir resumes it."""
 
     def __init__(self, result: dict, exit_code: int = 143, next_step: str = ""):
@@ -60,7 +74,7 @@ class Stopped(Exception):
         self.exit_code = exit_code  # 128 + the signal: 130 Ctrl-C, 143 SIGTERM, 140 SIGUSR2
 
 
-class WorkerFailed(Exception):
+class WorkerFailed(_Outcome):
     """A worker (a rank, or a sweep's job) failed: shown as `expgpu: <message>`, exit code 1.
 
     `failure`: expgpu.spawn.Failure for a rank (its rank, message, exit code), None for a job."""
