@@ -252,6 +252,32 @@ def test_a_joblib_sweep_stopped_by_ctrl_c_says_so_and_resumes_into_the_same_logg
     _same_floats(_history(sweep / "0", "loss"), reference)   # task a, as if never stopped
 
 
+def test_a_stopped_sweep_job_resumed_by_hand_as_its_hint_says_continues_its_logger_runs(tmp_path, reference):
+    # "Resume with the same overrides plus hydra.run.dir=SWEEP/0": a single run in the sweep's job
+    # dir, which must continue the job's MLflow run in the sweep's store, not start one in a new store.
+    sweep, args = tmp_path / "sweep", ARGS + ["logger=[tensorboard,mlflow]"]
+    proc = subprocess.Popen([sys.executable, "-m", "expgpu", "-m", *args, f"hydra.sweep.dir={sweep}"], cwd=REPO,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    wait_for_progress(proc, sweep / "0")
+    proc.send_signal(signal.SIGTERM)
+    stopped = finish(proc, sweep / "0")
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert f"Resume with the same overrides plus hydra.run.dir={sweep / '0'}" in stopped.stderr
+    [killed] = _mlflow_runs(sweep)
+    assert killed.info.status == "KILLED"
+
+    resumed = expgpu(args, sweep / "0")
+    assert resumed.returncode == 0 and resumed.result["resumed_from_step"] > 0, resumed.stderr[-3000:]
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("mlflow.db")] == [Path("sweep/mlflow.db")]
+    [run] = _mlflow_runs(sweep)
+    assert run.info.run_id == killed.info.run_id and run.info.status == "FINISHED"
+    assert run.info.run_name == ",".join(ARGS)   # still named by the sweep job's overrides (less logger=)
+    _same_floats(_mlflow_history(sweep, run.info.run_id, "loss"), reference)
+    [log_dir] = (sweep / "0" / "tensorboard").iterdir()   # the job's TensorBoard run, continued
+    _same_floats(_tensorboard(log_dir, "loss"), reference)
+
+
 def test_a_joblib_job_whose_rank_fails_is_one_line(tmp_path):
     done = _sweep(["task=a", "task.max_steps=20", "launch.nproc_per_node=2", "faults.crash_rank=1",
                    "faults.crash_step=5", "logger=mlflow", *LAUNCHERS["joblib"]], tmp_path / "sweep")

@@ -105,4 +105,10 @@ class LoggerState:
 def record_job(run_dir: Path) -> None:
     """In the process Hydra runs the job in, before the ranks start: who this job is."""
     state = LoggerState(run_dir)
-    state._write({**state._read(), "job": asdict(JobInfo.from_hydra())})
+    job = JobInfo.from_hydra()
+    if state.job.multirun and not job.multirun:
+        # A single run in a sweep's job dir is that job resumed by hand (a stop's hint says
+        # hydra.run.dir=JOB_DIR): its logger runs stay the sweep's (MLflow store and experiment,
+        # W&B group), or the resume would start a second MLflow run in a store of its own.
+        return
+    state._write({**state._read(), "job": asdict(job)})
