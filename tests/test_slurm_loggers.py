@@ -4,7 +4,8 @@ The loggers' sweep of tests/test_loggers.py, submitted as a SLURM job array thro
 launcher: every srun task of a job runs Hydra's job function, and still each job is one MLflow run
 in the sweep's store and one TensorBoard run, written by rank 0 alone. Then a job preempted the way
 submitit does it (SIGTERM, SIGUSR2), requeued by submitit and resumed from its checkpoint, continues
-the same MLflow run and TensorBoard run, with every step once.
+the same MLflow run and TensorBoard run, with every step once; so does a plain sbatch job (a single
+run) requeued by `scontrol requeue`.
 """
 
 from __future__ import annotations
@@ -89,6 +90,33 @@ def test_a_slurm_job_preempted_and_requeued_continues_the_same_logger_runs(slurm
     _same_floats(_mlflow_history(sweep, run.info.run_id, "loss"), loss)
     assert run.data.metrics["final_loss"] == result["metrics"]["final_loss"]
     _same_floats(_tensorboard(Path(first["tensorboard"]["dir"]), "loss"), loss)
+
+
+@pytest.mark.timeout(300)
+def test_an_sbatch_job_requeued_by_scontrol_continues_the_same_logger_runs(slurm_cluster, tmp_path):
+    # Plain sbatch, a single run in outputs/slurm/<job id> (its own MLflow store): SLURM's SIGTERM,
+    # expgpu's stop checkpoint, SLURM's restart of the batch script in the same run dir.
+    job = slurm_cluster.sbatch(["--cpus-per-task=1", "--gpus-per-node=0", "--ntasks-per-node=1",
+                                str(REPO / "scripts" / "expgpu.sbatch"), *ARGS], cwd=tmp_path)
+    out, run_dir = tmp_path / f"slurm-{job}.out", tmp_path / "outputs" / "slurm" / job
+    _wait_for("training progress", lambda: _rows(run_dir) >= 40 or slurm_cluster.state(job) in ("FAILED", "COMPLETED"),
+              timeout=150)
+    assert slurm_cluster.state(job) == "RUNNING", out.read_text()[-4000:]
+    first = json.loads((run_dir / ".expgpu" / "loggers.json").read_text())
+    slurm_cluster.run(["scontrol", "requeue", job])
+    assert slurm_cluster.wait_job(job, timeout=200) == "COMPLETED", out.read_text()[-4000:]
+    assert _restarts(slurm_cluster, job) == 1
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "finished" and 0 < result["resumed_from_step"] < STEPS, result
+
+    loss = _history(run_dir, "loss")
+    assert [s for s, _ in loss] == list(range(5, STEPS + 1, 5))
+    assert json.loads((run_dir / ".expgpu" / "loggers.json").read_text())["mlflow"] == first["mlflow"]
+    store = _mlflow(run_dir)
+    [run] = [r for e in store.search_experiments() for r in store.search_runs([e.experiment_id])]
+    assert run.info.run_id == first["mlflow"]["run_id"] and run.info.status == "FINISHED"
+    _same_floats(_mlflow_history(run_dir, run.info.run_id, "loss"), loss)
+    _same_floats(_tensorboard(run_dir / "tensorboard", "loss"), loss)
 
 
 def _rows(run_dir: Path) -> int:
