@@ -204,6 +204,31 @@ def test_scheduler_cpu_slots_and_room():
     assert s.pick([("a", 1), ("b", 1), ("c", 1)], [0, 1, 2], [], room=2) == [("a", (0,), None), ("b", (1,), None)]
 
 
+def test_only_hydras_and_expgpus_own_code_is_primed_on_real_gpus():
+    from types import SimpleNamespace
+
+    from hydra.experimental.callback import Callback
+
+    from expgpu import app
+    from expgpu.pool.spares import primable
+    from expgpu.report.callback import SweepReport
+
+    def users_main(cfg):
+        return cfg
+
+    ours = SimpleNamespace(callbacks=SimpleNamespace(callbacks=[SweepReport()]))
+    assert primable(ours, app.run, own_code=False)         # expgpu's app: its task modules come after the hand-over
+    assert not primable(ours, users_main, own_code=False)  # another app's function imports the user's modules
+    assert primable(ours, users_main, own_code=True)       # CPU slots, simulated GPUs: no CUDA to get wrong
+
+    class Theirs(Callback):
+        def on_job_start(self, config, **kwargs):
+            pass
+
+    theirs = SimpleNamespace(callbacks=SimpleNamespace(callbacks=[SweepReport(), Theirs()]))
+    assert not primable(theirs, app.run, own_code=True)    # its on_job_start would run before the hand-over
+
+
 def test_thread_budget_shares_the_cores_among_the_jobs_that_run_at_once():
     assert at_once([0] * 6, n_gpus=0, cpu_slots=2, max_parallel=None) == 2
     assert thread_budget(2, [0] * 6, 0, 2, None) == 1           # 2 cores, 2 slots: 1 thread each
@@ -485,6 +510,57 @@ def test_a_bad_atexit_grace_is_one_line_before_anything_starts(tmp_path, pool):
     assert "EXPGPU_ATEXIT_GRACE_S='ten' is not allowed: seconds >= 0" in done.stderr
     assert "Traceback" not in done.stderr
     assert not list(tmp_path.rglob("result.json")), "nothing ran"
+
+
+START_CALLBACK = '''
+import json, os
+from hydra.experimental.callback import Callback
+
+
+class SeeStart(Callback):
+    def on_job_start(self, config, **kwargs):
+        with open(os.environ["POOL_TEST_LOG"], "a") as f:
+            f.write(json.dumps({"event": "on_job_start", "job": int(os.environ.get("EXPGPU_POOL_JOB", "-1")),
+                                "cvd": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
+'''
+
+
+@pytest.mark.timeout(240)
+def test_jobs_after_the_first_wave_are_primed_and_get_their_gpus_env_set_and_config(tmp_path):
+    # A primed spare did Hydra's set-up of its job (run_job up to the task function) while the first
+    # wave ran; at the hand-over it still gets the job's own GPUs and leases, and the job's
+    # hydra.job.env_set still wins over the pool's variables.
+    sweep = Sweep(tmp_path)
+    done = sweep.run(["task=sleep", "task.model.seconds=2", "task.model.tag=range(4)", simulate(2),
+                      "hydra.launcher.threads_per_job=1", "+hydra.job.env_set.MKL_NUM_THREADS=5"])
+    assert done.returncode == 0, done.stderr
+    pool = {j["num"]: j for j in sweep.pool()["jobs"]}
+    by_start = sorted(pool.values(), key=lambda j: j["started"])
+    assert [j["primed"] for j in by_start] == [False, False, True, True], by_start
+    for r in sweep.records():
+        job = pool[r["job"]]
+        assert r["cvd"] == r["lease"] == ",".join(map(str, job["gpus"])), (r, job)
+        assert (r["omp"], r["mkl"], r["torch_threads"]) == ("1", "5", 1), r
+        assert (sweep.dir / str(r["job"]) / ".hydra" / "overrides.yaml").read_text().count(f"task.model.tag={r['tag']}")
+        assert json.loads((sweep.dir / str(r["job"]) / "result.json").read_text())["status"] == "finished"
+    assert sorted(r["tag"] for r in sweep.records()) == [0, 1, 2, 3]
+    _all_leases_free(sweep, 2)
+
+
+@pytest.mark.timeout(240)
+def test_a_users_on_job_start_callback_turns_priming_off(tmp_path):
+    # Its on_job_start must see the job as started: its own job number and GPUs, not a spare's.
+    sweep = Sweep(tmp_path)
+    (sweep.code / "start_callback.py").write_text(START_CALLBACK)
+    done = sweep.run(["task=sleep", "task.model.seconds=1", "task.model.tag=range(4)", simulate(2),
+                      "+hydra.callbacks.see._target_=start_callback.SeeStart"])
+    assert done.returncode == 0, done.stderr
+    pool = {j["num"]: j for j in sweep.pool()["jobs"]}
+    assert not any(j["primed"] for j in pool.values())
+    seen = sweep.records("on_job_start")
+    assert sorted(r["job"] for r in seen) == [0, 1, 2, 3]
+    for r in seen:
+        assert r["cvd"] == ",".join(map(str, pool[r["job"]]["gpus"])), r
 
 
 @pytest.mark.timeout(300)

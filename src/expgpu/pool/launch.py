@@ -16,7 +16,7 @@ from expgpu.pool.jobs import Job, Record
 from expgpu.pool.scheduler import at_once, thread_budget
 from expgpu.pool.settings import Settings, job_need, pool_gpus, settings
 from expgpu.pool.forkserver import ForkServer
-from expgpu.pool.spares import SPARES_LOG, Spare, spare_env, task_modules
+from expgpu.pool.spares import SPARES_LOG, Spare, primable, spare_env, task_modules
 
 log = logging.getLogger("expgpu.pool")
 
@@ -124,7 +124,7 @@ def _run(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, d
     state = sweep_dir / jobfiles.STATE
     context = state / f"pool-context-{os.getpid()}.pkl"
     pool = Pool(jobs, gpus, s, sweep_dir, context, lease_dir, desc, spares, record, job_env, threads, warm,
-                own_code, server)
+                own_code, server, primable(*shared, own_code))
     try:
         atomic_write_bytes(context, cloudpickle.dumps((*shared, Singleton.get_state())))
         if own_code and server.alive():   # the forks to come find it unpickled (spares.task_modules: why not always)
