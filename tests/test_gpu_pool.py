@@ -55,7 +55,8 @@ class Sleep(torch.nn.Linear):
         me = {"job": int(os.environ.get("EXPGPU_POOL_JOB", "-1")), "pid": os.getpid(), "tag": tag,
               "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"), "lease": os.environ.get("EXPGPU_POOL_GPUS"),
               "slot": os.environ.get("EXPGPU_POOL_SLOT"), "omp": os.environ.get("OMP_NUM_THREADS"),
-              "mkl": os.environ.get("MKL_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
+              "mkl": os.environ.get("MKL_NUM_THREADS"), "blas": os.environ.get("OPENBLAS_NUM_THREADS"),
+              "torch_threads": torch.get_num_threads(),
               "cuda_initialized": torch.cuda.is_initialized()}
         if at_exit == "write":   # what users do to flush W&B, close files, write summaries
             atexit.register(_log, {**me, "event": "atexit"})
@@ -425,8 +426,8 @@ def test_each_job_gets_its_share_of_the_cores_unless_the_user_chose(tmp_path):
     done = sweep.run(["task=sleep", "task.model.seconds=0", "task.model.tag=range(4)", "hydra.launcher.cpu_slots=2"])
     assert done.returncode == 0, done.stderr
     assert f"{share} thread{'s' if share > 1 else ''} per job ({cores} cores, 2 jobs at once" in done.stdout
-    seen = {(r["omp"], r["mkl"], r["torch_threads"]) for r in sweep.records()}
-    assert seen == {(str(share), str(share), share)}, seen
+    seen = {(r["omp"], r["mkl"], r["blas"], r["torch_threads"]) for r in sweep.records()}
+    assert seen == {(str(share), str(share), str(share), share)}, seen
     # hydra.launcher.threads_per_job decides
     chosen = Sweep(tmp_path, "chosen", OMP_NUM_THREADS=None)
     done = chosen.run(["task=sleep", "task.model.seconds=0", "task.model.tag=range(2)", "hydra.launcher.cpu_slots=2",
@@ -435,11 +436,16 @@ def test_each_job_gets_its_share_of_the_cores_unless_the_user_chose(tmp_path):
     assert "3 threads per job (hydra.launcher.threads_per_job)" in done.stdout
     assert {(r["omp"], r["torch_threads"]) for r in chosen.records()} == {("3", 3)}
     # The user's own OMP_NUM_THREADS is kept
-    theirs = Sweep(tmp_path, "theirs", OMP_NUM_THREADS="2")
+    theirs = Sweep(tmp_path, "theirs", OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS=None)
     done = theirs.run(["task=sleep", "task.model.seconds=0", "task.model.tag=range(2)", "hydra.launcher.cpu_slots=2"])
     assert done.returncode == 0, done.stderr
     assert "threads per job as set (OMP_NUM_THREADS=2)" in done.stdout
     assert {(r["omp"], r["torch_threads"]) for r in theirs.records()} == {("2", 2)}
+    # OPENBLAS_NUM_THREADS alone (numpy's) is kept, and does not stand for torch's threads
+    blas = Sweep(tmp_path, "blas", OMP_NUM_THREADS=None, MKL_NUM_THREADS=None, OPENBLAS_NUM_THREADS="7")
+    done = blas.run(["task=sleep", "task.model.seconds=0", "task.model.tag=range(2)", "hydra.launcher.cpu_slots=2"])
+    assert done.returncode == 0, done.stderr
+    assert {(r["omp"], r["blas"], r["torch_threads"]) for r in blas.records()} == {(str(share), "7", share)}
 
 
 @pytest.mark.timeout(240)
