@@ -585,6 +585,21 @@ def test_pool_json_keeps_every_launch_batch_in_order(tmp_path):
     assert [row[1] for row in _report(sweep)] == ["finished"] * 3
 
 
+@pytest.mark.timeout(300)
+def test_an_optimizing_sweep_warms_one_fork_server_for_all_its_batches(tmp_path):
+    # Optuna with n_jobs=1: one launch() per trial. The task's module (and torch) is imported once,
+    # by one fork server kept from batch to batch, not once per trial; and it is gone at the end.
+    sweep = Sweep(tmp_path)
+    done = sweep.run(["task=sleep", "task.model.seconds=0", "objective=final_loss", "hydra/sweeper=optuna",
+                      "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1", "hydra.sweeper.sampler.seed=0",
+                      "task.optimizer.lr=interval(0.001,0.1)", "hydra.launcher.cpu_slots=2"], 280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [b["jobs"] for b in sweep.pool()["batches"]] == [[0], [1], [2]]
+    assert [r["job"] for r in sweep.records("import")] == [-1], sweep.records("import")
+    assert len(sweep.records()) == 3
+    assert not (sweep.dir / ".expgpu").exists(), "the kept server's state is tidied when the sweep ends"
+
+
 @pytest.mark.parametrize("override, message", [
     ("hydra.launcher.gpus=[7]", "hydra.launcher.gpus: GPU 7 is not on this machine; allowed: all, or a list of 0, 1"),
     ("hydra.launcher.cpu_slots=0", "hydra.launcher.cpu_slots=0 is not allowed: an integer >= 1"),

@@ -62,7 +62,7 @@ def warm_up(modules: list[str], path: list[str] = (), context: str | None = None
         from hydra.core.plugins import Plugins
 
         _ahead["plugins"] = Plugins.instance()
-    if context and "context" not in _ahead:
+    if context and _ahead.get("context", (None,))[0] != context:   # a later launch() has its own
         try:
             with open(context, "rb") as f:
                 _ahead["context"] = (context, pickle.load(f))
