@@ -55,7 +55,8 @@ class Sleep(torch.nn.Linear):
         me = {"job": int(os.environ.get("EXPGPU_POOL_JOB", "-1")), "pid": os.getpid(), "tag": tag,
               "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"), "lease": os.environ.get("EXPGPU_POOL_GPUS"),
               "slot": os.environ.get("EXPGPU_POOL_SLOT"), "omp": os.environ.get("OMP_NUM_THREADS"),
-              "mkl": os.environ.get("MKL_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
+              "mkl": os.environ.get("MKL_NUM_THREADS"), "blas": os.environ.get("OPENBLAS_NUM_THREADS"),
+              "torch_threads": torch.get_num_threads(),
               "cuda_initialized": torch.cuda.is_initialized()}
         if at_exit == "write":   # what users do to flush W&B, close files, write summaries
             atexit.register(_log, {**me, "event": "atexit"})
@@ -202,6 +203,31 @@ def test_scheduler_cpu_slots_and_room():
     s = Scheduler(patience=1)
     assert s.pick([("a", 0), ("b", 0), ("c", 0)], [], [0, 1], room=10) == [("a", (), 0), ("b", (), 1)]
     assert s.pick([("a", 1), ("b", 1), ("c", 1)], [0, 1, 2], [], room=2) == [("a", (0,), None), ("b", (1,), None)]
+
+
+def test_only_hydras_and_expgpus_own_code_is_primed_on_real_gpus():
+    from types import SimpleNamespace
+
+    from hydra.experimental.callback import Callback
+
+    from expgpu import app
+    from expgpu.pool.spares import primable
+    from expgpu.report.callback import SweepReport
+
+    def users_main(cfg):
+        return cfg
+
+    ours = SimpleNamespace(callbacks=SimpleNamespace(callbacks=[SweepReport()]))
+    assert primable(ours, app.run, own_code=False)         # expgpu's app: its task modules come after the hand-over
+    assert not primable(ours, users_main, own_code=False)  # another app's function imports the user's modules
+    assert primable(ours, users_main, own_code=True)       # CPU slots, simulated GPUs: no CUDA to get wrong
+
+    class Theirs(Callback):
+        def on_job_start(self, config, **kwargs):
+            pass
+
+    theirs = SimpleNamespace(callbacks=SimpleNamespace(callbacks=[SweepReport(), Theirs()]))
+    assert not primable(theirs, app.run, own_code=True)    # its on_job_start would run before the hand-over
 
 
 def test_thread_budget_shares_the_cores_among_the_jobs_that_run_at_once():
@@ -400,8 +426,8 @@ def test_each_job_gets_its_share_of_the_cores_unless_the_user_chose(tmp_path):
     done = sweep.run(["task=sleep", "task.model.seconds=0", "task.model.tag=range(4)", "hydra.launcher.cpu_slots=2"])
     assert done.returncode == 0, done.stderr
     assert f"{share} thread{'s' if share > 1 else ''} per job ({cores} cores, 2 jobs at once" in done.stdout
-    seen = {(r["omp"], r["mkl"], r["torch_threads"]) for r in sweep.records()}
-    assert seen == {(str(share), str(share), share)}, seen
+    seen = {(r["omp"], r["mkl"], r["blas"], r["torch_threads"]) for r in sweep.records()}
+    assert seen == {(str(share), str(share), str(share), share)}, seen
     # hydra.launcher.threads_per_job decides
     chosen = Sweep(tmp_path, "chosen", OMP_NUM_THREADS=None)
     done = chosen.run(["task=sleep", "task.model.seconds=0", "task.model.tag=range(2)", "hydra.launcher.cpu_slots=2",
@@ -410,11 +436,16 @@ def test_each_job_gets_its_share_of_the_cores_unless_the_user_chose(tmp_path):
     assert "3 threads per job (hydra.launcher.threads_per_job)" in done.stdout
     assert {(r["omp"], r["torch_threads"]) for r in chosen.records()} == {("3", 3)}
     # The user's own OMP_NUM_THREADS is kept
-    theirs = Sweep(tmp_path, "theirs", OMP_NUM_THREADS="2")
+    theirs = Sweep(tmp_path, "theirs", OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS=None)
     done = theirs.run(["task=sleep", "task.model.seconds=0", "task.model.tag=range(2)", "hydra.launcher.cpu_slots=2"])
     assert done.returncode == 0, done.stderr
     assert "threads per job as set (OMP_NUM_THREADS=2)" in done.stdout
     assert {(r["omp"], r["torch_threads"]) for r in theirs.records()} == {("2", 2)}
+    # OPENBLAS_NUM_THREADS alone (numpy's) is kept, and does not stand for torch's threads
+    blas = Sweep(tmp_path, "blas", OMP_NUM_THREADS=None, MKL_NUM_THREADS=None, OPENBLAS_NUM_THREADS="7")
+    done = blas.run(["task=sleep", "task.model.seconds=0", "task.model.tag=range(2)", "hydra.launcher.cpu_slots=2"])
+    assert done.returncode == 0, done.stderr
+    assert {(r["omp"], r["blas"], r["torch_threads"]) for r in blas.records()} == {(str(share), "7", share)}
 
 
 @pytest.mark.timeout(240)
@@ -487,6 +518,57 @@ def test_a_bad_atexit_grace_is_one_line_before_anything_starts(tmp_path, pool):
     assert not list(tmp_path.rglob("result.json")), "nothing ran"
 
 
+START_CALLBACK = '''
+import json, os
+from hydra.experimental.callback import Callback
+
+
+class SeeStart(Callback):
+    def on_job_start(self, config, **kwargs):
+        with open(os.environ["POOL_TEST_LOG"], "a") as f:
+            f.write(json.dumps({"event": "on_job_start", "job": int(os.environ.get("EXPGPU_POOL_JOB", "-1")),
+                                "cvd": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
+'''
+
+
+@pytest.mark.timeout(240)
+def test_jobs_after_the_first_wave_are_primed_and_get_their_gpus_env_set_and_config(tmp_path):
+    # A primed spare did Hydra's set-up of its job (run_job up to the task function) while the first
+    # wave ran; at the hand-over it still gets the job's own GPUs and leases, and the job's
+    # hydra.job.env_set still wins over the pool's variables.
+    sweep = Sweep(tmp_path)
+    done = sweep.run(["task=sleep", "task.model.seconds=2", "task.model.tag=range(4)", simulate(2),
+                      "hydra.launcher.threads_per_job=1", "+hydra.job.env_set.MKL_NUM_THREADS=5"])
+    assert done.returncode == 0, done.stderr
+    pool = {j["num"]: j for j in sweep.pool()["jobs"]}
+    by_start = sorted(pool.values(), key=lambda j: j["started"])
+    assert [j["primed"] for j in by_start] == [False, False, True, True], by_start
+    for r in sweep.records():
+        job = pool[r["job"]]
+        assert r["cvd"] == r["lease"] == ",".join(map(str, job["gpus"])), (r, job)
+        assert (r["omp"], r["mkl"], r["torch_threads"]) == ("1", "5", 1), r
+        assert (sweep.dir / str(r["job"]) / ".hydra" / "overrides.yaml").read_text().count(f"task.model.tag={r['tag']}")
+        assert json.loads((sweep.dir / str(r["job"]) / "result.json").read_text())["status"] == "finished"
+    assert sorted(r["tag"] for r in sweep.records()) == [0, 1, 2, 3]
+    _all_leases_free(sweep, 2)
+
+
+@pytest.mark.timeout(240)
+def test_a_users_on_job_start_callback_turns_priming_off(tmp_path):
+    # Its on_job_start must see the job as started: its own job number and GPUs, not a spare's.
+    sweep = Sweep(tmp_path)
+    (sweep.code / "start_callback.py").write_text(START_CALLBACK)
+    done = sweep.run(["task=sleep", "task.model.seconds=1", "task.model.tag=range(4)", simulate(2),
+                      "+hydra.callbacks.see._target_=start_callback.SeeStart"])
+    assert done.returncode == 0, done.stderr
+    pool = {j["num"]: j for j in sweep.pool()["jobs"]}
+    assert not any(j["primed"] for j in pool.values())
+    seen = sweep.records("on_job_start")
+    assert sorted(r["job"] for r in seen) == [0, 1, 2, 3]
+    for r in seen:
+        assert r["cvd"] == ",".join(map(str, pool[r["job"]]["gpus"])), r
+
+
 @pytest.mark.timeout(300)
 def test_pool_json_keeps_every_launch_batch_in_order(tmp_path):
     # Optuna with n_jobs=1 calls launch() once per trial: 3 batches of 1 job each.
@@ -501,6 +583,21 @@ def test_pool_json_keeps_every_launch_batch_in_order(tmp_path):
     assert pool["batches"] == [{"batch": 0, "jobs": [0]}, {"batch": 1, "jobs": [1]}, {"batch": 2, "jobs": [2]}]
     assert [Path(j["dir"]).name for j in pool["jobs"]] == ["0", "1", "2"]
     assert [row[1] for row in _report(sweep)] == ["finished"] * 3
+
+
+@pytest.mark.timeout(300)
+def test_an_optimizing_sweep_warms_one_fork_server_for_all_its_batches(tmp_path):
+    # Optuna with n_jobs=1: one launch() per trial. The task's module (and torch) is imported once,
+    # by one fork server kept from batch to batch, not once per trial; and it is gone at the end.
+    sweep = Sweep(tmp_path)
+    done = sweep.run(["task=sleep", "task.model.seconds=0", "objective=final_loss", "hydra/sweeper=optuna",
+                      "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1", "hydra.sweeper.sampler.seed=0",
+                      "task.optimizer.lr=interval(0.001,0.1)", "hydra.launcher.cpu_slots=2"], 280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [b["jobs"] for b in sweep.pool()["batches"]] == [[0], [1], [2]]
+    assert [r["job"] for r in sweep.records("import")] == [-1], sweep.records("import")
+    assert len(sweep.records()) == 3
+    assert not (sweep.dir / ".expgpu").exists(), "the kept server's state is tidied when the sweep ends"
 
 
 @pytest.mark.parametrize("override, message", [

@@ -27,7 +27,10 @@ from expgpu.errors import UserError
 # running then is named on stderr. EXPGPU_ATEXIT_GRACE_S overrides it (seconds).
 ATEXIT_GRACE_S = 10.0
 ENV_ATEXIT_GRACE = "EXPGPU_ATEXIT_GRACE_S"
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")   # torch's: a value the user set decides
+# numpy's OpenBLAS (scikit-learn, a user's data code) also starts a thread per core; a value the
+# user set for it alone is kept, and does not stand for torch's.
+BLAS_VAR = "OPENBLAS_NUM_THREADS"
 
 
 def die_with_parent(parent: int | None = None) -> None:
@@ -169,5 +172,8 @@ def user_threads(env: Mapping[str, str] | None = None) -> str | None:
 def threads_env(threads: int) -> dict[str, str]:
     """OMP/MKL thread counts for a child: each of N processes sharing the cores would otherwise start
     one thread per core and oversubscribe them N times (CPU training runs several times slower)."""
-    return {name: str(threads) for name in THREAD_VARS}
+    env = {name: str(threads) for name in THREAD_VARS}
+    if not os.environ.get(BLAS_VAR):
+        env[BLAS_VAR] = str(threads)
+    return env
 

@@ -14,6 +14,11 @@ is set before anything of the job's is unpickled, then the job runs as in Hydra'
 restore Hydra's singletons, run_job(), send back the JobReturn (cloudpickle, in the job dir), run
 the job's atexit handlers, exit 0 when the job completed, 1 when it failed.
 
+Primed (Spare.prime): the job arrives in two messages. The first, while the job's GPUs or slot are
+still busy with an earlier job, names its job file and output: Hydra's run_job does its set-up
+(config copies, the job dir's .hydra/, logging) and stops where the task function starts, waiting
+for the second, the hand-over above (environment, leases). The job's start-up is then only its own.
+
 Waiting for a job has no time limit of its own: the process dies with the launcher
 (PR_SET_PDEATHSIG) and leaves when the launcher closes the socket.
 
@@ -24,6 +29,7 @@ modules), so the task function and the configs' _target_s import here as they di
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import importlib
 import json
@@ -56,7 +62,7 @@ def warm_up(modules: list[str], path: list[str] = (), context: str | None = None
         from hydra.core.plugins import Plugins
 
         _ahead["plugins"] = Plugins.instance()
-    if context and "context" not in _ahead:
+    if context and _ahead.get("context", (None,))[0] != context:   # a later launch() has its own
         try:
             with open(context, "rb") as f:
                 _ahead["context"] = (context, pickle.load(f))
@@ -117,17 +123,38 @@ def _receive(sock: socket.socket, block: bool):
         warm_up(spec["warm"], spec["path"], spec.get("context"))   # the task's modules, from the launcher
 
 
-def take_job(spec: dict, fds: list[int]) -> None:
-    """Become the job's process: hold its leases, write where its output goes, take its environment."""
-    _held.extend(fds)
-    out = os.open(spec["console"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+def console(path: str) -> None:
+    """From now on this process writes where the job's output goes."""
+    out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
+
+
+def take_job(spec: dict, fds: list[int]) -> None:
+    """Become the job's process: hold its leases, take its environment and thread budget."""
+    _held.extend(fds)
     os.environ.update(spec["env"])   # before anything of the job's runs
+    os.environ["EXPGPU_START_TIME"] = str(time.time())   # a job's start-up counts from its hand-over
     if spec.get("threads") and "torch" in sys.modules:
         # torch read OMP_NUM_THREADS when the spare imported it, before the budget was known
         sys.modules["torch"].set_num_threads(int(spec["threads"]))
+
+
+def _go(sock: socket.socket) -> None:
+    """A primed job's hand-over, where its task function starts: wait for its environment (its
+    GPUs) and leases; leave, having run nothing of the job's, if the launcher has no use for it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    got = _receive(sock, block=True)
+    if got is None:
+        os._exit(0)
+    spec, fds = got
+    sock.close()
+    # run_job has set the job's hydra.job.env_set: it wins over the pool's variables, as it does
+    # when run_job starts after the hand-over.
+    mine = set(HydraConfig.get().job.env_set or {})
+    take_job({**spec, "env": {k: v for k, v in spec["env"].items() if k not in mine}}, fds)
 
 
 def _outcome(ret) -> dict:
@@ -139,8 +166,11 @@ def _outcome(ret) -> dict:
     return {"state": "stopped" if isinstance(err, Stopped) else "failed", "error": one_line(err)}
 
 
-def run(job_file: Path) -> int:
-    """Run the job in `job_file` as Hydra's launchers do; the exit code says how it went."""
+def run(job_file: Path, go=None) -> int:
+    """Run the job in `job_file` as Hydra's launchers do; the exit code says how it went.
+
+    go: for a primed job, called where its task function starts (run_job's set-up is done by
+    then: the job's config saved, its logging set, its hydra.job.env_set applied)."""
     from hydra.core.utils import JobStatus, run_job, setup_globals
 
     from expgpu import rundir
@@ -149,6 +179,8 @@ def run(job_file: Path) -> int:
         sys.path[:0] = [p for p in pickle.load(f) if p not in sys.path]
         spec = pickle.load(f)
     hydra_context, task_function = _restore(spec["context"])
+    if go is not None:
+        task_function = _after(go, task_function)
     setup_globals()
     rundir.register()  # resolvers live in a process: hydra.run.dir names expgpu_run_dir
     try:
@@ -168,6 +200,15 @@ def run(job_file: Path) -> int:
             traceback.print_exception(type(err), err, err.__traceback__)
     _send_back(ret, outcome, Path(spec["return"]))
     return 0 if ret.status is JobStatus.COMPLETED else 1
+
+
+def _after(go, task_function):
+    @functools.wraps(task_function)
+    def gated(cfg):
+        go()
+        return task_function(cfg)
+
+    return gated
 
 
 def _send_back(ret, outcome: dict, path: Path) -> None:
@@ -228,10 +269,13 @@ def spare(sock: socket.socket) -> None:
     if got is None:
         os._exit(0)   # ran nothing of anyone's: nothing to flush
     spec, fds = got
-    sock.close()
-    take_job(spec, fds)
-    os.environ["EXPGPU_START_TIME"] = str(time.time())   # a job's start-up counts from its hand-over
-    code = run(Path(spec["job_file"]))
+    console(spec["console"])
+    if spec.get("prime"):   # its job, ahead of its GPUs: Hydra's set-up now, the rest at the hand-over
+        code = run(Path(spec["job_file"]), go=lambda: _go(sock))
+    else:
+        sock.close()
+        take_job(spec, fds)
+        code = run(Path(spec["job_file"]))
     # The job is over and all it sends back is on disk: its atexit handlers run, interpreter
     # shutdown does not (procs.fast_exit says why).
     procs.fast_exit(code)

@@ -49,6 +49,7 @@ class Job:
     returncode: int | None = None
     error: str | None = None
     ret: Any = None              # its hydra.core.utils.JobReturn
+    primed: bool = False         # its process did Hydra's set-up of it before its start (Spare.prime)
 
     @property
     def label(self) -> str:
@@ -203,7 +204,7 @@ class Record:
             "simulated": self.simulated, "slot": j.slot,
             "need": j.need, "pid": j.proc.pid if j.proc else None, "started": j.started, "ended": j.ended,
             "wall_s": round(j.ended - j.started, 3) if j.started and j.ended else None,
-            "returncode": j.returncode, "error": j.error, "batch": self.batch,
+            "returncode": j.returncode, "error": j.error, "batch": self.batch, "primed": j.primed,
         }
 
     @staticmethod

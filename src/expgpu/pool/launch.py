@@ -3,6 +3,7 @@ optimizing sweeper): settings, the GPUs, every job's config, each job's CPU thre
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -16,7 +17,7 @@ from expgpu.pool.jobs import Job, Record
 from expgpu.pool.scheduler import at_once, thread_budget
 from expgpu.pool.settings import Settings, job_need, pool_gpus, settings
 from expgpu.pool.forkserver import ForkServer
-from expgpu.pool.spares import SPARES_LOG, Spare, spare_env, task_modules
+from expgpu.pool.spares import SPARES_LOG, Spare, primable, spare_env, task_modules
 
 log = logging.getLogger("expgpu.pool")
 
@@ -45,15 +46,14 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
     own_code = not gpus or simulate is not None
     warm = task_modules(config, own_code)
     first_wave = min(len(job_overrides), len(gpus) or s.cpu_slots, s.max_parallel or math.inf)
-    server = ForkServer(state / SPARES_LOG, spare_env(hide_gpus=bool(gpus)), warm)
+    server = _server(state, bool(gpus), warm)
     spares = [Spare(state, hide_gpus=bool(gpus), server=server) for _ in range(first_wave)]
     try:
         jobs = _compose_all(hydra_context, config, job_overrides, initial_job_idx, s, gpus)
     except BaseException:
         for spare in spares:
             spare.dismiss()
-        server.close()
-        _tidy(state)
+        _close(server, state)
         raise
     more = [m for m in (task_modules(jobs[0].config, own_code) if jobs else []) if m not in warm]
     if more:   # the first wave's forks are made already (or soon): they import these themselves
@@ -122,9 +122,10 @@ def _run(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, d
     from expgpu.pool.loop import Pool
 
     state = sweep_dir / jobfiles.STATE
-    context = state / f"pool-context-{os.getpid()}.pkl"
+    # One per launch(): a kept fork server (and its forks) hold the last one's, unpickled.
+    context = state / f"pool-context-{os.getpid()}-{record.batch}.pkl"
     pool = Pool(jobs, gpus, s, sweep_dir, context, lease_dir, desc, spares, record, job_env, threads, warm,
-                own_code, server)
+                own_code, server, primable(*shared, own_code))
     try:
         atomic_write_bytes(context, cloudpickle.dumps((*shared, Singleton.get_state())))
         if own_code and server.alive():   # the forks to come find it unpickled (spares.task_modules: why not always)
@@ -133,13 +134,50 @@ def _run(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, d
     finally:
         for spare in pool.spares:
             spare.dismiss()
-        server.close()   # after the jobs: its forks die with it
         context.unlink(missing_ok=True)
-        _tidy(state)
+        _keep(server, state, bool(gpus))
     pool.summary(log)
     if pool.stop_signal is not None:
         raise KeyboardInterrupt
     return [job.ret for job in jobs]
+
+
+# This process's fork server, kept from one launch() to the next of the same sweep: an optimizing
+# sweeper calls launch() once per batch of trials (Optuna: n_jobs at a time), and a new server
+# would import torch again for every batch (seconds each; Hydra's basic launcher pays it once).
+_kept: dict[tuple[Path, bool], ForkServer] = {}
+
+
+def _server(state: Path, hide_gpus: bool, warm: list[str]) -> ForkServer:
+    server = _kept.pop((state, hide_gpus), None)
+    for key in list(_kept):   # another sweep's (a second sweep in one process): done with
+        _close(_kept.pop(key), key[0])
+    if server is not None and server.alive():
+        server.warm(warm)   # what it has already is not imported again
+        return server
+    if server is not None:
+        _close(server, state)
+    return ForkServer(state / SPARES_LOG, spare_env(hide_gpus), warm)
+
+
+def _keep(server: ForkServer, state: Path, hide_gpus: bool) -> None:
+    """After a launch(): keep the server for the next one (closed when this process exits)."""
+    if not server.alive():
+        return _close(server, state)
+    atexit.unregister(_close_kept)   # once, however many launch() calls
+    atexit.register(_close_kept)
+    _kept[(state, hide_gpus)] = server
+
+
+def _close_kept() -> None:
+    while _kept:
+        (state, _), server = _kept.popitem()
+        _close(server, state)
+
+
+def _close(server: ForkServer, state: Path) -> None:
+    server.close()   # after the jobs: its forks die with it
+    _tidy(state)
 
 
 def _tidy(state: Path) -> None:

@@ -25,7 +25,8 @@ POLL_S = 0.02   # how often the launcher looks at its jobs and the free GPUs (at
 class Pool(Starter):
     def __init__(self, jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, context: Path,
                  lease_dir: Path | None, desc: str, spares: list[Spare], record: Record,
-                 job_env: dict[str, str], threads: int | None, warm: list[str], own_code: bool, server):
+                 job_env: dict[str, str], threads: int | None, warm: list[str], own_code: bool, server,
+                 prime: bool):
         self.jobs, self.gpus, self.s = jobs, gpus, s
         self.sweep_dir, self.context, self.lease_dir = sweep_dir, context, lease_dir
         self.scheduler = Scheduler(patience=max(1, len(gpus)))
@@ -34,6 +35,7 @@ class Pool(Starter):
         self.job_env, self.threads, self.warm = job_env, threads, warm   # what every job gets
         self.own_code = own_code   # spares may import the task's modules ahead (spares.task_modules)
         self.server = server       # the fork server the spares are forked from
+        self.prime = prime         # spares may be primed with their next job (spares.primable)
         self.stop_signal: int | None = None
         self._hard = False
         self._kill_at: float | None = None

@@ -52,6 +52,7 @@ class Spare:
         ours.setblocking(False)
         self.sock: socket.socket | None = ours
         self.ready = False
+        self.job = None   # the job it is primed with (prime()), if any
         if server is None:
             self.warm(warm, context)
 
@@ -79,8 +80,16 @@ class Spare:
             except OSError:   # it died: the pool notices and starts another
                 pass
 
+    def prime(self, job, spec: dict) -> None:
+        """Give it the job it will run next, before the job's GPUs or slot are free: it does Hydra's
+        set-up of the job (run_job up to the task function, tens of ms of config copies and YAML)
+        while the slot is still busy, then waits in the job's task function for give()."""
+        self.sock.sendmsg([json.dumps({**spec, "prime": True}).encode()])
+        self.job = job
+
     def give(self, spec: dict, fds: list[int]) -> None:
-        """Hand over a job: its environment and output file, and its lease descriptors."""
+        """Hand over a job: its environment, output file and job file (unless primed with it), and
+        its lease descriptors."""
         msg = json.dumps(spec).encode()
         if fds:
             socket.send_fds(self.sock, [msg], fds)
@@ -101,6 +110,19 @@ class Spare:
         if pid is not None:
             procs.kill_group(pid)   # it leads its own session: its pgid is its pid
             self.proc.wait()
+
+
+def primable(hydra_context, task_function, own_code: bool) -> bool:
+    """Whether a spare may do Hydra's set-up of its next job before the job's hand-over (Spare.prime).
+
+    Not with a callback that is not Hydra's or expgpu's: its on_job_start would run before the job
+    has its GPUs. On real GPUs (own_code=False), only for expgpu's own app: priming unpickles the
+    task function, and another app's imports the user's modules, which may start CUDA without the
+    job's GPUs (task_modules says why); expgpu's imports the task's modules only after the hand-over."""
+    if any(not type(cb).__module__.startswith(("hydra.", "expgpu.")) for cb in hydra_context.callbacks.callbacks):
+        return False
+    code = getattr(task_function, "__code__", None)   # expgpu's is a closure in expgpu/__main__.py
+    return own_code or (code is not None and Path(code.co_filename).parent == Path(procs.__file__).parent)
 
 
 def task_modules(cfg, own_code: bool) -> list[str]:
