@@ -231,6 +231,11 @@ def test_a_joblib_sweep_stopped_by_ctrl_c_says_so_and_resumes_into_the_same_logg
     deadline = time.monotonic() + 120
     while not all(_rows(sweep / n) >= 20 for n in "01") and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    seen = all(_rows(sweep / n) >= 20 for n in "01")
+    if not seen and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    if not seen or proc.poll() is not None:
+        pytest.fail(f"not both jobs seen training (exit code {proc.wait()}): {proc.communicate()[1][-3000:]}")
     os.killpg(proc.pid, signal.SIGINT)   # what a Ctrl-C in the terminal does
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
