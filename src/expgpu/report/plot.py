@@ -48,6 +48,9 @@ def plot(rows: list[Row], ranking: Ranking, path: Path, title: str) -> list[str]
     named = set(id(r) for r in (ranking.rows[:min(LEGEND_BEST, ranking.n_ranked)] if crowded else drawn))
     if crowded and not named:
         named = set(id(r) for r in drawn[:LEGEND_BEST])
+    # One colour per job for every panel: the legend, in the first panel only, names jobs by colour
+    # (matplotlib's cycle would start again in each panel, over the jobs that logged that metric).
+    colour = {id(r): f"C{i % 10}" for i, r in enumerate(r for r in drawn if id(r) in named)}
     cols = min(len(names), 2)
     nrows = math.ceil(len(names) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(6.2 * cols + (3.2 if crowded else 0), 4.2 * nrows + 0.6),
@@ -62,7 +65,7 @@ def plot(rows: list[Row], ranking: Ranking, path: Path, title: str) -> list[str]
                 best, labelled = r is ranking.best, id(r) in named
                 label = (f"#{r.job} " + " ".join(ranking.differs.get(r.job) or []))[:60]
                 label += " *" if r.status != "finished" else ""
-                style = dict(linewidth=2.6 if best else 1.3, zorder=3 if best else 2)
+                style = dict(linewidth=2.6 if best else 1.3, zorder=3 if best else 2, color=colour.get(id(r)))
                 if not labelled:
                     style.update(color="0.7", linewidth=0.8, zorder=1)
                 ax.plot(steps, values, marker="o" if len(steps) <= 3 else None, markersize=3,
