@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -28,6 +29,17 @@ def test_single_rank_trains_and_writes_result(tmp_path):
     assert res["timing"]["steps_per_s"] > 0 and res["timing"]["startup_s"] > 0
     assert "rank 0/1 on" in run.output and "-> cpu" in run.output
     assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
+
+
+def test_without_a_terminal_progress_is_a_line_every_few_seconds_and_the_last_row(tmp_path):
+    # A row every step in metrics.jsonl, but not a log line per row: the first, then one every
+    # PROGRESS_EVERY_S, and the last.
+    run = expgpu(["task=a", "task.max_steps=120", "task.log_every=1"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    assert len(run.metrics()) == 120
+    lines = [ln for ln in run.output.splitlines() if re.search(r" - step \d+  loss ", ln)]
+    assert 2 <= len(lines) <= 10, lines
+    assert "step 1  loss" in lines[0] and "step 120  loss" in lines[-1], lines
 
 
 def test_two_local_ranks_hold_identical_parameters(tmp_path):

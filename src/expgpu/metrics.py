@@ -137,11 +137,20 @@ class MetricsLog:
             self.loggers.finish(status, metrics, step, self.last_row)
 
 
+# Without a terminal, a progress line at most this often (and the last row at the end): a line per
+# log_every steps filled logs with hundreds of lines, and on a busy machine each line (formatted,
+# written to the console, the job's log and the rank's log, read by whoever holds the console)
+# cost rank 0, and so every rank waiting for it at the next all-reduce, ~1 % of a fast CPU loop.
+PROGRESS_EVERY_S = 5.0
+
+
 class _Progress:
-    """A live bar when stderr is a terminal; a log line per flush otherwise."""
+    """A live bar when stderr is a terminal; a log line every PROGRESS_EVERY_S otherwise."""
 
     def __init__(self, total: int | None, start: int):
         self.bar = None
+        self.shown_at: float | None = None   # when the last line was written
+        self.unshown: tuple[int, dict] | None = None
         if sys.stderr.isatty():
             from rich.progress import Progress
 
@@ -150,12 +159,23 @@ class _Progress:
             self.task = self.bar.add_task("training", total=total, completed=start)
 
     def update(self, step: int, row: dict[str, Any]) -> None:
-        text = "  ".join(f"{k} {v:.5g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
         if self.bar is not None:
-            self.bar.update(self.task, completed=step, description=f"training  {text}")
-        else:
-            log.info("step %d  %s", step, text)
+            self.bar.update(self.task, completed=step, description=f"training  {_text(row)}")
+            return
+        now = time.monotonic()
+        if self.shown_at is not None and now - self.shown_at < PROGRESS_EVERY_S:
+            self.unshown = (step, row)
+            return
+        self.shown_at, self.unshown = now, None
+        log.info("step %d  %s", step, _text(row))
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+        elif self.unshown is not None:
+            log.info("step %d  %s", self.unshown[0], _text(self.unshown[1]))
+            self.unshown = None
+
+
+def _text(row: dict[str, Any]) -> str:
+    return "  ".join(f"{k} {v:.5g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
