@@ -1,7 +1,7 @@
 """The Run API's cost on the hot path: a user's loop through run.steps / run.log vs the same loop
 written plainly against torch (2 ranks, gloo, CPU, task a's model and data).
 
-    python bench/bench_run_api.py [--rounds 5] [--steps 6000] [--chunk 50] [--nproc 2]
+    python bench/bench_run_api.py [--rounds 5] [--steps 6000] [--chunk 50] [--nproc 2] [--control]
     python bench/bench_run_api.py --separate [--rounds 7] [--steps 3000]
 
 Default (interleaved): both loops in one expgpu launch, in the same processes, taking turns every
@@ -36,21 +36,28 @@ def run(task: str, args: list[str], nproc: int, run_dir: Path) -> dict:
 
 
 def interleaved(args) -> None:
-    pairs, totals = [], []
+    kinds = ["run", "control"] if args.control else ["run"]
+    pairs: dict[str, list[float]] = {k: [] for k in kinds}
+    totals: dict[str, list[float]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
-            m = run("loop_both", [f"task.steps={args.steps}", f"task.chunk={args.chunk}"], args.nproc,
-                    Path(tmp) / f"both{i}")
-            pairs.append(m["ratio_median"])
-            totals.append(m["run_steps_per_s"] / m["plain_steps_per_s"])
-            print(f"round {i + 1}/{args.rounds}: plain {m['plain_steps_per_s']:.0f} steps/s, run.steps "
-                  f"{m['run_steps_per_s']:.0f} steps/s; ratio of totals {totals[-1]:.3f}, median of "
-                  f"{args.steps // args.chunk - 1} chunk pairs {pairs[-1]:.3f}", flush=True)
+            for kind in kinds:
+                m = run("loop_both", [f"task.steps={args.steps}", f"task.chunk={args.chunk}",
+                                      f"+task.control={kind == 'control'}"], args.nproc, Path(tmp) / f"{kind}{i}")
+                pairs[kind].append(m["ratio_median"])
+                totals[kind].append(m["run_steps_per_s"] / m["plain_steps_per_s"])
+                what = "run.steps" if kind == "run" else "plain #2 (A/A)"
+                print(f"round {i + 1}/{args.rounds}: plain {m['plain_steps_per_s']:.0f} steps/s, {what} "
+                      f"{m['run_steps_per_s']:.0f} steps/s; ratio of totals {totals[kind][-1]:.3f}, median of "
+                      f"{args.steps // args.chunk - 1} chunk pairs {pairs[kind][-1]:.3f}", flush=True)
     print(f"\n{args.nproc} rank(s), gloo, CPU, {args.steps} steps per loop in chunks of {args.chunk}, "
           f"{args.rounds} launches")
-    print(f"run.steps/run.log vs the plain loop, interleaved: steps/s ratio {statistics.median(totals):.3f} "
-          f"(median over launches of the ratio of totals; median of chunk-pair medians "
-          f"{statistics.median(pairs):.3f}) (goal >= 0.99)")
+    if args.control:
+        print(f"A/A control (a second plain loop in the Run loop's place): ratio {statistics.median(totals['control']):.3f}"
+              f" (range {min(totals['control']):.3f}-{max(totals['control']):.3f}): the noise floor")
+    print(f"run.steps/run.log vs the plain loop, interleaved: steps/s ratio {statistics.median(totals['run']):.3f} "
+          f"(median over launches of the ratio of totals, range {min(totals['run']):.3f}-{max(totals['run']):.3f}; "
+          f"median of chunk-pair medians {statistics.median(pairs['run']):.3f}) (goal >= 0.99)")
 
 
 def separate(args) -> None:
@@ -77,6 +84,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps per loop (default 6000; --separate: 3000)")
     ap.add_argument("--chunk", type=int, default=50, help="steps per turn, interleaved")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--control", action="store_true", help="also an A/A launch per round: the noise floor")
     args = ap.parse_args()
     if args.separate:
         args.rounds, args.steps = args.rounds or 7, args.steps or 3000

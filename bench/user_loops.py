@@ -67,60 +67,85 @@ def with_run(run: Run, steps: int = 3000):
     return {"steps_per_s": (steps - 10) / (t_last - t10)}
 
 
-def interleaved(run: Run, steps: int = 3000, chunk: int = 100):
-    """Both loops in one process, taking turns every `chunk` steps (plain, Run, plain, ...): each
-    pair of chunks runs within a fraction of a second, so machine noise (other processes, CPU
-    frequency) hits both alike, where separate runs differ by 10-40 % on a small shared machine.
-    The Run loop is one run.steps generator advanced a chunk at a time; its stop poll, log flushes
-    and progress lines fall in its chunks. Returns each loop's steps/s over all its chunks and the
-    median of the per-pair ratios."""
+
+def _plain_half(run: Run, data, seed: int):
+    """A plainly written DDP loop over `data`, run `chunk` steps at a time: (step(chunk))."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.manual_seed(0)
-    data = SmoothRegression(4096, 32, 4)
-    model_p = MLP(32, 4, hidden=128)
+    torch.manual_seed(seed)
+    model = MLP(32, 4, hidden=128)
     if run.world_size > 1:
-        model_p = DDP(model_p)
-    sampler = DistributedSampler(data, num_replicas=run.world_size, rank=run.rank, shuffle=True, seed=0)
-    opt_p = torch.optim.Adam(model_p.parameters(), lr=1e-3)
-    model_r = run.wrap(MLP(32, 4, hidden=128))
-    opt_r = torch.optim.Adam(model_r.parameters(), lr=1e-3)
-    loader_r = run.loader(data, batch_size=64)
-    run.track(model=model_r, opt=opt_r)
+        model = DDP(model)
+    sampler = DistributedSampler(data, num_replicas=run.world_size, rank=run.rank, shuffle=True, seed=seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = torch.nn.MSELoss()
 
-    def plain_batches():
+    def batches():
         epoch = 0
         while True:
             sampler.set_epoch(epoch)
             yield from DataLoader(data, batch_size=64, sampler=sampler, drop_last=True)
             epoch += 1
 
-    plain_it, run_it = plain_batches(), run.steps(loader_r, steps)
-    times = {"plain": [], "run": []}
-    for turn in range(2 * (steps // chunk)):
-        t0 = time.perf_counter()
-        if turn % 2 == 0:
-            for i in range(chunk):
-                x, y = next(plain_it)
-                opt_p.zero_grad(set_to_none=True)
-                loss = loss_fn(model_p(x), y)
-                loss.backward()
-                opt_p.step()
-                if i % 10 == 9 and run.rank == 0:   # as the plain loop: loss.item() every 10 steps
-                    loss.item()
-        else:
-            for _ in range(chunk):
-                step, (x, y) = next(run_it)
-                opt_r.zero_grad(set_to_none=True)
-                loss = loss_fn(model_r(x), y)
-                loss.backward()
-                opt_r.step()
-                run.log(loss=loss)
-        times["plain" if turn % 2 == 0 else "run"].append(time.perf_counter() - t0)
-    for _ in run_it:   # run.steps ends the run its way (the last step is done; this saves)
+    it = batches()
+
+    def steps(chunk: int) -> None:
+        for i in range(chunk):
+            x, y = next(it)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            if i % 10 == 9 and run.rank == 0:   # as the plain loop: loss.item() every 10 steps
+                loss.item()
+
+    return steps
+
+
+def _run_half(run: Run, data, steps: int):
+    """The same loop through the Run API: one run.steps generator, advanced `chunk` steps at a time."""
+    torch.manual_seed(1)
+    model = run.wrap(MLP(32, 4, hidden=128))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    run.track(model=model, opt=opt)
+    loss_fn = torch.nn.MSELoss()
+    it = run.steps(run.loader(data, batch_size=64), steps)
+
+    def advance(chunk: int) -> None:
+        for _ in range(chunk):
+            step, (x, y) = next(it)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            run.log(loss=loss)
+
+    advance.rest = it   # run.steps ends the run its way once drained (the last step is done: it saves)
+    return advance
+
+
+def interleaved(run: Run, steps: int = 3000, chunk: int = 100, control: bool = False, freeze: bool = False):
+    """Both loops in one process, taking turns every `chunk` steps (plain, Run, plain, ...): each
+    pair of chunks runs within a fraction of a second, so machine noise (other processes, CPU
+    frequency) hits both alike, where separate runs differ by 10-40 % on a small shared machine.
+    The Run loop's stop poll, log flushes and progress lines fall in its chunks. control=True: the
+    second loop is a plain one too (an A/A run: the noise floor of the ratio). Returns each loop's
+    steps/s over all its chunks (the first pair warms up) and the median of the per-pair ratios."""
+    if freeze:
+        import gc
+        gc.freeze()
+    data = SmoothRegression(4096, 32, 4)
+    first = _plain_half(run, data, seed=0)
+    second = _plain_half(run, data, seed=1) if control else _run_half(run, data, steps)
+    times: tuple[list, list] = ([], [])
+    for _ in range(steps // chunk):
+        for half, spent in ((first, times[0]), (second, times[1])):
+            t0 = time.perf_counter()
+            half(chunk)
+            spent.append(time.perf_counter() - t0)
+    for _ in getattr(second, "rest", ()):
         pass
-    pairs = list(zip(times["plain"], times["run"]))[1:]   # the first pair warms up
+    pairs = list(zip(*times))[1:]
     return {"plain_steps_per_s": chunk * len(pairs) / sum(p for p, _ in pairs),
             "run_steps_per_s": chunk * len(pairs) / sum(r for _, r in pairs),
             "ratio_median": statistics.median(p / r for p, r in pairs)}

@@ -153,12 +153,16 @@ def test_sigterm_then_rerun_continues_the_same_tensorboard_and_mlflow_runs(tmp_p
 def test_a_crash_after_the_checkpoint_leaves_no_duplicate_and_no_missing_step(tmp_path, reference, kind):
     # A crash at step 253, 53 steps after the last checkpoint. An exception: the loggers were sent
     # every row up to 250, which the resume redoes (MLflow cannot take them back: they must not be
-    # sent again). SIGKILL: MLflow's last batch was never sent (the resume sends it from metrics.jsonl).
+    # sent again). SIGKILL: MLflow's last batch was never sent (the resume sends what it lacks from
+    # metrics.jsonl).
     run_dir = tmp_path / "run"
     args = ARGS + ["logger=[tensorboard,mlflow]", "checkpoint.every_steps=100"]
     crashed = expgpu(args + ["faults.crash_rank=0", "faults.crash_step=253", f"faults.kind={kind}"], run_dir)
     assert crashed.returncode == (1 if kind == "exception" else -signal.SIGKILL), crashed.stderr[-3000:]
-    assert max(s for s, _ in _history(run_dir, "loss")) == (253 if kind == "exception" else 250)
+    last = max(s for s, _ in _history(run_dir, "loss"))
+    # SIGKILL: rows reach the OS at least at each checkpoint (and every second); those after the
+    # checkpoint at 200 may have died in the process's buffer: the resume redoes them anyway.
+    assert last == 253 if kind == "exception" else 200 <= last <= 250, last
     if kind == "exception":
         [run] = _mlflow_runs(run_dir)
         assert run.info.status == "FAILED"

@@ -237,6 +237,7 @@ class Run:
         mine = {"rng": rng.capture(self.device), "epoch": feed.epoch, "position": feed.position}
         ranks = dist.gather_objects(mine, self.world_size)
         if self.is_main:
+            self._metrics.write_out()   # the rows up to this step are on disk before the checkpoint is
             path = self.run_dir / rundir.CHECKPOINT
             checkpoint.save(path, {
                 **self._expect(), "params": _json(self._spec.identity), "step": self.step, "ranks": ranks,

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import csv
 import io
+import time
 from pathlib import Path
 
 from expgpu.loggers.state import LoggerState
+from expgpu.metrics import WRITE_EVERY_S
 
 _FIRST, _LAST = ["step"], ["epoch", "time"]
 
@@ -25,6 +27,7 @@ class CsvLogger:
         self.path = state.run_dir / str(settings.get("file") or "metrics.csv")
         self.columns: list[str] = []
         self.file = None
+        self.written_at = 0.0   # when rows were last handed to the OS
 
     def start(self, resumed: bool, step: int, flushed_before: int) -> int:
         kept: list[dict] = []
@@ -53,7 +56,9 @@ class CsvLogger:
             return
         w = csv.DictWriter(self.file, self.columns, restval="")
         w.writerows(rows)
-        self.file.flush()
+        if time.monotonic() - self.written_at >= WRITE_EVERY_S:   # as metrics.jsonl (expgpu.metrics)
+            self.file.flush()
+            self.written_at = time.monotonic()
 
     def finish(self, status: str, metrics: dict, step: int, last_row: dict) -> None:
         if self.file is not None:
