@@ -18,7 +18,7 @@ from expgpu.pool.spares import Spare
 
 # Priming a spare (Hydra's set-up of its next job: ~0.1 s of one core) waits this long after the
 # latest job start, which is busy with the same set-up then (measured: with 4 jobs starting on 2
-# cores, priming at once made their start-up 0.08 s -> 0.2 s).
+# cores, priming at once made their start-up ~0.1 s -> ~0.2 s).
 PRIME_AFTER_S = 0.3
 
 
