@@ -124,16 +124,13 @@ def _run_half(run: Run, data, steps: int):
     return advance
 
 
-def interleaved(run: Run, steps: int = 3000, chunk: int = 100, control: bool = False, freeze: bool = False):
+def interleaved(run: Run, steps: int = 3000, chunk: int = 100, control: bool = False):
     """Both loops in one process, taking turns every `chunk` steps (plain, Run, plain, ...): each
     pair of chunks runs within a fraction of a second, so machine noise (other processes, CPU
     frequency) hits both alike, where separate runs differ by 10-40 % on a small shared machine.
     The Run loop's stop poll, log flushes and progress lines fall in its chunks. control=True: the
     second loop is a plain one too (an A/A run: the noise floor of the ratio). Returns each loop's
     steps/s over all its chunks (the first pair warms up) and the median of the per-pair ratios."""
-    if freeze:
-        import gc
-        gc.freeze()
     data = SmoothRegression(4096, 32, 4)
     first = _plain_half(run, data, seed=0)
     second = _plain_half(run, data, seed=1) if control else _run_half(run, data, steps)
