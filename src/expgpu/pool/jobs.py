@@ -28,9 +28,6 @@ class JobFailed(WorkerFailed):
         Exception.__init__(self, message)
         self.failure = None
 
-    def __reduce__(self):
-        return (type(self), (str(self),))
-
 
 @dataclass
 class Job:
