@@ -120,7 +120,9 @@ class DataConfig:
 class CheckpointConfig:
     every_steps: int = 0   # 0: only when stopped (signal, preemption) and at the end
     resume: bool = True    # resume from the run dir's checkpoint when there is one
-    poll_every: int = 10   # steps between the ranks' stop polls; a signal stops them within 2x this
+    # Steps between the ranks' stop polls (a signal stops them within 2x this); auto: about
+    # 0.2 s worth of steps, measured as training goes (expgpu/stopping.py)
+    poll_every: Any = "auto"
 
 
 @dataclass
@@ -223,7 +225,8 @@ def check(cfg: DictConfig) -> None:
         need(len(cfg.data.weights) >= 1 and all(math.isfinite(w) and w > 0 for w in cfg.data.weights),
              "data.weights", "a list of numbers > 0, one per rank, e.g. [3, 1]")
     need(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "0 (off) or a step count")
-    need(cfg.checkpoint.poll_every >= 1, "checkpoint.poll_every", "an integer >= 1")
+    poll = cfg.checkpoint.poll_every
+    need(poll == "auto" or (type(poll) is int and poll >= 1), "checkpoint.poll_every", "auto or an integer >= 1")
     f = cfg.faults
     need((f.crash_rank is None) == (f.crash_step is None), "faults.crash_step",
          "set faults.crash_rank and faults.crash_step together")

@@ -62,7 +62,8 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
     # here when a launcher calls the task function itself. Left installed: a signal that
     # lands after training (SLURM's own SIGTERM after a requeue) must not kill the exit path.
     stopper = stopping.install()
-    stopper.poll_every, stopper.world_size = cfg["checkpoint"]["poll_every"], info.world_size
+    poll = cfg["checkpoint"]["poll_every"]
+    stopper.poll_every, stopper.world_size = (None if poll == "auto" else poll), info.world_size
     spec = tasks.resolve(cfg["task"])   # imports the user's module: only now that this process owns its GPU
     with dist.process_group(info, backend, timeout, run_dir, device):
         run = Run(info=info, device=device, run_dir=run_dir, cfg=cfg, spec=spec, stopper=stopper,

@@ -3,8 +3,9 @@
 A signal (Ctrl-C, SIGTERM from `kill` or SLURM, SIGUSR2 before a SLURM time limit
 or preemption) may reach one rank or all of them, at different moments. Stopping
 where the signal lands would leave the ranks at different steps; so the handler only
-records the request, and every `poll_every` steps the ranks all-reduce it and stop
-together at the same step, where a checkpoint is consistent.
+records the request, and every few steps the ranks all-reduce it and stop together at
+the same step, where a checkpoint is consistent. How many steps: `checkpoint.poll_every`,
+by default "auto": as many as take about POLL_TARGET_S, agreed by the ranks at each poll.
 SIGUSR1 is left alone: NCCL's watchdog and some launchers use it.
 
 One Stopper per process, installed as early as possible (the CLI entry, a spawned
@@ -20,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from typing import Callable
 
 # In increasing precedence: when ranks saw different signals they agree on the strongest.
@@ -29,16 +31,25 @@ from typing import Callable
 STOP_SIGNALS = (signal.SIGINT, signal.SIGUSR2, signal.SIGTERM)
 # The signals a worker started by expgpu.spawn stops on: its supervisor's (see Stopper.install).
 ENV_SIGNALS = "EXPGPU_STOP_SIGNALS"
+# poll_every="auto": the stop poll's period. A poll is an all-reduce on the ranks' own
+# threads; every 10 steps of a fast loop it cost 2-4 % of steps/s on 2 CPU ranks (gloo),
+# at ~5 a second nothing measurable. A stop is acted on within 2 periods (0.4 s), far inside
+# the 30 s SLURM gives between SIGTERM and SIGKILL.
+POLL_TARGET_S = 0.2
+FIRST_INTERVAL, MAX_INTERVAL = 10, 100_000   # steps: before any step is timed; a sane ceiling
 
 
 class Stopper:
     def __init__(self) -> None:
-        self.poll_every = 10
+        self.poll_every: int | None = None   # steps between polls; None: adaptive (POLL_TARGET_S)
         self.world_size = 1
         self.received: str | None = None   # the strongest signal this process saw
         self.agreed: str | None = None     # the signal all ranks stopped on (set once they stop)
         self._ctrl_c = False
-        self._pending = None  # (work, flag) of the stop poll in flight
+        self._pending = None  # (work, flags) of the stop poll in flight
+        self._next = 0        # the step of the next poll
+        self._interval = FIRST_INTERVAL
+        self._polled = (0, 0.0)   # (step, perf_counter) of the last poll, to time the steps
         self._previous: dict[int, Callable | int | None] = {}
         self.owned: tuple[str, ...] = ()   # the signals that stop this run
 
@@ -83,31 +94,46 @@ class Stopper:
     def should_stop(self, step: int, force: bool = False) -> bool:
         """Called after every step by every rank; True on all ranks at the same step.
 
-        With several ranks the flags are all-reduced every poll_every steps, without a
-        stall: the reduction started at one poll is read at the next (a request is acted on
-        within 2 x poll_every steps), so the ranks' compute hides its latency. `force` (the
-        start of training) reduces and reads at once.
+        With several ranks the flags are all-reduced every few steps, without a stall: the
+        reduction started at one poll is read at the next (a request is acted on within two
+        poll intervals), so the ranks' compute hides its latency. `force` (the start of
+        training) reduces and reads at once. Every rank polls at the same steps: a collective
+        that one rank skips would hang the others. So an adaptive interval changes only
+        through the reduction: each rank proposes one from its own step time, and all take
+        the smallest proposal when they read the result.
         """
         if self.world_size == 1:
             self.agreed = self.received
             return self.received is not None
-        if step % self.poll_every and not force:
+        if step < self._next and not force:
             return False
         strongest = 0
         if force:
             self._pending = None  # of an earlier run in this process, if any: its group is gone
-            strongest = self._reduce(async_op=False)[1]
+            self._interval = self.poll_every or FIRST_INTERVAL
+            strongest = self._reduce(self._interval, async_op=False)[1][0]
         elif self._pending is not None:
-            work, flag = self._pending
+            work, flags = self._pending
             work.wait()
-            strongest = int(flag.item())
+            strongest, smallest = (int(v) for v in flags.tolist())
+            self._interval = self.poll_every or -smallest
             self._pending = None
         if strongest:
             self.agreed = STOP_SIGNALS[strongest - 1].name
             return True
         if not force:
-            self._pending = self._reduce(async_op=True)
+            self._pending = self._reduce(self._proposal(step), async_op=True)
+        self._polled = (step, time.perf_counter())
+        self._next = step + self._interval
         return False
+
+    def _proposal(self, step: int) -> int:
+        """The interval this rank asks for: steps worth POLL_TARGET_S at its pace since the last poll."""
+        if self.poll_every:
+            return self.poll_every
+        last_step, last_t = self._polled
+        per_step = (time.perf_counter() - last_t) / max(step - last_step, 1)
+        return max(1, min(MAX_INTERVAL, int(POLL_TARGET_S / per_step) if per_step > 0 else MAX_INTERVAL))
 
     def settle(self) -> None:
         """Wait for the poll in flight (every rank started it, so it completes at once); a
@@ -116,17 +142,18 @@ class Stopper:
             self._pending[0].wait()
             self._pending = None
 
-    def _reduce(self, async_op: bool):
-        """All-reduce (max) this rank's strongest signal: (work, flag), or (None, value) when blocking."""
+    def _reduce(self, proposal: int, async_op: bool):
+        """All-reduce (max) [this rank's strongest signal, -its proposed interval]: (work, flags),
+        or (None, [strongest, -smallest proposal]) when blocking."""
         import torch
         import torch.distributed as dist
 
         mine = _rank(signal.Signals[self.received]) if self.received else 0
-        flag = torch.tensor([mine], dtype=torch.int32)
+        flags = torch.tensor([mine, -proposal], dtype=torch.int32)
         if dist.get_backend() == "nccl":
-            flag = flag.cuda()
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=async_op)
-        return (work, flag) if async_op else (None, int(flag.item()))
+            flags = flags.cuda()
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=async_op)
+        return (work, flags) if async_op else (None, flags.tolist())
 
     @property
     def exit_code(self) -> int:
