@@ -174,6 +174,8 @@ def test_user_task_from_own_config_dir(tmp_path):
     (["backend=nccl"], "backend=nccl"),
     (["task.model._target_=torch.nn.Nope"], "task.model"),
     (["launch.isolation=magic"], "launch.isolation"),
+    (["checkpoint.poll_every=0"], "checkpoint.poll_every=0 is not allowed: auto or an integer >= 1"),
+    (["checkpoint.poll_every=often"], "checkpoint.poll_every='often' is not allowed: auto or an integer >= 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     run = expgpu(args, tmp_path / "run")
