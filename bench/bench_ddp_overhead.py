@@ -1,14 +1,21 @@
 """expgpu against a plain PyTorch DDP script: training speed and startup overhead.
 
-2 ranks, gloo, CPU, task a's model/data/batch. Runs alternate (expgpu, torchrun+plain,
-mp.spawn+plain, expgpu, ...) so that machine noise hits all alike; medians are compared.
+2 ranks, gloo, CPU, task a's model/data/batch.
 
-    python bench/bench_ddp_overhead.py [--rounds 5] [--steps 1500] [--precision bf16]
+    python bench/bench_ddp_overhead.py [--rounds 5] [--steps 3000] [--precision bf16] [--control]
+                                       [--launches 3] [--launch-steps 1500]
 
-The built-in loop is expgpu's supervised task function on the Run API (run.steps, run.log);
+Training speed, interleaved: in each of --rounds launches, expgpu's built-in loop (the supervised
+task function on the Run API) and the plain DDP loop of bench/plain_ddp.py run in the same
+processes, taking turns every 50 steps (user_loops.builtin_interleaved), so that machine noise
+hits both alike; separate launches of the two differ by 10-40 % on a shared 2-core machine.
 --precision bf16 compares task.precision=bf16 with a plain torch.autocast(bfloat16) loop.
+--control adds an A/A launch per round (a plain loop against a plain loop): the noise floor.
 
-steps/s ratio  = expgpu / plain           (goal >= 0.98)
+Startup, separate launches: expgpu, torchrun + the plain script, mp.spawn + the plain script,
+alternating, --launches times each; medians are compared (their steps/s are printed too).
+
+steps/s ratio  = built-in loop / plain loop, interleaved     (goal >= 0.98)
 startup extra  = expgpu - plain, seconds from launch to the first training step (goal <= 0.3 s)
 """
 
@@ -25,10 +32,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+BENCH = REPO / "bench"
+
+
 def env() -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_", "TORCHELASTIC_"))}
-    e.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    e.update(OMP_NUM_THREADS="1", PYTHONPATH=f"{BENCH}{os.pathsep}{REPO / 'src'}")
     return e
+
+
+def run_interleaved(task: str, args: list[str], run_dir: Path) -> dict:
+    subprocess.run([sys.executable, "-m", "expgpu", "--config-dir", str(BENCH / "conf"), f"task={task}", *args,
+                    "launch.nproc_per_node=2", "checkpoint.resume=false", f"hydra.run.dir={run_dir}"],
+                   check=True, env=env(), cwd=REPO, capture_output=True)
+    return json.loads((run_dir / "result.json").read_text())["metrics"]
 
 
 def run_expgpu(steps: int, tmp: Path, n: int, precision: str) -> tuple[float, float]:
@@ -62,28 +79,62 @@ def run_plain(steps: int, launcher: str, port: int, precision: str) -> tuple[flo
     return line["first_step_at"] - t0, line["steps_per_s"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--precision", choices=["32", "bf16"], default="32")
-    args = ap.parse_args()
+def interleaved(args, tmp: Path) -> None:
+    kinds = ["builtin", "control"] if args.control else ["builtin"]
+    ratios: dict[str, list[float]] = {k: [] for k in kinds}
+    for i in range(args.rounds):
+        for kind in kinds:
+            if kind == "builtin":
+                m = run_interleaved("builtin_both", [f"task.steps={args.steps}", f"task.precision={args.precision}"],
+                                    tmp / f"builtin{i}")
+            else:
+                m = run_interleaved("loop_both", [f"task.steps={args.steps}", "task.chunk=50", "+task.control=true"],
+                                    tmp / f"control{i}")
+            ratios[kind].append(m["run_steps_per_s"] / m["plain_steps_per_s"])
+            what = "built-in loop" if kind == "builtin" else "plain #2 (A/A)"
+            print(f"round {i + 1}/{args.rounds}: plain {m['plain_steps_per_s']:.0f} steps/s, {what} "
+                  f"{m['run_steps_per_s']:.0f} steps/s, ratio {ratios[kind][-1]:.3f}", flush=True)
+    print(f"\n2 ranks, gloo, CPU, task a, precision {args.precision}, {args.steps} steps per loop in chunks of 50, "
+          f"{args.rounds} launches")
+    if args.control:
+        c = ratios["control"]
+        print(f"A/A control (plain vs plain, 32-bit): ratio {statistics.median(c):.3f} "
+              f"(range {min(c):.3f}-{max(c):.3f}): the noise floor")
+    b = ratios["builtin"]
+    print(f"built-in loop vs the plain DDP loop, interleaved: steps/s ratio {statistics.median(b):.3f} "
+          f"(range {min(b):.3f}-{max(b):.3f}) (goal >= 0.98)")
+
+
+def launches(args, tmp: Path) -> None:
     results = {"expgpu": [], "torchrun": [], "mp.spawn": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.rounds):
-            results["expgpu"].append(run_expgpu(args.steps, Path(tmp), i, args.precision))
-            results["torchrun"].append(run_plain(args.steps, "torchrun", 29600 + i, args.precision))
-            results["mp.spawn"].append(run_plain(args.steps, "spawn", 29700 + i, args.precision))
-            print(f"round {i + 1}/{args.rounds}: " + "  ".join(
-                f"{k} start {v[-1][0]:.2f}s {v[-1][1]:.0f} steps/s" for k, v in results.items()), flush=True)
+    for i in range(args.launches):
+        results["expgpu"].append(run_expgpu(args.launch_steps, tmp, i, args.precision))
+        results["torchrun"].append(run_plain(args.launch_steps, "torchrun", 29600 + i, args.precision))
+        results["mp.spawn"].append(run_plain(args.launch_steps, "spawn", 29700 + i, args.precision))
+        print(f"launch round {i + 1}/{args.launches}: " + "  ".join(
+            f"{k} start {v[-1][0]:.2f}s {v[-1][1]:.0f} steps/s" for k, v in results.items()), flush=True)
     med = {k: (statistics.median(s for s, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
-    print(f"\n2 ranks, gloo, CPU, task a, precision {args.precision}, {args.steps} steps, "
-          f"median of {args.rounds} alternating rounds")
+    print(f"\nseparate launches, {args.launch_steps} steps, median of {args.launches} alternating rounds")
     for base in ("torchrun", "mp.spawn"):
         ratio = med["expgpu"][1] / med[base][1]
         extra = med["expgpu"][0] - med[base][0]
-        print(f"vs plain script under {base:8s}: steps/s ratio {ratio:.3f} (goal >= 0.98), "
-              f"startup {med['expgpu'][0]:.2f}s vs {med[base][0]:.2f}s: extra {extra:+.2f}s (goal <= +0.30s)")
+        print(f"vs plain script under {base:8s}: startup {med['expgpu'][0]:.2f}s vs {med[base][0]:.2f}s: "
+              f"extra {extra:+.2f}s (goal <= +0.30s); steps/s ratio {ratio:.3f} (separate launches: noisy)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved launches")
+    ap.add_argument("--steps", type=int, default=3000, help="steps per loop, interleaved")
+    ap.add_argument("--precision", choices=["32", "bf16"], default="32")
+    ap.add_argument("--control", action="store_true", help="also an A/A launch per round: the noise floor")
+    ap.add_argument("--launches", type=int, default=3, help="separate-launch rounds (startup); 0: none")
+    ap.add_argument("--launch-steps", type=int, default=1500)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        interleaved(args, Path(tmp))
+        if args.launches:
+            launches(args, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -68,8 +68,11 @@ def with_run(run: Run, steps: int = 3000):
 
 
 
-def _plain_half(run: Run, data, seed: int):
-    """A plainly written DDP loop over `data`, run `chunk` steps at a time: (step(chunk))."""
+def _plain_half(run: Run, data, seed: int, precision: str = "32"):
+    """A plainly written DDP loop over `data` (bench/plain_ddp.py's), run `chunk` steps at a time:
+    (step(chunk)). precision bf16: the forward pass under torch.autocast, as such a script does."""
+    import contextlib
+
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(seed)
@@ -93,7 +96,8 @@ def _plain_half(run: Run, data, seed: int):
         for i in range(chunk):
             x, y = next(it)
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
+            with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
+                loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
             if i % 10 == 9 and run.rank == 0:   # as the plain loop: loss.item() every 10 steps
@@ -124,6 +128,15 @@ def _run_half(run: Run, data, steps: int):
     return advance
 
 
+def _ratios(times: tuple[list, list], chunk: int) -> dict:
+    """Each loop's steps/s over all its chunks but the first pair's (warm-up), and the median of
+    the per-pair ratios."""
+    pairs = list(zip(*times))[1:]
+    return {"plain_steps_per_s": chunk * len(pairs) / sum(p for p, _ in pairs),
+            "run_steps_per_s": chunk * len(pairs) / sum(r for _, r in pairs),
+            "ratio_median": statistics.median(p / r for p, r in pairs)}
+
+
 def interleaved(run: Run, steps: int = 3000, chunk: int = 100, control: bool = False):
     """Both loops in one process, taking turns every `chunk` steps (plain, Run, plain, ...): each
     pair of chunks runs within a fraction of a second, so machine noise (other processes, CPU
@@ -142,7 +155,39 @@ def interleaved(run: Run, steps: int = 3000, chunk: int = 100, control: bool = F
             spent.append(time.perf_counter() - t0)
     for _ in getattr(second, "rest", ()):
         pass
-    pairs = list(zip(*times))[1:]
-    return {"plain_steps_per_s": chunk * len(pairs) / sum(p for p, _ in pairs),
-            "run_steps_per_s": chunk * len(pairs) / sum(r for _, r in pairs),
-            "ratio_median": statistics.median(p / r for p, r in pairs)}
+    return _ratios(times, chunk)
+
+
+def builtin_interleaved(run: Run, precision: str, steps: int = 3000, chunk: int = 50):
+    """expgpu's built-in loop (tasks.supervised, task a's model, data and optimizer) against the
+    plain DDP loop of bench/plain_ddp.py, in the same processes, taking turns every `chunk` steps.
+    The built-in loop keeps control: its run.steps generator is wrapped so that every `chunk`
+    steps it runs a chunk of the plain loop before yielding the next batch. Each built-in chunk's
+    time covers its step bodies and run.steps' own work between them (stop poll, log flushes,
+    progress lines, fetching the batch)."""
+    import functools
+
+    from expgpu.tasks import supervised
+
+    data = SmoothRegression(4096, 32, 4)
+    plain = _plain_half(run, data, seed=1, precision=precision)
+    times: tuple[list, list] = ([], [])
+    builtin_steps = run.steps
+
+    def taking_turns(loader, max_steps, **kw):
+        t = None
+        for i, item in enumerate(builtin_steps(loader, max_steps, **kw)):
+            if i and i % chunk == 0:
+                times[1].append(time.perf_counter() - t)
+                t0 = time.perf_counter()
+                plain(chunk)
+                times[0].append(time.perf_counter() - t0)
+            if i % chunk == 0:
+                t = time.perf_counter()
+            yield item
+
+    run.steps = taking_turns   # the instance's attribute, seen by supervised.train alone
+    torch.manual_seed(0)
+    supervised.train(run, model=MLP(32, 4, hidden=128), dataset=data,
+                     optimizer=functools.partial(torch.optim.Adam, lr=1e-3), batch_size=64, max_steps=steps)
+    return _ratios(times, chunk)
