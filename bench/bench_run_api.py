@@ -1,7 +1,7 @@
 """The Run API's cost on the hot path: a user's loop through run.steps / run.log vs the same loop
 written plainly against torch (2 ranks, gloo, CPU, task a's model and data).
 
-    python bench/bench_run_api.py [--rounds 5] [--steps 6000] [--chunk 50] [--nproc 2] [--control]
+    python bench/bench_run_api.py [--rounds 5] [--steps 6000] [--chunk 50] [--nproc 2] [--control] [OVERRIDE ...]
     python bench/bench_run_api.py --separate [--rounds 7] [--steps 3000]
 
 Default (interleaved): both loops in one expgpu launch, in the same processes, taking turns every
@@ -43,7 +43,8 @@ def interleaved(args) -> None:
         for i in range(args.rounds):
             for kind in kinds:
                 m = run("loop_both", [f"task.steps={args.steps}", f"task.chunk={args.chunk}",
-                                      f"+task.control={kind == 'control'}"], args.nproc, Path(tmp) / f"{kind}{i}")
+                                      f"+task.control={kind == 'control'}", *args.overrides],
+                        args.nproc, Path(tmp) / f"{kind}{i}")
                 pairs[kind].append(m["ratio_median"])
                 totals[kind].append(m["run_steps_per_s"] / m["plain_steps_per_s"])
                 what = "run.steps" if kind == "run" else "plain #2 (A/A)"
@@ -66,7 +67,7 @@ def separate(args) -> None:
         for i in range(args.rounds):
             order = list(rates) if i % 2 == 0 else list(reversed(rates))
             for task in order:
-                m = run(task, [f"task.steps={args.steps}"], args.nproc, Path(tmp) / f"{task}{i}")
+                m = run(task, [f"task.steps={args.steps}", *args.overrides], args.nproc, Path(tmp) / f"{task}{i}")
                 rates[task].append(m["steps_per_s"])
             print(f"round {i + 1}/{args.rounds}: plain {rates['loop_plain'][-1]:.0f} steps/s, "
                   f"run.steps {rates['loop_run'][-1]:.0f} steps/s", flush=True)
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=50, help="steps per turn, interleaved")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--control", action="store_true", help="also an A/A launch per round: the noise floor")
+    ap.add_argument("overrides", nargs="*", help="expgpu overrides for every launch, e.g. checkpoint.poll_every=10")
     args = ap.parse_args()
     if args.separate:
         args.rounds, args.steps = args.rounds or 7, args.steps or 3000
