@@ -2,7 +2,7 @@
 
 2 ranks, gloo, CPU, task a's model/data/batch.
 
-    python bench/bench_ddp_overhead.py [--rounds 5] [--steps 3000] [--precision bf16] [--control]
+    python bench/bench_ddp_overhead.py [--rounds 5] [--steps 6000] [--precision bf16] [--control]
                                        [--launches 3] [--launch-steps 1500]
 
 Training speed, interleaved: in each of --rounds launches, expgpu's built-in loop (the supervised
@@ -125,7 +125,7 @@ def launches(args, tmp: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5, help="interleaved launches")
-    ap.add_argument("--steps", type=int, default=3000, help="steps per loop, interleaved")
+    ap.add_argument("--steps", type=int, default=6000, help="steps per loop, interleaved")
     ap.add_argument("--precision", choices=["32", "bf16"], default="32")
     ap.add_argument("--control", action="store_true", help="also an A/A launch per round: the noise floor")
     ap.add_argument("--launches", type=int, default=3, help="separate-launch rounds (startup); 0: none")
