@@ -69,8 +69,8 @@ def test_the_ranks_poll_at_the_same_steps_every_0_2_s_and_stop_together(tmp_path
     # 10 ms steps: about 0.2 s / 10 ms = 20 steps (sleep overshoots; a loaded CI machine more).
     slow = [i for s, i in polls if 2 * stopping.FIRST_INTERVAL < s < SLOW_STEPS]
     assert slow and all(5 <= i <= 20 for i in slow), polls
-    # 1 ms steps: far more steps per poll, never past 0.2 s of them.
+    # 1 ms steps: far more steps per poll (a loaded machine sleeps longer), never past 0.2 s of them.
     fast = [i for s, i in polls if 1000 < s <= SIGNAL_AT]
-    assert fast and all(40 <= i <= 200 for i in fast), polls
+    assert fast and all(25 <= i <= 200 for i in fast), polls
     # The signal is acted on within two intervals of the moment it landed.
     assert SIGNAL_AT < stopped_at <= SIGNAL_AT + 2 * max(fast) + 1, (stopped_at, polls[-3:])
