@@ -35,8 +35,9 @@ ENV_SIGNALS = "EXPGPU_STOP_SIGNALS"
 # threads; every 10 steps of a fast loop it cost 2-4 % of steps/s on 2 CPU ranks (gloo),
 # at ~5 a second nothing measurable. A stop is acted on within 2 periods (0.4 s), far inside
 # the 30 s SLURM gives between SIGTERM and SIGKILL. The period is counted in steps timed
-# since the last poll: should the steps turn k times slower at once, that poll comes k times
-# later (the next one is back on time); checkpoint.poll_every=N fixes the interval instead.
+# since the last poll, and a new interval takes effect one poll after it is proposed: should
+# the steps turn k times slower at once, the next two polls come up to k times later (then
+# they are back on time); checkpoint.poll_every=N fixes the interval instead.
 POLL_TARGET_S = 0.2
 FIRST_INTERVAL, MAX_INTERVAL = 10, 100_000   # steps: before any step is timed; a sane ceiling
 
