@@ -205,6 +205,43 @@ def test_cli_proportional_24_8_matches_uniform_16_16_and_one_rank_of_32(tmp_path
     assert not _close(_model(tmp_path / "unweighted"), _model(tmp_path / "uniform"))
 
 
+@pytest.mark.timeout(300)
+def test_cli_accumulating_with_unequal_batches_matches_uniform(tmp_path):
+    # 2 optimizer steps of 2 micro-batches, each micro-batch a global batch of 32: split 24 + 8,
+    # split 16 + 16 while auto measures (gradients averaged by hand after every micro-batch), and
+    # 16 + 16 under DDP all reach the same parameters
+    acc = [*SGD_A[:3], "task.max_steps=2", "task.batch_size=16", "task.accumulate=2", "checkpoint.resume=false",
+           "launch.nproc_per_node=2"]
+    uniform = expgpu(acc, tmp_path / "uniform")
+    proportional = expgpu(acc + ["data.shard=proportional", "data.weights=[3,1]"], tmp_path / "prop")
+    measuring = expgpu(acc + ["data.shard=auto", "data.auto_steps=5"], tmp_path / "auto")
+    for run in (uniform, proportional, measuring):
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.result["rank_checksums"][0] == run.result["rank_checksums"][1]
+    assert proportional.result["shard"]["sizes"] == [24, 8]
+    assert measuring.result["shard"]["measured"] is False   # 2 steps: still inside the 5-step window
+    assert _close(_model(tmp_path / "prop"), _model(tmp_path / "uniform"))
+    assert _close(_model(tmp_path / "auto"), _model(tmp_path / "uniform"))
+    # the test has teeth: one micro-batch per step lands elsewhere
+    one = expgpu([*acc[:5], "task.accumulate=1", *acc[6:], "data.shard=proportional", "data.weights=[3,1]"],
+                 tmp_path / "one")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert not _close(_model(tmp_path / "one"), _model(tmp_path / "uniform"))
+
+
+@pytest.mark.timeout(240)
+def test_cli_auto_with_accumulation_measures_data_auto_steps_optimizer_steps(tmp_path):
+    run = expgpu(["task=a", "task.max_steps=6", "task.batch_size=16", "task.accumulate=2", "launch.nproc_per_node=2",
+                  "data.shard=auto", "data.auto_steps=3", "faults.slow_rank=1", "faults.slow_factor=8",
+                  "checkpoint.resume=false"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.result["shard"]["measured"] is True
+    line = re.search(r"rebalanced split: rank 0 -> (\d+), rank 1 -> (\d+) .* over (\d+) batches", run.output)
+    assert line and int(line[3]) == 6, run.output[-2000:]   # 3 optimizer steps x 2 micro-batches
+    assert [int(line[1]), int(line[2])] == run.result["shard"]["sizes"]
+    assert run.result["rank_checksums"][0] == run.result["rank_checksums"][1]
+
+
 def test_cli_proportional_splits_by_simulated_gpu_scores(tmp_path):
     sim = "inventory.simulate=[{name:A100,memory_mb:40960,score:3},{name:V100,memory_mb:16384,score:1}]"
     run = expgpu(["task=a", "task.max_steps=5", "task.batch_size=16", "launch.nproc_per_node=2",

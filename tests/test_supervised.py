@@ -128,8 +128,6 @@ def test_compile_trains_as_eager_does_and_resumes(tmp_path):
      "task.scheduler: cannot build torch.optim.lr_scheduler.StepLR"),
     (["task.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_sise:5}"],
      "task.scheduler: StepLR refused its settings"),
-    (["task.accumulate=2", "launch.nproc_per_node=2", "data.shard=proportional", "data.weights=[3,1]"],
-     "task.accumulate=2 with data.shard=proportional"),
     (["task.loss=hinge"], "task.loss='hinge' is not allowed: mse, cross_entropy or {_target_: ...}"),
 ])
 def test_bad_loop_settings_are_one_line_and_exit_2(tmp_path, args, says):

@@ -211,17 +211,18 @@ class LocalStep:
     Outside the measurement window this is the DDP step with the loss scaled by `weight`. In
     the window (auto) the backward runs under DDP's no_sync, so its wall time is this rank's
     own compute and not the wait for the slowest rank; the gradients are then averaged by
-    hand, which is what DDP would have done.
+    hand, which is what DDP would have done. When accumulating, that is after every micro-batch:
+    what was averaged before is the same on every rank and stays so, the mean being linear.
     """
     split: Split
     rank: int
     world_size: int
     reduction: str = "mean"
-    measure_steps: int = 0             # > 0: measure this many steps, then rebalance
+    measure_steps: int = 0             # > 0: measure this many forward/backwards, then rebalance
     slowness: Slowness | None = None
     device: Any = None
     times: list[float] = field(default_factory=list)
-    steps: int = 0
+    steps: int = 0                     # forward/backwards done (micro-batches when accumulating)
 
     def __post_init__(self):
         self.weight = loss_weight(self.split.sizes, self.rank, self.reduction)
@@ -266,18 +267,20 @@ class LocalStep:
         self.times.clear()
         if self.rank == 0:
             rates = ", ".join(f"{s:.0f}" for s in speeds)
-            log.info("rebalanced split: %s (measured %s examples/s over %d steps)",
+            log.info("rebalanced split: %s (measured %s examples/s over %d batches)",
                      self.split.describe(), rates, self.steps)
         return self.split
 
 
 def prepare(cfg: dict, world_size: int, rank: int, batch_size: int, loss_fn: Any, device: Any,
-            speed: float | None, ddp: bool, gather: Callable[[Any], list]) -> LocalStep | None:
+            speed: float | None, ddp: bool, gather: Callable[[Any], list], accumulate: int = 1) -> LocalStep | None:
     """This rank's LocalStep, or None when the plain uniform DDP step will do.
 
     `speed` is this rank's GPU score (None on a CPU rank); `gather` all-gathers one object per
     rank. Collective when data.shard is proportional or auto: every rank calls it. A resumed run
-    then continues with the checkpoint's split (SplitState).
+    then continues with the checkpoint's split (SplitState). With `accumulate` micro-batches per
+    optimizer step every micro-batch is a global batch split alike, and data.auto_steps still
+    counts optimizer steps.
     """
     data, faults = cfg["data"], cfg.get("faults") or {}
     mode = data.get("shard", "uniform")
@@ -297,7 +300,7 @@ def prepare(cfg: dict, world_size: int, rank: int, batch_size: int, loss_fn: Any
     current = initial_split(mode, batch_size, world_size, data.get("weights"), gather(speed))
     if rank == 0:
         log.info("data.shard=%s: split %s (global batch %d)", mode, current.describe(), sum(current.sizes))
-    steps = int(data.get("auto_steps") or 20) if mode == "auto" else 0
+    steps = int(data.get("auto_steps") or 20) * accumulate if mode == "auto" else 0
     return LocalStep(current, rank, world_size, reduction, measure_steps=steps, slowness=slow, device=device)
 
 

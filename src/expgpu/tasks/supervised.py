@@ -131,16 +131,13 @@ def _data(run: Run, dataset, batch_size: int, loss_fn, ddp: bool, accumulate: in
 
     ws, n = run.world_size, len(dataset)
     local = shard.prepare(run.cfg, ws, run.rank, batch_size, loss_fn, run.device, run._gpu_speed,
-                          ddp=ddp, gather=lambda obj: _gather(obj, ws))
+                          ddp=ddp, gather=lambda obj: _gather(obj, ws), accumulate=accumulate)
     if local is None or local.split.mode == "uniform":
         share = n // ws
         if share < batch_size:
             raise UserError(f"task.batch_size={batch_size} is larger than a rank's share of the dataset "
                             f"({n} examples / {ws} ranks = {share}); lower it")
         return local, None, run.loader(dataset, batch_size)
-    if accumulate > 1:
-        raise UserError(f"task.accumulate={accumulate} with data.shard={local.split.mode}: unequal per-rank "
-                        "batches are balanced per optimizer step; use task.accumulate=1 or data.shard=uniform")
     if n < batch_size * ws:
         raise UserError(f"task.batch_size={batch_size} x {ws} ranks = a global batch of {batch_size * ws}, more "
                         f"than the dataset's {n} examples; lower it")
