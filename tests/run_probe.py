@@ -64,3 +64,38 @@ def typed(run: Run, lr: float, steps: int = 2, flag: bool = False, label: str = 
 def log_vector(run: Run):
     for _ in run.steps(None, 3):
         run.log(v=torch.ones(3))
+
+
+class NoisyPairs(torch.utils.data.Dataset):
+    """Regression pairs with augmentation noise from torch, Python's random and NumPy, drawn in
+    whichever process fetches the sample (a DataLoader worker when there are workers)."""
+
+    def __init__(self, n: int = 512):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x.sum(1, keepdim=True)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+
+        return self.x[i] + torch.randn(8) * 0.1 + random.random() * 0.01 + float(np.random.rand()) * 0.01, self.y[i]
+
+
+def augments(run: Run, max_steps: int = 40, workers: int = 2):
+    """A loop over a dataset that augments in its DataLoader workers."""
+    model = run.wrap(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    run.track(model=model, opt=opt)
+    loader = run.loader(NoisyPairs(), batch_size=16, num_workers=workers)
+    for step, (x, y) in run.steps(loader, max_steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        run.log(loss=loss)
+    return {"loss": loss.item(), "dataset_len": len(loader.dataset)}

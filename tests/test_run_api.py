@@ -147,6 +147,25 @@ def test_example_metrics_are_the_whole_test_sets(tmp_path):
     assert run.result["metrics"]["accuracy"] > 0.9 and run.result["metrics"]["macro_f1"] > 0.9
 
 
+def test_augmentation_in_dataloader_workers_resumes_exactly(tmp_path):
+    """Noise drawn in the loader's workers is seeded per batch: a run stopped mid-epoch and rerun
+    ends with the uninterrupted parameters, and the worker count does not change them."""
+    base = ["task=probe_augments", "launch.nproc_per_node=2"]   # 16 steps an epoch, 40 steps
+    straight = probe(base, tmp_path / "straight")
+    one_worker = probe(base + ["task.workers=1"], tmp_path / "one_worker")
+    in_process = probe(base + ["task.workers=0"], tmp_path / "in_process")
+    stopped = probe(base + ["task.max_steps=7"], tmp_path / "run")
+    resumed = probe(base, tmp_path / "run")
+    for run in (straight, one_worker, in_process, stopped, resumed):
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert resumed.result["resumed_from_step"] == 7
+    assert resumed.result["param_checksum"] == straight.result["param_checksum"]
+    assert one_worker.result["param_checksum"] == straight.result["param_checksum"]
+    assert straight.result["metrics"]["dataset_len"] == 512   # loader.dataset reads through
+    # the noise counts: drawn from the main process's RNG instead, training ends elsewhere
+    assert in_process.result["param_checksum"] != straight.result["param_checksum"]
+
+
 @pytest.mark.parametrize("task,args", [
     ("gan", ["task.max_steps=1500", "task.log_every=20"]),
     # dropout: the resumed run must draw the same masks (RNG restored, no draw by the loader)

@@ -11,14 +11,20 @@ make a resumed run's dropout masks and noise differ from the uninterrupted run's
 restored, then the iterator draws from it), so each epoch's draw comes from a generator seeded
 by (seed, epoch, rank) instead.
 
+With DataLoader workers a dataset that draws random numbers (augmentation) draws them in the
+workers, whose RNGs the checkpoint cannot hold; `SeededFetch` seeds them before each batch from
+the batch's place, so a resumed run's workers draw what the uninterrupted run's drew.
+
 `Feed` walks a loader through epochs for `run.steps`: the loader from `run.loader` (exact resume),
 any other iterable (a resumed epoch skips the batches already seen), or None (no data).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Iterator
 
+from expgpu import rng
 from expgpu.errors import UserError
 
 
@@ -37,6 +43,7 @@ class RankSampler:
         self.n, self.world_size, self.rank = n, world_size, rank
         self.shuffle, self.seed, self.drop_last, self.batch_size = shuffle, seed, drop_last, batch_size
         self.start = 0   # indices of this rank to skip at the next iteration (then 0 again)
+        self.keyed = False   # yield (epoch, index) keys, for SeededFetch
         self.generator = torch.Generator()
         self.set_epoch(0)
 
@@ -63,7 +70,8 @@ class RankSampler:
 
     def __iter__(self) -> Iterator[int]:
         start, self.start = self.start, 0
-        return iter(self._indices()[start:])
+        indices = self._indices()[start:]
+        return iter([(self.epoch, i) for i in indices] if self.keyed else indices)
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -71,6 +79,42 @@ class RankSampler:
         else:
             mine = len(range(self.rank, self.n, self.world_size))
         return max(0, mine - self.start)
+
+
+class SeededFetch:
+    """`dataset` as run.loader's workers fetch it: each batch's random draws seeded by its place.
+
+    A DataLoader worker seeds its RNGs once, when it starts, and then a dataset that draws random
+    numbers draws them in the order the worker fetches. A run resumed mid-epoch starts fresh
+    workers at its batch position, so their draws, and the training after them, would differ from
+    the uninterrupted run's. Seeding Python's, NumPy's and torch's RNG before each batch from
+    (task seed, epoch, the batch's first index) makes a batch's draws depend on the batch alone:
+    the same in every run, whatever the worker count or where the run resumed. Used only with
+    workers: without them the dataset draws from the main process's RNG, which the checkpoint
+    holds. The sampler hands out (epoch, index) keys (`keyed`); the dataset gets plain indices.
+    """
+
+    def __init__(self, dataset: Any, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: Any) -> Any:   # loader.dataset[i] from user code: the dataset's own
+        return self.dataset[index]
+
+    def __getitems__(self, keys: list) -> list:   # what a DataLoader worker calls for a batch
+        epoch, first = keys[0]
+        digest = hashlib.blake2b(f"{self.seed}/{epoch}/{first}".encode(), digest_size=8).digest()
+        rng.seed_all(int.from_bytes(digest, "little") >> 1)
+        indices = [i for _, i in keys]
+        fetch = getattr(self.dataset, "__getitems__", None)
+        return fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]
+
+    def __getattr__(self, name: str) -> Any:   # loader.dataset.classes and the like
+        if name in ("dataset", "seed") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 def positioner(loader: Any):

@@ -37,7 +37,7 @@ from typing import Any, Iterator
 
 from expgpu import checkpoint, dist, loggers, rng, rundir
 from expgpu.errors import UserError, first_line
-from expgpu.feed import Feed, RankSampler
+from expgpu.feed import Feed, RankSampler, SeededFetch
 from expgpu.metrics import MetricsLog
 
 log = logging.getLogger("expgpu")
@@ -98,7 +98,10 @@ class Run:
     def loader(self, dataset, batch_size: int, shuffle: bool = True, drop_last: bool = True, **kwargs):
         """This rank's DataLoader over `dataset`: every rank takes a disjoint share of each epoch
         (the permutation is seeded by task.seed and the epoch), pin_memory on CUDA, data.num_workers
-        workers unless given. Its position is part of the checkpoint when it drives run.steps.
+        workers unless given. Its position is part of the checkpoint when it drives run.steps. With
+        workers, the random numbers the dataset draws in them are seeded per batch by the batch's
+        place (expgpu.feed.SeededFetch), so a resumed run draws the same; loader.dataset then
+        wraps `dataset` (its attributes read through).
 
         drop_last=False shares out every example exactly once (ranks may differ by one batch):
         the choice for evaluation."""
@@ -117,6 +120,8 @@ class Run:
                               batch_size)
         kwargs.setdefault("num_workers", self.cfg.data.num_workers)
         kwargs.setdefault("pin_memory", self.device.type == "cuda")
+        if kwargs["num_workers"]:   # workers' random draws (augmentation) seeded per batch: exact resume
+            dataset, sampler.keyed = SeededFetch(dataset, self._spec.seed), True
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
                           generator=sampler.generator, **kwargs)
 

@@ -95,6 +95,7 @@ class ShareBatchSampler:
     def __init__(self, n: int, sizes: Sequence[int], rank: int, seed: int, epoch: int = 0, start: int = 0):
         self.n, self.sizes, self.rank = n, list(sizes), rank
         self.seed, self.epoch, self.start = seed, epoch, start
+        self.keyed = False   # yield (epoch, index) keys, for expgpu.feed.SeededFetch
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -116,7 +117,8 @@ class ShareBatchSampler:
         b, size = sum(self.sizes), self.sizes[self.rank]
         lo = sum(self.sizes[:self.rank])
         for k in range(start, batches_per_epoch(self.n, b)):
-            yield perm[k * b + lo:k * b + lo + size]
+            batch = perm[k * b + lo:k * b + lo + size]
+            yield [(self.epoch, i) for i in batch] if self.keyed else batch
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from expgpu import shard
 from expgpu.errors import UserError, first_line
+from expgpu.feed import SeededFetch
 from expgpu.run import Run
 
 
@@ -141,9 +142,11 @@ def _data(run: Run, dataset, batch_size: int, loss_fn, ddp: bool, accumulate: in
     if n < batch_size * ws:
         raise UserError(f"task.batch_size={batch_size} x {ws} ranks = a global batch of {batch_size * ws}, more "
                         f"than the dataset's {n} examples; lower it")
-    sampler = shard.ShareBatchSampler(n, local.split.sizes, run.rank, run.cfg.task.get("seed", 0))
-    loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=run.device.type == "cuda",
-                        num_workers=run.cfg.data.num_workers)
+    seed, workers = run.cfg.task.get("seed", 0), run.cfg.data.num_workers
+    sampler = shard.ShareBatchSampler(n, local.split.sizes, run.rank, seed)
+    if workers:   # as run.loader does: the workers' random draws seeded per batch
+        dataset, sampler.keyed = SeededFetch(dataset, seed), True
+    loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=run.device.type == "cuda", num_workers=workers)
     return local, sampler, loader
 
 
