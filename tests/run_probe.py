@@ -99,3 +99,25 @@ def augments(run: Run, max_steps: int = 40, workers: int = 2):
         opt.step()
         run.log(loss=loss)
     return {"loss": loss.item(), "dataset_len": len(loader.dataset)}
+
+
+def reduces(run: Run, op: str = "sum"):
+    """run.all_reduce of what each rank computed, and run.barrier after rank 0's slow write."""
+    import time
+
+    r = run.rank
+    mine = {"tensor": torch.tensor([1.0, 2.0]) * (r + 1), "ints": torch.tensor([r, 10]), "number": r + 1,
+            "float": 0.5 * (r + 1), "numpy": __import__("numpy").float32(r + 1)}
+    if r % 2:   # another insertion order on odd ranks: the keys still pair up
+        mine = dict(reversed(list(mine.items())))
+    out = run.all_reduce(mine, op=op)
+    if run.is_main:
+        time.sleep(1.0)
+        (run.run_dir / "ready").write_text("x")
+    run.barrier()
+    seen = (run.run_dir / "ready").exists()
+    as_lists = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in out.items()}
+    types = {k: type(v).__name__ for k, v in out.items()}
+    (run.run_dir / f"reduced{r}.json").write_text(json.dumps({"out": as_lists, "types": types, "keys": list(out),
+                                                              "seen_ready": seen, "mine_kept": mine["number"]}))
+    return {"total": run.all_reduce(float(r + 1), op=op)}

@@ -69,6 +69,7 @@ def test_bad_task_parameters_are_one_line_and_exit_2(tmp_path, args, says):
     ("probe_returns", [], "run_probe.returns returned a list; return a dict of numbers"),
     ("probe_log_vector", [], "run.log(v=...): a tensor of shape (3,); log numbers or one-element tensors"),
     ("probe_returns", ["task.kind=dict"], "run_probe.returns returned name='text'; metrics are numbers"),
+    ("probe_reduces", ["task.op=avg"], "run.all_reduce(op='avg') is not allowed: sum, mean, max, min"),
 ])
 def test_misuse_of_the_api_is_one_line_and_exit_2(tmp_path, task, args, says):
     assert says in error_line(probe([f"task={task}", *args], tmp_path / "run"))
@@ -86,6 +87,35 @@ def test_a_checkpoint_that_tracks_other_names_is_refused(tmp_path):
     assert first.returncode == 0, first.stderr
     again = probe(["task=probe_tracks", "task.max_steps=8"], tmp_path / "run", env={**PROBE_ENV, "PROBE_TRACK": "net"})
     assert "checkpoint.pt tracks model, this run tracks net (run.track)" in error_line(again)
+
+
+def _reduced(run_dir: Path, rank: int) -> dict:
+    return json.loads((run_dir / f"reduced{rank}.json").read_text())
+
+
+@pytest.mark.parametrize("op,want", [
+    ("sum", {"tensor": [3.0, 6.0], "ints": [1, 20], "number": 3, "float": 1.5, "numpy": 3.0}),
+    ("mean", {"tensor": [1.5, 3.0], "ints": [0.5, 10.0], "number": 1.5, "float": 0.75, "numpy": 1.5}),
+    ("max", {"tensor": [2.0, 4.0], "ints": [1, 10], "number": 2, "float": 1.0, "numpy": 2.0}),
+])
+def test_all_reduce_combines_every_ranks_values_and_barrier_waits(tmp_path, op, want):
+    run = probe(["task=probe_reduces", "launch.nproc_per_node=2", f"task.op={op}"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [_reduced(tmp_path / "run", r) for r in (0, 1)]
+    for got in ranks:
+        assert got["out"] == want
+        assert got["types"]["number"] == ("float" if op == "mean" else "int") and got["types"]["tensor"] == "Tensor"
+        assert got["seen_ready"]            # rank 1 passed the barrier only after rank 0's write
+    assert ranks[0]["mine_kept"] == 1 and ranks[1]["mine_kept"] == 2   # out of place
+    assert ranks[1]["keys"] == list(reversed(ranks[0]["keys"]))        # each rank's own key order back
+    assert run.result["metrics"]["total"] == {"sum": 3.0, "mean": 1.5, "max": 2.0}[op]
+
+
+def test_all_reduce_on_one_rank_is_the_value(tmp_path):
+    run = probe(["task=probe_reduces", "task.op=mean"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert _reduced(tmp_path / "run", 0)["out"] == {"tensor": [1.0, 2.0], "ints": [0.0, 10.0], "number": 1.0,
+                                                     "float": 0.5, "numpy": 1.0}
 
 
 # -- seeding and logging ---------------------------------------------------------------------

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
@@ -82,8 +81,7 @@ def evaluate(run: Run, model: nn.Module, loader, max_batches: int) -> float:
         total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
         total[1] += y.numel()
     model.train()
-    if run.world_size > 1:                                                 # every rank saw its share
-        dist.all_reduce(total)
+    total = run.all_reduce(total)                                          # expgpu: every rank saw its share
     return float(total[0] / total[1])
 
 

@@ -131,13 +131,62 @@ def gather_objects(obj: Any, world_size: int) -> list:
 
 
 def all_reduce_sum(values: Sequence[float], device) -> list[float]:
-    """Sums over ranks of a few numbers (collective), on the device the backend needs."""
+    """Sums over ranks of a few numbers (collective), in one all-reduce."""
     import torch
+
+    return reduce_value(torch.tensor(list(values), dtype=torch.float64), "sum", device).tolist()
+
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+def reduce_value(value: Any, op: str, device, what: str = "value") -> Any:
+    """`value` (a tensor, a number, or a dict of them) reduced over all ranks: Run.all_reduce.
+
+    Collective: every rank calls it with the same structure. Dict entries go in key order, so
+    ranks that built their dicts in another order still pair them up. Out of place: a tensor
+    comes back as a new tensor on its own device (a CPU tensor visits the rank's GPU under nccl),
+    detached: this is for metrics, not for gradients.
+    """
+    if op not in REDUCE_OPS:
+        raise UserError(f"run.all_reduce(op={op!r}) is not allowed: {', '.join(REDUCE_OPS)}")
+    if isinstance(value, dict):
+        reduced = {k: reduce_value(value[k], op, device, f"{what}[{k!r}]") for k in sorted(value)}
+        return {k: reduced[k] for k in value}
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return _reduce_tensor(value, op, device)
+    if isinstance(value, (int, float)) or hasattr(value, "item"):   # bool, numpy scalars too
+        number = value.item() if hasattr(value, "item") else value
+        exact = isinstance(number, int) and op != "mean"
+        t = _reduce_tensor(torch.tensor(number, dtype=torch.int64 if exact else torch.float64), op, device)
+        return int(t) if exact else float(t)
+    raise UserError(f"run.all_reduce: {what} is a {type(value).__name__}; reduce tensors, numbers "
+                    "or dicts of them")
+
+
+def _reduce_tensor(t, op: str, device):
     import torch.distributed as dist
 
-    t = torch.tensor(list(values), dtype=torch.float64)
+    out = t.detach().clone()
+    if op == "mean" and not out.is_floating_point():
+        out = out.double()   # the mean of integers is not an integer
+    if not dist.is_initialized():
+        return out
+    visit = dist.get_backend() == "nccl" and out.device.type != "cuda"
+    work = out.to(device) if visit else out
+    reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,   # AVG is nccl's only
+                 "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    dist.all_reduce(work, op=reduce_op)
+    if op == "mean":
+        work /= dist.get_world_size()
+    return work.to(t.device) if visit else work
+
+
+def barrier() -> None:
+    """Every rank waits here for the others (no-op on one rank); the group's timeout applies."""
+    import torch.distributed as dist
+
     if dist.is_initialized():
-        if dist.get_backend() == "nccl":
-            t = t.to(device)
-        dist.all_reduce(t)
-    return [float(v) for v in t.cpu()]
+        dist.barrier()

@@ -197,6 +197,17 @@ class Run:
         if self._metrics is not None:
             self._metrics.log(self.step + 1 if self._in_step else self.step, scalars)
 
+    def all_reduce(self, value, op: str = "sum"):
+        """`value` summed (or "mean", "max", "min") over all ranks, returned on every rank: a
+        tensor (a new one, detached), a number, or a dict of them; as it is on one rank.
+        Collective: every rank calls it, with the same keys. For metrics each rank computed on
+        its share, e.g. an evaluation's (loss sum, count)."""
+        return dist.reduce_value(value, op, self.device)
+
+    def barrier(self) -> None:
+        """Every rank waits here for all the others (e.g. while rank 0 downloads the data)."""
+        dist.barrier()
+
     def autocast(self):
         """The configured task.precision for the forward pass: bf16 or fp16 autocast, or nothing at 32."""
         if self.precision == "32":
