@@ -121,3 +121,21 @@ def reduces(run: Run, op: str = "sum"):
     (run.run_dir / f"reduced{r}.json").write_text(json.dumps({"out": as_lists, "types": types, "keys": list(out),
                                                               "seen_ready": seen, "mine_kept": mine["number"]}))
     return {"total": run.all_reduce(float(r + 1), op=op)}
+
+
+def breaks(run: Run, max_steps: int = 60, stop_at: int = 0):
+    """Early stopping: the loop breaks out of run.steps after step `stop_at` (0: never)."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 4, generator=g), torch.randn(256, 1, generator=g))
+    model = run.wrap(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    run.track(model=model, opt=opt)
+    for step, (x, y) in run.steps(run.loader(data, batch_size=8), max_steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        run.log(loss=loss)
+        if step + 1 == stop_at:
+            break
+    return {"loss": loss.item()}

@@ -89,6 +89,27 @@ def test_a_checkpoint_that_tracks_other_names_is_refused(tmp_path):
     assert "checkpoint.pt tracks model, this run tracks net (run.track)" in error_line(again)
 
 
+def test_a_loop_that_breaks_early_saves_the_steps_it_did(tmp_path):
+    """A break after step 40's body: 40 steps done, the same checkpoint as max_steps=40, and a
+    rerun with more steps trains on as the uninterrupted run does."""
+    base = ["task=probe_breaks", "launch.nproc_per_node=2"]
+    broke = probe(base + ["task.stop_at=40"], tmp_path / "broke")
+    capped = probe(base + ["task.max_steps=40"], tmp_path / "capped")
+    for run in (broke, capped):
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.result["steps"] == 40 and run.result["status"] == "finished"
+    assert "checkpoint at step 40 (end of training)" in broke.output
+    assert broke.result["param_checksum"] == capped.result["param_checksum"]
+    assert broke.result["timing"]["train_s"] is not None
+    on = [probe(base + ["task.stop_at=40", "task.max_steps=60"], tmp_path / "broke"),   # steps 40..59 never break
+          probe(base + ["task.max_steps=60"], tmp_path / "capped")]
+    straight = probe(base, tmp_path / "straight")
+    for run in (*on, straight):
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert on[0].result["resumed_from_step"] == on[1].result["resumed_from_step"] == 40
+    assert on[0].result["param_checksum"] == on[1].result["param_checksum"] == straight.result["param_checksum"]
+
+
 def _reduced(run_dir: Path, rank: int) -> dict:
     return json.loads((run_dir / f"reduced{rank}.json").read_text())
 

@@ -274,8 +274,12 @@ class Run:
     def _close(self, finished: bool) -> None:
         """After the function: the last rows, and a checkpoint if the loop ended early (a break)."""
         try:
+            if finished and self._in_step:   # a break in the loop's body: that step was done
+                self.step, self._in_step = self.step + 1, False
             if finished and self._feed is not None and self._saved_at != self.step:
                 self._stopper.settle()
+                _sync(self.device)
+                self._timing["end"] = self._timing["end"] or time.time()
                 self._save("end of training")
         finally:
             if self._metrics is not None:
