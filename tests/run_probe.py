@@ -107,7 +107,8 @@ def reduces(run: Run, op: str = "sum"):
 
     r = run.rank
     mine = {"tensor": torch.tensor([1.0, 2.0]) * (r + 1), "ints": torch.tensor([r, 10]), "number": r + 1,
-            "float": 0.5 * (r + 1), "numpy": __import__("numpy").float32(r + 1)}
+            "float": 0.5 * (r + 1), "numpy": __import__("numpy").float32(r + 1),
+            "array": __import__("numpy").array([r, 1])}
     if r % 2:   # another insertion order on odd ranks: the keys still pair up
         mine = dict(reversed(list(mine.items())))
     out = run.all_reduce(mine, op=op)

@@ -115,9 +115,10 @@ def _reduced(run_dir: Path, rank: int) -> dict:
 
 
 @pytest.mark.parametrize("op,want", [
-    ("sum", {"tensor": [3.0, 6.0], "ints": [1, 20], "number": 3, "float": 1.5, "numpy": 3.0}),
-    ("mean", {"tensor": [1.5, 3.0], "ints": [0.5, 10.0], "number": 1.5, "float": 0.75, "numpy": 1.5}),
-    ("max", {"tensor": [2.0, 4.0], "ints": [1, 10], "number": 2, "float": 1.0, "numpy": 2.0}),
+    ("sum", {"tensor": [3.0, 6.0], "ints": [1, 20], "number": 3, "float": 1.5, "numpy": 3.0, "array": [1, 2]}),
+    ("mean", {"tensor": [1.5, 3.0], "ints": [0.5, 10.0], "number": 1.5, "float": 0.75, "numpy": 1.5,
+              "array": [0.5, 1.0]}),
+    ("max", {"tensor": [2.0, 4.0], "ints": [1, 10], "number": 2, "float": 1.0, "numpy": 2.0, "array": [1, 1]}),
 ])
 def test_all_reduce_combines_every_ranks_values_and_barrier_waits(tmp_path, op, want):
     run = probe(["task=probe_reduces", "launch.nproc_per_node=2", f"task.op={op}"], tmp_path / "run")
@@ -136,7 +137,7 @@ def test_all_reduce_on_one_rank_is_the_value(tmp_path):
     run = probe(["task=probe_reduces", "task.op=mean"], tmp_path / "run")
     assert run.returncode == 0, run.stderr[-3000:]
     assert _reduced(tmp_path / "run", 0)["out"] == {"tensor": [1.0, 2.0], "ints": [0.0, 10.0], "number": 1.0,
-                                                     "float": 0.5, "numpy": 1.0}
+                                                     "float": 0.5, "numpy": 1.0, "array": [0.0, 1.0]}
 
 
 # -- seeding and logging ---------------------------------------------------------------------

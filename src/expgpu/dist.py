@@ -157,6 +157,8 @@ def reduce_value(value: Any, op: str, device, what: str = "value") -> Any:
 
     if isinstance(value, torch.Tensor):
         return _reduce_tensor(value, op, device)
+    if getattr(value, "ndim", 0) > 0 and hasattr(value, "__array__"):   # a NumPy array: one back
+        return _reduce_tensor(torch.as_tensor(value), op, device).numpy()
     if isinstance(value, (int, float)) or hasattr(value, "item"):   # bool, numpy scalars too
         number = value.item() if hasattr(value, "item") else value
         exact = isinstance(number, int) and op != "mean"
