@@ -106,7 +106,7 @@ class SeededFetch:
     def __getitems__(self, keys: list) -> list:   # what a DataLoader worker calls for a batch
         epoch, first = keys[0]
         digest = hashlib.blake2b(f"{self.seed}/{epoch}/{first}".encode(), digest_size=8).digest()
-        rng.seed_all(int.from_bytes(digest, "little") >> 1)
+        rng.seed_cpu(int.from_bytes(digest, "little") >> 1)
         indices = [i for _, i in keys]
         fetch = getattr(self.dataset, "__getitems__", None)
         return fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]

@@ -21,6 +21,17 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)  # also every CUDA device's generator
 
 
+def seed_cpu(seed: int) -> None:
+    """Python's, NumPy's and torch's CPU generator only: what a DataLoader worker draws from.
+    ~15 us, against ~125 us for torch.manual_seed, which also visits every accelerator backend."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.default_generator.manual_seed(seed)
+
+
 def capture(device) -> dict[str, Any]:
     import numpy as np
     import torch
