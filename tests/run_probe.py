@@ -101,7 +101,7 @@ def augments(run: Run, max_steps: int = 40, workers: int = 2):
     return {"loss": loss.item(), "dataset_len": len(loader.dataset)}
 
 
-def reduces(run: Run, op: str = "sum"):
+def reduces(run: Run, op: str = "sum", extra_on: int = -1):
     """run.all_reduce of what each rank computed, and run.barrier after rank 0's slow write."""
     import time
 
@@ -109,6 +109,8 @@ def reduces(run: Run, op: str = "sum"):
     mine = {"tensor": torch.tensor([1.0, 2.0]) * (r + 1), "ints": torch.tensor([r, 10]), "number": r + 1,
             "float": 0.5 * (r + 1), "numpy": __import__("numpy").float32(r + 1),
             "array": __import__("numpy").array([r, 1])}
+    if r == extra_on:
+        mine["extra"] = 1.0
     if r % 2:   # another insertion order on odd ranks: the keys still pair up
         mine = dict(reversed(list(mine.items())))
     out = run.all_reduce(mine, op=op)

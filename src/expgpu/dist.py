@@ -151,7 +151,9 @@ def reduce_value(value: Any, op: str, device, what: str = "value") -> Any:
     if op not in REDUCE_OPS:
         raise UserError(f"run.all_reduce(op={op!r}) is not allowed: {', '.join(REDUCE_OPS)}")
     if isinstance(value, dict):
-        reduced = {k: reduce_value(value[k], op, device, f"{what}[{k!r}]") for k in sorted(value)}
+        if what == "value":
+            _same_keys(value)
+        reduced = {k: reduce_value(value[k], op, device, f"{what}[{k!r}]") for k in sorted(value, key=repr)}
         return {k: reduced[k] for k in value}
     import torch
 
@@ -166,6 +168,26 @@ def reduce_value(value: Any, op: str, device, what: str = "value") -> Any:
         return int(t) if exact else float(t)
     raise UserError(f"run.all_reduce: {what} is a {type(value).__name__}; reduce tensors, numbers "
                     "or dicts of them")
+
+
+def _same_keys(value: dict) -> None:
+    """Every rank reduces a dict with the same keys, or all of them stop with one line: entries
+    paired by name must not pair with another rank's next collective (a hang, or wrong sums)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+
+    def keys(d: dict, path: str = "") -> list[str]:
+        return sorted(k for name, v in d.items()
+                      for k in (keys(v, f"{path}{name}.") if isinstance(v, dict) else [f"{path}{name}"]))
+
+    mine = keys(value)
+    every = gather_objects(mine, dist.get_world_size())
+    for rank, theirs in enumerate(every):
+        if theirs != every[0]:
+            raise UserError(f"run.all_reduce: rank {rank} reduces the keys {', '.join(theirs) or 'none'}, rank 0 "
+                            f"{', '.join(every[0]) or 'none'}; every rank must reduce the same keys")
 
 
 def _reduce_tensor(t, op: str, device):
