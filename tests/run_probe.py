@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Literal, Optional
 
 import torch
 
@@ -142,3 +143,12 @@ def breaks(run: Run, max_steps: int = 60, stop_at: int = 0):
         if step + 1 == stop_at:
             break
     return {"loss": loss.item()}
+
+
+def containers(run: Run, layers: list[int] = (8,), betas: tuple[float, float] = (0.9, 0.99),
+               sizes: Optional[dict[str, int]] = None, mode: Literal["a", "b"] = "a"):
+    """Annotated containers and choices: what arrives, and as what."""
+    (run.run_dir / "params.json").write_text(json.dumps({
+        "layers": layers, "betas": betas, "sizes": sizes, "mode": mode,
+        "types": [type(layers).__name__, type(betas).__name__, type(betas[0]).__name__,
+                  type(sizes).__name__, type(layers[0]).__name__]}))

@@ -13,8 +13,8 @@ A few keys belong to the run and are read by expgpu whatever the function (RUN_K
 the logging cadence, the precision of run.autocast); they reach the function too when it names
 them. Every other key must be a parameter of the function: a misspelt one is an error naming it,
 not a setting silently ignored. Values are checked against the function's annotations (int,
-float, bool, str), so `lr: 2e-3` or `task.max_steps=abc` fail or convert before any rank starts
-training. Nested `{_target_: ...}` values are built (hydra.utils.instantiate) just before the call,
+float, bool, str, Literal, and lists, tuples and dicts of them), so `lr: 2e-3`, `task.max_steps=abc`
+or `task.layers=[a,b]` for `layers: list[int]` fail or convert before any rank starts training. Nested `{_target_: ...}` values are built (hydra.utils.instantiate) just before the call,
 after the run is seeded and this process owns its GPU.
 """
 
@@ -90,7 +90,7 @@ def resolve(task_cfg: dict) -> TaskSpec:
         raise UserError(f"task._target_={target}: a {type(fn).__name__}, not a function to call as fn(run, ...)")
     run_keys = {k: cfg.pop(k, default) for k, default in RUN_KEYS.items()}
     named, var_kw = _parameters(fn, target)
-    params = _check_params(cfg, named, var_kw, target, _simple_hints(fn, named))
+    params = _check_params(cfg, named, var_kw, target, _hints(fn, named))
     for k in RUN_KEYS:
         if k in named and k in task_cfg:
             params[k] = task_cfg[k]
@@ -119,7 +119,7 @@ def _parameters(fn: Callable, target: str) -> tuple[dict[str, inspect.Parameter]
 
 
 def _check_params(given: dict, named: dict[str, inspect.Parameter], var_kw: bool, target: str,
-                  hints: dict[str, type]) -> dict:
+                  hints: dict[str, Any]) -> dict:
     for key in given:
         if key not in named and not var_kw:
             takes = ", ".join(named) or "nothing"
@@ -132,30 +132,54 @@ def _check_params(given: dict, named: dict[str, inspect.Parameter], var_kw: bool
     return {k: _coerce(k, v, hints.get(k)) for k, v in given.items()}
 
 
-def _simple_hints(fn: Callable, named: dict[str, inspect.Parameter]) -> dict[str, type]:
-    """Parameters annotated int, float, bool or str (or Optional of one): what values convert to."""
-    import types
-
+def _hints(fn: Callable, named: dict[str, inspect.Parameter]) -> dict[str, Any]:
+    """The parameters' annotations, where they evaluate: what values are checked and converted to."""
     try:
         hints = typing.get_type_hints(fn)
     except Exception:   # an annotation that does not evaluate: no conversion, values pass as given
         return {}
-    out = {}
-    for name in named:
-        ann = hints.get(name)
-        if ann in _SIMPLE:
-            out[name] = ann
-        elif typing.get_origin(ann) in (typing.Union, types.UnionType):
-            args = typing.get_args(ann)
-            simple = [a for a in args if a in _SIMPLE]
-            if len(simple) == 1 and len(args) == 2 and type(None) in args:
-                out[name] = simple[0]
-    return out
+    return {name: hints[name] for name in named if name in hints}
 
 
-def _coerce(key: str, value: Any, hint: type | None) -> Any:
-    """A config value converted to the parameter's simple annotation, as OmegaConf would."""
-    if hint is None or value is None or isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+def _coerce(key: str, value: Any, ann: Any) -> Any:
+    """A config value converted to the parameter's annotation: int, float, bool and str as OmegaConf
+    converts them; list, tuple, Sequence and dict of those element by element (a YAML list becomes a
+    tuple for `tuple[...]`); Literal choices checked; Optional of any of these. Any other annotation
+    (a class, Any) takes the value as given, as does a `{_target_: ...}` value, built later."""
+    import types
+    from collections.abc import Mapping, Sequence
+
+    if ann is None or value is None or _has_target(value):
+        return value
+    if ann in _SIMPLE:
+        return _simple(key, value, ann)
+    origin, args = typing.get_origin(ann) or ann, typing.get_args(ann)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return _coerce(key, value, rest[0]) if len(rest) == 1 else value
+    if origin is typing.Literal:
+        if any(choice == value and type(choice) is type(value) for choice in args):
+            return value
+        raise UserError(f"task.{key}={value!r} is not allowed: one of {', '.join(map(str, args))}")
+    if origin in (list, tuple, Sequence):
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"task.{key}={value!r} is not allowed: a list ([...])")
+        fixed = origin is tuple and args and args[-1] is not Ellipsis
+        kinds = args if fixed else (args[:1] or (None,)) * len(value)
+        if len(kinds) != len(value):
+            raise UserError(f"task.{key}={value!r} is not allowed: a list of {len(kinds)} values")
+        items = [_coerce(f"{key}[{i}]", v, k) for i, (v, k) in enumerate(zip(value, kinds))]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, Mapping):
+        if not isinstance(value, dict):
+            raise UserError(f"task.{key}={value!r} is not allowed: a mapping ({{...}})")
+        kind = args[1] if len(args) == 2 else None
+        return {k: _coerce(f"{key}.{k}", v, kind) for k, v in value.items()}
+    return value
+
+
+def _simple(key: str, value: Any, hint: type) -> Any:
+    if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -164,13 +188,13 @@ def _coerce(key: str, value: Any, hint: type | None) -> Any:
     from omegaconf import OmegaConf
     from omegaconf.errors import ValidationError
 
-    node = OmegaConf.structured(make_dataclass("Param", [(key, typing.Optional[hint], None)]))
+    node = OmegaConf.structured(make_dataclass("Param", [("value", typing.Optional[hint], None)]))
     try:
-        setattr(node, key, value)
+        node.value = value
     except ValidationError as e:
         kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[hint]
         raise UserError(f"task.{key}={value!r} is not allowed: {kind} ({first_line(e)})") from None
-    return getattr(node, key)
+    return node.value
 
 
 def _run_settings(keys: dict, classic: bool) -> dict:
