@@ -4,6 +4,7 @@ Each does one thing a user's loop does, and leaves what the test checks in the r
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 from typing import Literal, Optional
@@ -145,10 +146,15 @@ def breaks(run: Run, max_steps: int = 60, stop_at: int = 0):
     return {"loss": loss.item()}
 
 
+class Opt(enum.Enum):
+    ADAM = "adam"
+    SGD = "sgd"
+
+
 def containers(run: Run, layers: list[int] = (8,), betas: tuple[float, float] = (0.9, 0.99),
-               sizes: Optional[dict[str, int]] = None, mode: Literal["a", "b"] = "a"):
+               sizes: Optional[dict[str, int]] = None, mode: Literal["a", "b"] = "a", opt: Opt = Opt.ADAM):
     """Annotated containers and choices: what arrives, and as what."""
     (run.run_dir / "params.json").write_text(json.dumps({
-        "layers": layers, "betas": betas, "sizes": sizes, "mode": mode,
+        "layers": layers, "betas": betas, "sizes": sizes, "mode": mode, "opt": opt.value,
         "types": [type(layers).__name__, type(betas).__name__, type(betas[0]).__name__,
                   type(sizes).__name__, type(layers[0]).__name__]}))

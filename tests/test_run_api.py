@@ -51,10 +51,10 @@ def test_parameters_are_converted_to_the_functions_annotations(tmp_path):
 
 def test_lists_tuples_dicts_and_choices_are_converted_element_by_element(tmp_path):
     run = probe(["task=probe_containers", "task.layers=[64,32]", "task.betas=[1,0.5]", "+task.sizes={a:1,b:2}",
-                 "task.mode=b"], tmp_path / "run")
+                 "task.mode=b", "task.opt=SGD"], tmp_path / "run")
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads((tmp_path / "run" / "params.json").read_text())
-    assert got == {"layers": [64, 32], "betas": [1.0, 0.5], "sizes": {"a": 1, "b": 2}, "mode": "b",
+    assert got == {"layers": [64, 32], "betas": [1.0, 0.5], "sizes": {"a": 1, "b": 2}, "mode": "b", "opt": "sgd",
                    "types": ["list", "tuple", "float", "dict", "int"]}
 
 
@@ -64,6 +64,7 @@ def test_lists_tuples_dicts_and_choices_are_converted_element_by_element(tmp_pat
     (["task.betas=[1,2,3]"], "task.betas=[1, 2, 3] is not allowed: a list of 2 values"),
     (["+task.sizes={a:x}"], "task.sizes.a='x' is not allowed: an integer"),
     (["task.mode=c"], "task.mode='c' is not allowed: one of a, b"),
+    (["task.opt=lbfgs"], "task.opt='lbfgs' is not allowed: one of ADAM, SGD"),
 ])
 def test_bad_container_and_choice_values_are_one_line_and_exit_2(tmp_path, args, says):
     assert says in error_line(probe(["task=probe_containers", *args], tmp_path / "run"))

@@ -13,13 +13,15 @@ A few keys belong to the run and are read by expgpu whatever the function (RUN_K
 the logging cadence, the precision of run.autocast); they reach the function too when it names
 them. Every other key must be a parameter of the function: a misspelt one is an error naming it,
 not a setting silently ignored. Values are checked against the function's annotations (int,
-float, bool, str, Literal, and lists, tuples and dicts of them), so `lr: 2e-3`, `task.max_steps=abc`
-or `task.layers=[a,b]` for `layers: list[int]` fail or convert before any rank starts training. Nested `{_target_: ...}` values are built (hydra.utils.instantiate) just before the call,
-after the run is seeded and this process owns its GPU.
+float, bool, str, Literal, Enum, and lists, tuples and dicts of them), so `lr: 2e-3`,
+`task.max_steps=abc` or `task.layers=[a,b]` for `layers: list[int]` fail or convert before any
+rank starts training. Nested `{_target_: ...}` values are built (hydra.utils.instantiate) just
+before the call, after the run is seeded and this process owns its GPU.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import importlib
 import inspect
@@ -144,8 +146,9 @@ def _hints(fn: Callable, named: dict[str, inspect.Parameter]) -> dict[str, Any]:
 def _coerce(key: str, value: Any, ann: Any) -> Any:
     """A config value converted to the parameter's annotation: int, float, bool and str as OmegaConf
     converts them; list, tuple, Sequence and dict of those element by element (a YAML list becomes a
-    tuple for `tuple[...]`); Literal choices checked; Optional of any of these. Any other annotation
-    (a class, Any) takes the value as given, as does a `{_target_: ...}` value, built later."""
+    tuple for `tuple[...]`); Literal choices checked; an Enum member by its name or value; Optional
+    of any of these. Any other annotation (a class, Any) takes the value as given, as does a
+    `{_target_: ...}` value, built later."""
     import types
     from collections.abc import Mapping, Sequence
 
@@ -153,6 +156,11 @@ def _coerce(key: str, value: Any, ann: Any) -> Any:
         return value
     if ann in _SIMPLE:
         return _simple(key, value, ann)
+    if isinstance(ann, type) and issubclass(ann, enum.Enum):   # by name, as OmegaConf does, or by value
+        for member in ann:
+            if value in (member.name, member.value) or value is member:
+                return member
+        raise UserError(f"task.{key}={value!r} is not allowed: one of {', '.join(m.name for m in ann)}")
     origin, args = typing.get_origin(ann) or ann, typing.get_args(ann)
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
