@@ -90,6 +90,8 @@ def test_bad_task_parameters_are_one_line_and_exit_2(tmp_path, args, says):
     ("probe_returns", [], "run_probe.returns returned a list; return a dict of numbers"),
     ("probe_log_vector", [], "run.log(v=...): a tensor of shape (3,); log numbers or one-element tensors"),
     ("probe_returns", ["task.kind=dict"], "run_probe.returns returned name='text'; metrics are numbers"),
+    ("probe_log_epoch", ["launch.nproc_per_node=2"],
+     "run.log(epoch=...): step, epoch and time are written with every row by expgpu; log it under another name"),
     ("probe_reduces", ["task.op=avg"], "run.all_reduce(op='avg') is not allowed: sum, mean, max, min"),
     ("probe_reduces", ["task.extra_on=1", "launch.nproc_per_node=2"],
      "run.all_reduce: rank 1 reduces the keys array, extra, float, ints, number, numpy, tensor, rank 0 array, float, "

@@ -63,6 +63,9 @@ def trim(path: Path, step: int) -> int:
     return max((s for s in steps if s is not None), default=-1)
 
 
+# What every row holds besides the logged names: a name of these would overwrite or be overwritten.
+ROW_KEYS = frozenset({"step", "epoch", "time"})
+
 # Rows reach the OS (a write call) at the first row, then at most this often, and at every
 # checkpoint and at the end: rows written out every log_every=10 steps cost a fast CPU loop ~1.5 %
 # (bench_run_api's interleaved loop on 1 rank, log_every=10 against 100000).

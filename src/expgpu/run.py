@@ -38,7 +38,7 @@ from typing import Any, Iterator
 from expgpu import checkpoint, dist, loggers, rng, rundir
 from expgpu.errors import UserError, first_line
 from expgpu.feed import Feed, RankSampler, SeededFetch
-from expgpu.metrics import MetricsLog
+from expgpu.metrics import ROW_KEYS, MetricsLog
 
 log = logging.getLogger("expgpu")
 
@@ -194,6 +194,10 @@ class Run:
     def log(self, **scalars) -> None:
         """Numbers or one-element tensors for this step; rank 0 writes them to metrics.jsonl,
         reading tensors back only every task.log_every steps."""
+        if not ROW_KEYS.isdisjoint(scalars):   # on every rank, so all of them stop at the same call
+            taken = ", ".join(sorted(scalars.keys() & ROW_KEYS))
+            raise UserError(f"run.log({taken}=...): step, epoch and time are written with every row by expgpu; "
+                            "log it under another name")
         if self._metrics is not None:
             self._metrics.log(self.step + 1 if self._in_step else self.step, scalars)
 
