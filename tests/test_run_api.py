@@ -136,6 +136,15 @@ def test_a_loop_that_breaks_early_saves_the_steps_it_did(tmp_path):
     assert on[0].result["param_checksum"] == on[1].result["param_checksum"] == straight.result["param_checksum"]
 
 
+def test_a_tracked_dict_is_restored_in_place(tmp_path):
+    stopped = probe(["task=probe_keeps_best", "task.max_steps=12"], tmp_path / "run")   # best so far: step 10
+    resumed = probe(["task=probe_keeps_best"], tmp_path / "run")                        # steps 12..19 are worse
+    for run in (stopped, resumed):
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert resumed.result["resumed_from_step"] == 12
+    assert resumed.result["metrics"] == {"loss": 0.5, "step": 10}
+
+
 def _reduced(run_dir: Path, rank: int) -> dict:
     return json.loads((run_dir / f"reduced{rank}.json").read_text())
 

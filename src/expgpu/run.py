@@ -127,15 +127,18 @@ class Run:
 
     def track(self, **objects) -> None:
         """Objects whose state_dict() is checkpointed and restored on a resume: modules (wrapped or
-        not), optimizers, schedulers, GradScaler, your own. Call before run.steps."""
+        not), optimizers, schedulers, GradScaler, your own; a dict of numbers is restored in place.
+        Call before run.steps."""
         if self._feed is not None:
             raise UserError(f"run.track({', '.join(objects)}): called after run.steps began; a resume restores "
                             "tracked objects before the first step, so track them before the loop")
         for name, obj in objects.items():
+            if isinstance(obj, dict):
+                obj = _DictState(obj)
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise UserError(f"run.track({name}=...): a {type(obj).__name__} has no state_dict() and "
                                 "load_state_dict(); track modules, optimizers, schedulers, a GradScaler, "
-                                "or objects of your own that have both")
+                                "a dict of numbers, or objects of your own that have both")
             self._tracked[name] = _unwrapped(obj)
 
     # -- the loop --------------------------------------------------------------------------------
@@ -316,6 +319,21 @@ class Run:
                 raw = tensor.detach().to("cpu").contiguous().view(-1)
                 h.update(raw.view(torch.uint8).numpy().tobytes())   # any dtype, bf16 too
         return h.hexdigest()[:16]
+
+
+class _DictState:
+    """A plain dict tracked in place (the best metric so far, counters): its items are saved, and
+    a resume puts the saved ones back into the same dict object the loop holds."""
+
+    def __init__(self, d: dict):
+        self.d = d
+
+    def state_dict(self) -> dict:
+        return dict(self.d)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.d.clear()
+        self.d.update(state)
 
 
 def _unwrapped(obj: Any) -> Any:
