@@ -172,5 +172,26 @@ def keeps_best(run: Run, max_steps: int = 20):
     for step, _ in run.steps(None, max_steps):
         loss = abs(10 - step) + 0.5   # lowest at step 10
         if loss < best["loss"]:
-            best.update(loss=loss, step=step)
+            best.update(loss=loss, step=step, mean=__import__("numpy").float64(loss))   # a NumPy scalar too
     return best
+
+
+class NumpyState:
+    """A user's object whose state_dict holds a NumPy array, which tensors-only loading refuses."""
+
+    def __init__(self):
+        import numpy as np
+
+        self.seen = np.zeros(2)
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = state["seen"]
+
+
+def tracks_numpy(run: Run, max_steps: int = 3):
+    run.track(counts=NumpyState())
+    for _ in run.steps(None, max_steps):
+        pass

@@ -142,7 +142,15 @@ def test_a_tracked_dict_is_restored_in_place(tmp_path):
     for run in (stopped, resumed):
         assert run.returncode == 0, run.stderr[-3000:]
     assert resumed.result["resumed_from_step"] == 12
-    assert resumed.result["metrics"] == {"loss": 0.5, "step": 10}
+    assert resumed.result["metrics"] == {"loss": 0.5, "step": 10, "mean": 0.5}
+
+
+def test_a_checkpoint_holding_what_tensors_only_loading_refuses_says_so(tmp_path):
+    first = probe(["task=probe_tracks_numpy"], tmp_path / "run")
+    assert first.returncode == 0, first.stderr[-3000:]
+    line = error_line(probe(["task=probe_tracks_numpy", "task.max_steps=5"], tmp_path / "run"))
+    assert "holds an object that torch.load(weights_only=True) does not read" in line
+    assert "a tracked object's state_dict() returned it" in line and "corrupt" not in line
 
 
 def _reduced(run_dir: Path, rank: int) -> dict:

@@ -59,7 +59,12 @@ def load(path: Path, expect: dict[str, Any], params: dict[str, Any] | None = Non
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # zip/pickle errors name no file; we do
-        raise UserError(f"checkpoint {path} is corrupt or truncated ({_why_unreadable(e)}); {hint}") from None
+        why = _why_unreadable(e)
+        if "Unsupported global" in why:   # whole, but holding an object of a type tensors-only loading refuses
+            raise UserError(f"checkpoint {path} holds an object that torch.load(weights_only=True) does not read "
+                            f"({why.split(': ', 1)[1]}): a tracked object's state_dict() returned it; return "
+                            f"tensors, numbers, strings and lists or dicts of them, then {hint}") from None
+        raise UserError(f"checkpoint {path} is corrupt or truncated ({why}); {hint}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"checkpoint {path} is not an expgpu checkpoint of format {FORMAT}; {hint}")
     for key, want in expect.items():

@@ -329,7 +329,9 @@ class _DictState:
         self.d = d
 
     def state_dict(self) -> dict:
-        return dict(self.d)
+        # NumPy scalars (np.mean's result) as Python numbers: torch.load(weights_only=True) reads those
+        return {k: v.item() if type(v).__module__ == "numpy" and getattr(v, "ndim", 1) == 0 else v
+                for k, v in self.d.items()}
 
     def load_state_dict(self, state: dict) -> None:
         self.d.clear()
