@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Run, clean_env, expgpu, finish, start, wait_for_progress
+from expgpu.errors import UserError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -145,12 +146,24 @@ def test_a_tracked_dict_is_restored_in_place(tmp_path):
     assert resumed.result["metrics"] == {"loss": 0.5, "step": 10, "mean": 0.5}
 
 
+def test_tracked_state_a_resume_could_not_load_is_refused_before_training(tmp_path):
+    line = error_line(probe(["task=probe_tracks_numpy", "launch.nproc_per_node=2"], tmp_path / "run"))
+    assert line.startswith("expgpu: error: run.track(counts=...): its state_dict() holds what a resume cannot "
+                           "load (Unsupported global: GLOBAL numpy"), line
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
 def test_a_checkpoint_holding_what_tensors_only_loading_refuses_says_so(tmp_path):
-    first = probe(["task=probe_tracks_numpy"], tmp_path / "run")
-    assert first.returncode == 0, first.stderr[-3000:]
-    line = error_line(probe(["task=probe_tracks_numpy", "task.max_steps=5"], tmp_path / "run"))
-    assert "holds an object that torch.load(weights_only=True) does not read" in line
-    assert "a tracked object's state_dict() returned it" in line and "corrupt" not in line
+    import numpy as np
+
+    from expgpu import checkpoint
+
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save(path, {"format": checkpoint.FORMAT, "tracked": {"counts": {"seen": np.zeros(2)}}})
+    with pytest.raises(UserError) as e:
+        checkpoint.load(path, {})
+    assert "holds an object that torch.load(weights_only=True) does not read" in str(e.value)
+    assert "a tracked object's state_dict() returned it" in str(e.value) and "corrupt" not in str(e.value)
 
 
 def _reduced(run_dir: Path, rank: int) -> dict:

@@ -31,6 +31,23 @@ def save(path: Path, state: dict[str, Any]) -> None:
 STATE_KEYS = ("step", "ranks", "tracked")
 
 
+def check_loadable(name: str, state: Any) -> None:
+    """`state` (a tracked object's state_dict) as a resume will read it, torch.load(weights_only=True),
+    or a one-line error now, before training, rather than at the resume after a preemption."""
+    import torch
+
+    buf = io.BytesIO()
+    try:
+        torch.save(state, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+    except Exception as e:
+        why = _why_unreadable(e)
+        raise UserError(f"run.track({name}=...): its state_dict() holds what a resume cannot load "
+                        f"({why.split('weights_only=True): ', 1)[-1]}); return tensors, numbers, strings and "
+                        "lists or dicts of them") from None
+
+
 def _why_unreadable(e: BaseException) -> str:
     """One line from torch.load's multi-paragraph errors."""
     text = str(e).strip()

@@ -160,6 +160,7 @@ class Run:
         return self._loop(max_steps)
 
     def _loop(self, max_steps: int) -> Iterator[tuple[int, Any]]:
+        self._check_tracked()
         self._resume()
         if self._metrics is not None:
             self._metrics.open(self.step, max_steps, resumed=self.resumed_from_step is not None)
@@ -227,6 +228,16 @@ class Run:
 
     def _expect(self) -> dict:
         return {"task": self._spec.name, "world_size": self.world_size, "fingerprint": self._spec.fingerprint}
+
+    def _check_tracked(self) -> None:
+        """Objects of the user's own whose state a resume could not load: one line before training.
+        Modules, optimizers, schedulers and scalers save tensors and numbers: not copied to check."""
+        import torch
+
+        own = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)
+        for name, obj in self._tracked.items():
+            if not isinstance(obj, own):
+                checkpoint.check_loadable(name, obj.state_dict())
 
     def _resume(self) -> None:
         path = self.run_dir / rundir.CHECKPOINT
