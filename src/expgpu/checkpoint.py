@@ -31,6 +31,15 @@ def save(path: Path, state: dict[str, Any]) -> None:
 STATE_KEYS = ("step", "ranks", "tracked")
 
 
+# What a tracked object's state_dict() may hold: what torch.load(weights_only=True) reads back.
+_LOADABLE = "return tensors, numbers, strings and lists or dicts of them"
+
+
+def _refused(why: str) -> str:
+    """The type tensors-only loading refused, from _why_unreadable's line."""
+    return why.split("weights_only=True): ", 1)[-1]
+
+
 def check_loadable(name: str, state: Any) -> None:
     """`state` (a tracked object's state_dict) as a resume will read it, torch.load(weights_only=True),
     or a one-line error now, before training, rather than at the resume after a preemption."""
@@ -42,10 +51,8 @@ def check_loadable(name: str, state: Any) -> None:
         buf.seek(0)
         torch.load(buf, weights_only=True)
     except Exception as e:
-        why = _why_unreadable(e)
         raise UserError(f"run.track({name}=...): its state_dict() holds what a resume cannot load "
-                        f"({why.split('weights_only=True): ', 1)[-1]}); return tensors, numbers, strings and "
-                        "lists or dicts of them") from None
+                        f"({_refused(_why_unreadable(e))}); {_LOADABLE}") from None
 
 
 def _why_unreadable(e: BaseException) -> str:
@@ -79,8 +86,8 @@ def load(path: Path, expect: dict[str, Any], params: dict[str, Any] | None = Non
         why = _why_unreadable(e)
         if "Unsupported global" in why:   # whole, but holding an object of a type tensors-only loading refuses
             raise UserError(f"checkpoint {path} holds an object that torch.load(weights_only=True) does not read "
-                            f"({why.split(': ', 1)[1]}): a tracked object's state_dict() returned it; return "
-                            f"tensors, numbers, strings and lists or dicts of them, then {hint}") from None
+                            f"({_refused(why)}): a tracked object's state_dict() returned it; {_LOADABLE}, "
+                            f"then {hint}") from None
         raise UserError(f"checkpoint {path} is corrupt or truncated ({why}); {hint}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"checkpoint {path} is not an expgpu checkpoint of format {FORMAT}; {hint}")
