@@ -19,15 +19,14 @@ as with Lightning Fabric; unlike Fabric, a stopped and resumed run ends with exa
 parameters of an uninterrupted one, without user code for it.
 
 A step is one iteration of run.steps on every rank: one global batch of (batch size x world size)
-examples, one optimizer step in a usual loop. The checkpoint (checkpoint.pt in the run dir) holds
-the tracked objects' state_dict() from rank 0 (DDP keeps the ranks' copies equal) and, for every
-rank, its RNG states and its position in the data.
+examples, one optimizer step in a usual loop. The checkpoint (checkpoint.pt in the run dir, made
+and restored by expgpu.tracked) holds the tracked objects' state_dict() from rank 0 (DDP keeps the
+ranks' copies equal) and, for every rank, its RNG states and its position in the data.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -35,10 +34,11 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from expgpu import checkpoint, dist, loggers, rng, rundir
-from expgpu.errors import UserError, first_line
+from expgpu import dist, loggers, rng
+from expgpu.errors import UserError
 from expgpu.feed import Feed, RankSampler, SeededFetch
 from expgpu.metrics import ROW_KEYS, MetricsLog
+from expgpu.tracked import Tracked
 
 log = logging.getLogger("expgpu")
 
@@ -71,7 +71,7 @@ class Run:
         self.resumed_from_step: int | None = None
         self.stop_signal: str | None = None
         self._spec, self._stopper, self._wrap, self._n_gpus = spec, stopper, wrap, n_gpus
-        self._tracked: dict[str, Any] = {}
+        self._state = Tracked(self.run_dir, spec, self.rank, self.world_size, device)
         self._feed: Feed | None = None
         self._in_step = False
         self._saved_at: int | None = None
@@ -133,13 +133,7 @@ class Run:
             raise UserError(f"run.track({', '.join(objects)}): called after run.steps began; a resume restores "
                             "tracked objects before the first step, so track them before the loop")
         for name, obj in objects.items():
-            if isinstance(obj, dict):
-                obj = _DictState(obj)
-            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise UserError(f"run.track({name}=...): a {type(obj).__name__} has no state_dict() and "
-                                "load_state_dict(); track modules, optimizers, schedulers, a GradScaler, "
-                                "a dict of numbers, or objects of your own that have both")
-            self._tracked[name] = _unwrapped(obj)
+            self._state.add(name, obj)
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -160,13 +154,13 @@ class Run:
         return self._loop(max_steps)
 
     def _loop(self, max_steps: int) -> Iterator[tuple[int, Any]]:
-        self._check_tracked()
+        self._state.check_loadable()
         self._resume()
         if self._metrics is not None:
             self._metrics.open(self.step, max_steps, resumed=self.resumed_from_step is not None)
         every, log_every = self.cfg.checkpoint.every_steps, self._spec.log_every
         start = self._start_step = self.step
-        if self._stopper.should_stop(self.step, force=True):   # a signal while starting up: save, no steps
+        if self._stopper.begin(self.step, max_steps - 1):   # a signal while starting up: save, no steps
             self._stop()
         self._timing["first_step_at"] = time.time()
         feed, should_stop, metrics = self._feed, self._stopper.should_stop, self._metrics
@@ -224,61 +218,15 @@ class Run:
 
         return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
 
-    # -- checkpoints -------------------------------------------------------------------------------
-
-    def _expect(self) -> dict:
-        return {"task": self._spec.name, "world_size": self.world_size, "fingerprint": self._spec.fingerprint}
-
-    def _check_tracked(self) -> None:
-        """Objects of the user's own whose state a resume could not load: one line before training.
-        Modules, optimizers, schedulers and scalers save tensors and numbers: not copied to check."""
-        import torch
-
-        own = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)
-        for name, obj in self._tracked.items():
-            if not isinstance(obj, own):
-                checkpoint.check_loadable(name, obj.state_dict())
+    # -- checkpoints (expgpu.tracked) ----------------------------------------------------------------
 
     def _resume(self) -> None:
-        path = self.run_dir / rundir.CHECKPOINT
-        if not (self.cfg.checkpoint.resume and path.exists()):
-            return
-        state = checkpoint.load(path, self._expect(), self._spec.identity)
-        saved, mine = sorted(state["tracked"]), sorted(self._tracked)
-        if saved != mine:
-            raise UserError(f"checkpoint {path} tracks {', '.join(saved) or 'nothing'}, this run tracks "
-                            f"{', '.join(mine) or 'nothing'} (run.track); resume with the same code or use a new run dir")
-        for name, obj in self._tracked.items():
-            try:
-                obj.load_state_dict(state["tracked"][name])
-            except UserError:
-                raise
-            except Exception as e:  # same settings, other code
-                raise UserError(f"checkpoint {path}: {name} does not fit what this run tracks as {name} "
-                                f"({type(e).__name__}: {first_line(e)}); use a new run dir") from None
-        mine_state = state["ranks"][self.rank]
-        self.step = self.resumed_from_step = self._saved_at = state["step"]
-        self._feed.resume(mine_state["epoch"], mine_state["position"])
-        rng.restore(mine_state["rng"], self.device)
-        if self._metrics is not None:
-            self._metrics.load_state_dict(state.get("metrics", []))
-        log.info("resumed from %s at step %d (epoch %d, batch %d)", path, self.step, self._feed.epoch,
-                 self._feed.position)
+        if self.cfg.checkpoint.resume and self._state.path.exists():
+            self.step = self.resumed_from_step = self._saved_at = self._state.resume(self._feed, self._metrics)
 
     def _save(self, reason: str) -> None:
         """Collective: every rank calls it at the same step."""
-        feed = self._feed
-        mine = {"rng": rng.capture(self.device), "epoch": feed.epoch, "position": feed.position}
-        ranks = dist.gather_objects(mine, self.world_size)
-        if self.is_main:
-            self._metrics.write_out()   # the rows up to this step are on disk before the checkpoint is
-            path = self.run_dir / rundir.CHECKPOINT
-            checkpoint.save(path, {
-                **self._expect(), "params": _json(self._spec.identity), "step": self.step, "ranks": ranks,
-                "tracked": {name: obj.state_dict() for name, obj in self._tracked.items()},
-                "metrics": self._metrics.state_dict(),
-            })
-            log.info("checkpoint at step %d (%s): %s", self.step, reason, path)
+        self._state.save(self.step, self._feed, self._metrics, reason)
         self._saved_at = self.step
 
     def _stop(self) -> None:
@@ -317,48 +265,7 @@ class Run:
                 "steps_per_s": round(timed / (end - t10), 2) if t10 and end and timed > 0 else None}
 
     def _checksum(self) -> str | None:
-        """Of every tracked module's state: equal on all ranks when DDP kept them in step."""
-        modules = {n: o for n, o in sorted(self._tracked.items()) if hasattr(o, "named_parameters")}
-        if not modules:
-            return None
-        import torch
-
-        h = hashlib.sha256()
-        for name, module in modules.items():
-            for key, tensor in module.state_dict().items():
-                h.update(f"{name}.{key}".encode())
-                raw = tensor.detach().to("cpu").contiguous().view(-1)
-                h.update(raw.view(torch.uint8).numpy().tobytes())   # any dtype, bf16 too
-        return h.hexdigest()[:16]
-
-
-class _DictState:
-    """A plain dict tracked in place (the best metric so far, counters): its items are saved, and
-    a resume puts the saved ones back into the same dict object the loop holds."""
-
-    def __init__(self, d: dict):
-        self.d = d
-
-    def state_dict(self) -> dict:
-        # NumPy scalars (np.mean's result) as Python numbers: torch.load(weights_only=True) reads those
-        return {k: v.item() if type(v).__module__ == "numpy" and getattr(v, "ndim", 1) == 0 else v
-                for k, v in self.d.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.d.clear()
-        self.d.update(state)
-
-
-def _unwrapped(obj: Any) -> Any:
-    """The module inside DDP / DataParallel / torch.compile: its state_dict has no wrapper prefix."""
-    for _ in range(3):
-        inner = getattr(obj, "_orig_mod", None) or (getattr(obj, "module", None)
-                                                    if type(obj).__name__ in ("DistributedDataParallel",
-                                                                               "DataParallel") else None)
-        if inner is None:
-            return obj
-        obj = inner
-    return obj
+        return self._state.checksum()
 
 
 def _inject_fault(faults: dict, rank: int, step: int) -> None:
@@ -373,9 +280,3 @@ def _sync(device) -> None:
         import torch
 
         torch.cuda.synchronize(device)
-
-
-def _json(obj: Any) -> str:
-    import json
-
-    return json.dumps(obj, sort_keys=True, default=str)
