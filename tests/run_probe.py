@@ -195,3 +195,18 @@ def tracks_numpy(run: Run, max_steps: int = 3):
     run.track(counts=NumpyState())
     for _ in run.steps(None, max_steps):
         pass
+
+
+def paced(run: Run, step_s: float = 1.0, max_steps: int = 12):
+    """Steps of `step_s` seconds (DDP keeps the ranks in step); rank 0 writes the step it is in to
+    `at`, so that a test can send a signal during a given step."""
+    import time
+
+    net = run.wrap(torch.nn.Linear(2, 1))
+    run.track(net=net)
+    for step, _ in run.steps(None, max_steps):
+        if run.is_main:
+            (run.run_dir / "at").write_text(str(step))
+        time.sleep(step_s)
+        net(torch.ones(1, 2)).sum().backward()
+    return {"steps_done": run.step}

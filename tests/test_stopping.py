@@ -1,4 +1,5 @@
-"""The stop poll on a real 2-rank gloo group: adaptive interval, same steps on every rank."""
+"""The stop poll on a real 2-rank gloo group: same steps on every rank, an adaptive interval, and a
+stop that lands within max(2 steps, ~0.4 s) of the signal for fast and slow steps alike."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ import os
 import signal
 import time
 
+import pytest
+
 from expgpu import stopping
 
-SLOW_STEPS, SLOW_S, FAST_S = 60, 0.010, 0.001   # 10 ms steps, then 1 ms steps
-SIGNAL_AT, MAX_STEPS = 1500, 6000
 
-
-def _loop(rank: int, store: str, out: str) -> None:
-    """Steps of a paced loop; rank 1 sends itself SIGTERM at SIGNAL_AT. Records every poll."""
+def _loop(rank: int, store: str, out: str, pace: list, signal_at: int, max_steps: int) -> None:
+    """`max_steps` steps paced by `pace` ([[first step, seconds], ...]); rank 1 sends itself SIGTERM
+    during step `signal_at`. Records every poll (where the next one was scheduled) and the stop."""
     import datetime
 
     import torch.distributed as dist
@@ -28,10 +29,10 @@ def _loop(rank: int, store: str, out: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
     polls, stopped_at = [], None
     try:
-        stopper.should_stop(0, force=True)
-        for step in range(1, MAX_STEPS):
-            time.sleep(SLOW_S if step < SLOW_STEPS else FAST_S)
-            if rank == 1 and step == SIGNAL_AT:
+        stopper.begin(0, max_steps - 1)
+        for step in range(1, max_steps):
+            time.sleep(next(s for first, s in reversed(pace) if step >= first))
+            if rank == 1 and step == signal_at:
                 os.kill(os.getpid(), signal.SIGTERM)
             before = stopper._next
             if stopper.should_stop(step):
@@ -48,10 +49,11 @@ def _loop(rank: int, store: str, out: str) -> None:
         json.dump({"polls": polls, "stopped_at": stopped_at, "agreed": stopper.agreed}, f)
 
 
-def test_the_ranks_poll_at_the_same_steps_every_0_2_s_and_stop_together(tmp_path):
+def _run(tmp_path, pace, signal_at: int, max_steps: int) -> dict:
     ctx = multiprocessing.get_context("spawn")
     out = str(tmp_path / "polls")
-    procs = [ctx.Process(target=_loop, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
+    procs = [ctx.Process(target=_loop, args=(r, str(tmp_path / "store"), out, pace, signal_at, max_steps))
+             for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -62,15 +64,35 @@ def test_the_ranks_poll_at_the_same_steps_every_0_2_s_and_stop_together(tmp_path
     ranks = [json.loads(open(f"{out}.{r}").read()) for r in range(2)]
     # The same poll steps and intervals on both ranks: a skipped collective would hang the other.
     assert ranks[0] == ranks[1]
-    polls, stopped_at = ranks[0]["polls"], ranks[0]["stopped_at"]
     assert ranks[0]["agreed"] == "SIGTERM"
-    # Before any step is timed: every FIRST_INTERVAL steps.
-    assert polls[0] == [stopping.FIRST_INTERVAL, stopping.FIRST_INTERVAL]
+    return ranks[0]
+
+
+SLOW_STEPS, SLOW_S, FAST_S = 60, 0.010, 0.001   # 10 ms steps, then 1 ms steps
+SIGNAL_AT, MAX_STEPS = 1500, 6000
+
+
+def test_the_ranks_poll_at_the_same_steps_every_0_2_s_and_stop_together(tmp_path):
+    ran = _run(tmp_path, [[1, SLOW_S], [SLOW_STEPS, FAST_S]], SIGNAL_AT, MAX_STEPS)
+    polls, stopped_at = ran["polls"], ran["stopped_at"]
+    # Before any step is timed: after the first step.
+    assert polls[0][0] == stopping.FIRST_INTERVAL == 1
     # 10 ms steps: about 0.2 s / 10 ms = 20 steps (sleep overshoots; a loaded CI machine more).
-    slow = [i for s, i in polls if 2 * stopping.FIRST_INTERVAL < s < SLOW_STEPS]
+    slow = [i for s, i in polls if 2 < s < SLOW_STEPS]
     assert slow and all(5 <= i <= 20 for i in slow), polls
     # 1 ms steps: far more steps per poll (a loaded machine sleeps longer), never past 0.2 s of them.
     fast = [i for s, i in polls if 1000 < s <= SIGNAL_AT]
     assert fast and all(25 <= i <= 200 for i in fast), polls
     # The signal is acted on within two intervals of the moment it landed.
     assert SIGNAL_AT < stopped_at <= SIGNAL_AT + 2 * max(fast) + 1, (stopped_at, polls[-3:])
+
+
+@pytest.mark.parametrize("pace,signal_at,max_steps,stop_by", [
+    ([[1, 0.3]], 2, 12, 3),                 # slow steps (0.3 s > the 0.2 s poll period): every step polls
+    ([[1, 1.0], [2, FAST_S]], 1, 4000, 2),  # a first step of unknown length, then fast ones
+    ([[1, FAST_S]], 2, 12, 11),             # a run shorter than one poll interval: its last poll reads
+], ids=["slow-steps", "long-first-step", "run-shorter-than-an-interval"])
+def test_a_stop_lands_from_the_first_step_whatever_the_step_time(tmp_path, pace, signal_at, max_steps, stop_by):
+    ran = _run(tmp_path, pace, signal_at, max_steps)
+    assert ran["stopped_at"] is not None, "the signal was ignored: the run trained to its end"
+    assert signal_at <= ran["stopped_at"] <= stop_by, ran

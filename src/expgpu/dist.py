@@ -77,16 +77,30 @@ def process_group(info: RankInfo, backend: str, timeout_s: float, run_dir: Path,
     else:
         kwargs["init_method"] = f"tcp://{info.master_addr}:{info.master_port}"
     dist.init_process_group(**kwargs)
+    global _cpu_group
     try:
+        if backend == "nccl":
+            # Side traffic of a few numbers (the stop poll) on the CPU: reading an nccl result back
+            # would wait for every kernel queued before it, a stall a plain loop does not have.
+            _cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         yield
         # Tearing gloo down while a peer still sends its last messages can abort the
         # process (SIGABRT, "terminate called without an active exception"): meet first.
         # Only on the normal path: after an error the peers may never come.
         dist.barrier()
     finally:
+        _cpu_group = None
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         _let_gloo_threads_finish()
+
+
+_cpu_group = None   # a gloo group beside an nccl one (process_group); None: the default group is gloo
+
+
+def cpu_group():
+    """The process group for small CPU tensors: the default group, unless that one is nccl."""
+    return _cpu_group
 
 
 def _let_gloo_threads_finish() -> None:

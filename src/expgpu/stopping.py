@@ -35,11 +35,18 @@ ENV_SIGNALS = "EXPGPU_STOP_SIGNALS"
 # threads; every 10 steps of a fast loop it cost 2-4 % of steps/s on 2 CPU ranks (gloo),
 # at ~5 a second nothing measurable. A stop is acted on within 2 periods (0.4 s), far inside
 # the 30 s SLURM gives between SIGTERM and SIGKILL. The period is counted in steps timed
-# since the last poll, and a new interval takes effect one poll after it is proposed: should
-# the steps turn k times slower at once, the next two polls come up to k times later (then
-# they are back on time); checkpoint.poll_every=N fixes the interval instead.
+# since the last poll, and a new interval takes effect one poll after it is proposed. Until
+# steps have been timed the ranks poll after every step (FIRST_INTERVAL): a first step of
+# unknown length (data loading, torch.compile, a 4 s step) must not delay a stop by ten of
+# them; a fast loop grows to its interval after two or three polls. Should the steps turn
+# k times slower at once, the next two polls come up to k times later (then they are back on
+# time); checkpoint.poll_every=N fixes the interval instead.
 POLL_TARGET_S = 0.2
-FIRST_INTERVAL, MAX_INTERVAL = 10, 100_000   # steps: before any step is timed; a sane ceiling
+FIRST_INTERVAL, MAX_INTERVAL = 1, 100_000   # steps: before any step is timed; a sane ceiling
+# A Ctrl-C reaches a worker twice when both its launcher (which passes signals on) and the
+# terminal or SLURM (a step's cgroup) signal it: a second SIGINT this soon after the first is
+# the same request, not a person pressing Ctrl-C again to abort unsaved.
+SAME_CTRL_C_S = 1.0
 
 
 class Stopper:
@@ -48,10 +55,11 @@ class Stopper:
         self.world_size = 1
         self.received: str | None = None   # the strongest signal this process saw
         self.agreed: str | None = None     # the signal all ranks stopped on (set once they stop)
-        self._ctrl_c = False
-        self._pending = None  # (work, flags) of the stop poll in flight
+        self._ctrl_c: float | None = None   # when the first Ctrl-C arrived (time.monotonic)
+        self._pending = None  # (flags, work) of the stop poll in flight
         self._next = 0        # the step of the next poll
         self._interval = FIRST_INTERVAL
+        self._last = 1 << 62       # the step of the loop's last poll (begin)
         self._polled = (0, 0.0)   # (step, perf_counter) of the last poll, to time the steps
         self._previous: dict[int, Callable | int | None] = {}
         self.owned: tuple[str, ...] = ()   # the signals that stop this run
@@ -88,47 +96,70 @@ class Stopper:
 
     def _on_signal(self, signum: int, frame) -> None:
         if signum == signal.SIGINT:
-            if self._ctrl_c:
+            now = time.monotonic()
+            if self._ctrl_c is not None and now - self._ctrl_c > SAME_CTRL_C_S:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now, no checkpoint
-            self._ctrl_c = True
+            if self._ctrl_c is None:
+                self._ctrl_c = now
         if self.received is None or _rank(signum) > _rank(signal.Signals[self.received]):
             self.received = signal.Signals(signum).name
 
-    def should_stop(self, step: int, force: bool = False) -> bool:
+    def begin(self, step: int, last: int) -> bool:
+        """The poll at the start of training (every rank, before its first step): True if a stop
+        was requested while starting up. `last`: the step of the loop's last poll (max_steps - 1),
+        which reads at once, so a signal in a run shorter than one poll interval is still acted on."""
+        self._pending = None   # of an earlier run in this process, if any: its group is gone
+        self._last = last
+        if self.world_size == 1:
+            return self.should_stop(step)
+        strongest, self._interval = self._read(self._reduce(self.poll_every or FIRST_INTERVAL, async_op=False))
+        return self._decided(step, strongest)
+
+    def should_stop(self, step: int) -> bool:
         """Called after every step by every rank; True on all ranks at the same step.
 
-        With several ranks the flags are all-reduced every few steps, without a stall: the
-        reduction started at one poll is read at the next (a request is acted on within two
-        poll intervals), so the ranks' compute hides its latency. `force` (the start of
-        training) reduces and reads at once. Every rank polls at the same steps: a collective
-        that one rank skips would hang the others. So an adaptive interval changes only
-        through the reduction: each rank proposes one from its own step time, and all take
-        the smallest proposal when they read the result.
+        With several ranks the flags are all-reduced every few steps. Fast steps (more than one
+        to a poll interval) do not stall on it: the reduction started at one poll is read at the
+        next (a request is acted on within two poll intervals, ~0.4 s), so the ranks' compute
+        hides its latency. Slow steps (an interval of one step, and every step until steps are
+        timed) read it at once: a stop requested during step s lands at the end of step s or,
+        had the poll already passed, of s + 1; so does the run's last poll. Every rank polls at
+        the same steps and reads alike: a collective that one rank skips would hang the others.
+        So an adaptive interval changes only through the reduction: each rank proposes one from
+        its own step time, and all take the smallest proposal.
         """
         if self.world_size == 1:
             self.agreed = self.received
             return self.received is not None
-        if step < self._next and not force:
+        if step < self._next:
             return False
         strongest = 0
-        if force:
-            self._pending = None  # of an earlier run in this process, if any: its group is gone
-            self._interval = self.poll_every or FIRST_INTERVAL
-            strongest = self._reduce(self._interval, async_op=False)[1][0]
-        elif self._pending is not None:
-            work, flags = self._pending
-            work.wait()
-            strongest, smallest = (int(v) for v in flags.tolist())
-            self._interval = self.poll_every or -smallest
+        if self._pending is not None:
+            strongest, self._interval = self._read(*self._pending)
             self._pending = None
+        if not strongest:
+            proposal = self._proposal(step)
+            if step >= self._last or (self.poll_every is None and self._interval == 1):
+                strongest, self._interval = self._read(self._reduce(proposal, async_op=False))
+            else:
+                self._pending = self._reduce(proposal, async_op=True)
+        return self._decided(step, strongest)
+
+    def _decided(self, step: int, strongest: int) -> bool:
         if strongest:
             self.agreed = STOP_SIGNALS[strongest - 1].name
             return True
-        if not force:
-            self._pending = self._reduce(self._proposal(step), async_op=True)
         self._polled = (step, time.perf_counter())
-        self._next = step + self._interval
+        # never past the last poll: the ranks would train on to the end past a stop request
+        self._next = min(step + self._interval, max(self._last, step + 1))
         return False
+
+    def _read(self, flags, work=None) -> tuple[int, int]:
+        """(the strongest signal, the interval agreed) from a reduction's result."""
+        if work is not None:
+            work.wait()
+        strongest, smallest = (int(v) for v in flags.tolist())
+        return strongest, self.poll_every or -smallest
 
     def _proposal(self, step: int) -> int:
         """The interval this rank asks for: steps worth POLL_TARGET_S at its pace since the last poll."""
@@ -142,21 +173,22 @@ class Stopper:
         """Wait for the poll in flight (every rank started it, so it completes at once); a
         collective left pending when the process group is destroyed aborts the process."""
         if self._pending is not None:
-            self._pending[0].wait()
+            self._pending[1].wait()
             self._pending = None
 
     def _reduce(self, proposal: int, async_op: bool):
-        """All-reduce (max) [this rank's strongest signal, -its proposed interval]: (work, flags),
-        or (None, [strongest, -smallest proposal]) when blocking."""
+        """All-reduce (max) [this rank's strongest signal, -its proposed interval] on the CPU
+        (expgpu.dist.cpu_group: gloo beside nccl, so a poll never waits for the GPU): the flags
+        tensor, with the work in flight when async."""
         import torch
         import torch.distributed as dist
 
+        from expgpu.dist import cpu_group
+
         mine = _rank(signal.Signals[self.received]) if self.received else 0
         flags = torch.tensor([mine, -proposal], dtype=torch.int32)
-        if dist.get_backend() == "nccl":
-            flags = flags.cuda()
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=async_op)
-        return (work, flags) if async_op else (None, flags.tolist())
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(), async_op=async_op)
+        return (flags, work) if async_op else flags
 
     @property
     def exit_code(self) -> int:
