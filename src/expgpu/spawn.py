@@ -119,25 +119,22 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
         })
         if stopper is not None:  # workers stop on what this process stops on (stopping.Stopper.install)
             env[stopping.ENV_SIGNALS] = ",".join(stopper.owned)
+        # A session of its own, as torchrun's workers: a terminal's Ctrl-C reaches this supervisor
+        # only, which passes it on once, as it does a signal sent to its pid alone (a scheduler,
+        # `kill -INT`). Sent to both, a Ctrl-C would arrive twice and read as "abort unsaved".
         workers.append(subprocess.Popen([sys.executable, "-m", "expgpu.rank_process", str(run_dir)], env=env,
-                                        preexec_fn=_child_setup))
-
-    # Ctrl-C reaches the workers too (same process group); they checkpoint and exit.
-    # A SIGTERM sent to this parent alone is passed on to them.
-    forwarded: list[int] = []
+                                        preexec_fn=_child_setup, start_new_session=True))
 
     def forward(signum, frame):
-        forwarded.append(signum)
         for p in workers:
             if p.poll() is None:
                 p.send_signal(signum)
 
-    passed_on = [s for s in (signal.SIGTERM, signal.SIGUSR2) if stopper is None or s.name in stopper.owned]
+    passed_on = [s for s in stopping.STOP_SIGNALS if stopper is None or s.name in stopper.owned]
     old = {s: signal.signal(s, forward) for s in passed_on}
-    old[signal.SIGINT] = signal.signal(signal.SIGINT, lambda s, f: forwarded.append(s))
     # Workers hold stop signals until their handler is in (block_in_child), so none is lost.
     late = stopper.received if stopper else None  # while the workers were being started
-    for name in {early, late if late != "SIGINT" else None} - {None}:  # Ctrl-C reached them itself
+    for name in {early, late} - {None}:
         for p in workers:
             p.send_signal(signal.Signals[name])
     try:
