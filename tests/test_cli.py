@@ -156,8 +156,10 @@ def test_user_task_from_own_config_dir(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["task.batch_sise=3"], "task.batch_sise: expgpu.tasks.supervised.train takes no parameter 'batch_sise'; "
-                            "it takes model, dataset, optimizer, batch_size, max_steps, loss, eval_dataset"),
+    (["task.batch_sise=3"], "task.batch_sise: expgpu.tasks.supervised.train takes no parameter 'batch_sise' "
+                            "(did you mean task.batch_size?); it takes model, dataset, optimizer, batch_size, "
+                            "max_steps, loss, eval_dataset"),
+    (["task.lr=0.1"], "takes no parameter 'lr' (did you mean task.optimizer.lr?); it takes model"),
     (["gpu_map.strategi=ranked"], "gpu_map.strategi: unknown key; allowed under gpu_map: strategy, gpus"),
     (["task.model.hiden=3"], "task.model: cannot build expgpu.tasks.models.MLP: TypeError:"),
     (["+task.optimizer.momentum=0.9"], "task.optimizer: Adam refused its settings"),

@@ -72,7 +72,8 @@ def test_bad_container_and_choice_values_are_one_line_and_exit_2(tmp_path, args,
 
 
 @pytest.mark.parametrize("args,says", [
-    (["task.lr_x=0.1"], "task.lr_x: run_probe.typed takes no parameter 'lr_x'; it takes lr, steps, flag, label"),
+    (["task.lr_x=0.1"], "task.lr_x: run_probe.typed takes no parameter 'lr_x' (did you mean task.lr?); it takes lr, steps, "
+                         "flag, label"),
     (["task.steps=abc"], "task.steps='abc' is not allowed: an integer"),
     (["~task.lr"], "task.lr: run_probe.typed needs it (a parameter without a default)"),
     (["task._target_=run_probe.nope"], "task._target_=run_probe.nope: run_probe has no attribute 'nope'"),

@@ -125,13 +125,29 @@ def _check_params(given: dict, named: dict[str, inspect.Parameter], var_kw: bool
     for key in given:
         if key not in named and not var_kw:
             takes = ", ".join(named) or "nothing"
-            raise UserError(f"task.{key}: {target} takes no parameter {key!r}; it takes {takes} "
-                            f"(and the run's keys {', '.join(RUN_KEYS)})")
+            raise UserError(f"task.{key}: {target} takes no parameter {key!r}{_did_you_mean(key, given, named)}; "
+                            f"it takes {takes} (and the run's keys {', '.join(RUN_KEYS)})")
     for name, p in named.items():
         if p.default is p.empty and name not in given and name not in RUN_KEYS:
             raise UserError(f"task.{name}: {target} needs it (a parameter without a default); "
                             f"set it in the task file or as task.{name}=...")
     return {k: _coerce(k, v, hints.get(k)) for k, v in given.items()}
+
+
+def _did_you_mean(key: str, given: dict, named: dict) -> str:
+    """Where the user probably meant to put `key`: a nested setting of that name (task.lr for
+    task.optimizer.lr), else a parameter spelt alike (task.max_step)."""
+    import difflib
+
+    def nested(value: Any, path: str) -> list[str]:
+        if not isinstance(value, dict):
+            return []
+        here = [f"{path}.{key}"] if key in value else []
+        return here + [p for k, v in value.items() if k != key for p in nested(v, f"{path}.{k}")]
+
+    found = [p for k, v in given.items() if k != key for p in nested(v, f"task.{k}")]
+    found = found or [f"task.{m}" for m in difflib.get_close_matches(key, list(named), n=1)]
+    return f" (did you mean {found[0]}?)" if found else ""
 
 
 def _hints(fn: Callable, named: dict[str, inspect.Parameter]) -> dict[str, Any]:
