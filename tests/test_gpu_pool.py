@@ -316,9 +316,13 @@ def test_a_failing_job_is_reported_frees_its_gpu_and_the_sweep_goes_on(tmp_path)
     assert states[1][0] == "failed" and "this job fails on purpose" in states[1][1]
     assert states[2] == ("finished", None)
     assert json.loads((sweep.dir / "2" / "result.json").read_text())["plan"][0]["gpus"] == [0]
-    # One line per failure, then the exit says the sweep did not all succeed.
-    assert "expgpu: job #0 (task=sleep task.model.seconds=0 task.model.fail=kill" in done.stderr
-    assert "Traceback" not in done.stderr.split("Error executing job")[-1]
+    # One line per failure (the summary's), then the exit says the sweep did not all succeed.
+    for num, why in ((0, "killed by SIGKILL"), (1, "this job fails on purpose")):
+        lines = [ln for ln in (done.stdout + done.stderr).splitlines() if f"job #{num} (" in ln and " failed: " in ln
+                 and " failed after " not in ln]   # the live event line says when, not why
+        assert len(lines) == 1 and why in lines[0], done.stdout + done.stderr
+    assert "Error executing job" not in done.stderr and "Traceback" not in done.stderr
+    assert "expgpu: the sweep failed (its failed jobs are listed above)" in done.stderr
     assert "this job fails on purpose" in (sweep.dir / "1" / "console.log").read_text()
     _all_leases_free(sweep, 1)
     assert _report(sweep) == [("0", "failed", "GPU 0 (sim)"), ("1", "failed", "GPU 0 (sim)"),

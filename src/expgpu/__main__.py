@@ -184,7 +184,9 @@ def _report(e: BaseException) -> int | None:
         print(f"expgpu: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     if isinstance(e, WorkerFailed):
-        print(f"expgpu: {e}", file=sys.stderr)
+        # a sweep's failed jobs were each named by its launcher's summary, once: no repeat here
+        print("expgpu: the sweep failed (its failed jobs are listed above)" if getattr(e, "reported", False)
+              else f"expgpu: {e}", file=sys.stderr)
         return 1
     if isinstance(e, Stopped):
         print(f"expgpu: {e}", file=sys.stderr)

@@ -5,6 +5,7 @@ batch: GPUs, times, outcome; expgpu.report reads it)."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import pickle
@@ -27,6 +28,7 @@ class JobFailed(WorkerFailed):
     def __init__(self, message: str):
         Exception.__init__(self, message)
         self.failure = None
+        self.reported = False   # the launcher's summary named it already (the CLI says less)
 
 
 @dataclass
@@ -127,14 +129,42 @@ def job_return(job: Job, code: int | None, stop_signal: int | None, spares_log: 
         path.unlink(missing_ok=True)
     (job.dir / STATE / JOB_FILE).unlink(missing_ok=True)
     if ret is None:
-        return _made_up_return(job, code, stop_signal, spares_log)
+        return _quiet(_made_up_return(job, code, stop_signal, spares_log))
     job.state = outcome["state"]
     job.error = outcome.get("error")
     if ret.status is JobStatus.FAILED and not isinstance(ret._return_value, UserError):
         cause = ret._return_value
         ret.return_value = JobFailed(job.failure())
         ret._return_value.__cause__ = cause if isinstance(cause, BaseException) else None
+    return _quiet(ret)
+
+
+def _quiet(ret):
+    """A JobReturn whose return_value raises a failed job's error without Hydra's own "Error executing
+    job with overrides: [...]" on stderr: the pool's summary names every failed job once, better."""
+    from hydra.core.utils import JobStatus
+
+    if ret.status is JobStatus.FAILED:
+        ret.__class__ = _quiet_class()
     return ret
+
+
+@functools.cache
+def _quiet_class() -> type:
+    from hydra.core.utils import JobReturn, JobStatus
+
+    class ReportedJobReturn(JobReturn):
+        @property
+        def return_value(self) -> Any:
+            if self.status is not JobStatus.FAILED:
+                return self._return_value
+            raise self._return_value
+
+        @return_value.setter
+        def return_value(self, value: Any) -> None:
+            self._return_value = value
+
+    return ReportedJobReturn
 
 
 def _made_up_return(job: Job, code: int | None, stop_signal: int | None, spares_log: Path):

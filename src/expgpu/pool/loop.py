@@ -165,3 +165,5 @@ class Pool(Starter):
             log.info("gpu_pool: %s", self.board.counts())
         for j in bad:
             log.error("%s", j.failure())
+            if isinstance(getattr(j.ret, "_return_value", None), jobfiles.JobFailed):
+                j.ret._return_value.reported = True
