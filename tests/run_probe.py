@@ -4,6 +4,7 @@ Each does one thing a user's loop does, and leaves what the test checks in the r
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -210,3 +211,130 @@ def paced(run: Run, step_s: float = 1.0, max_steps: int = 12):
         time.sleep(step_s)
         net(torch.ones(1, 2)).sum().backward()
     return {"steps_done": run.step}
+
+
+@dataclasses.dataclass
+class Shape:
+    width: int = 4
+    depth: int = 2
+
+
+@dataclasses.dataclass
+class ProbeConfig:
+    """A script's config block, kept as it is: the task keys are its fields."""
+    lr: float = 0.1
+    max_iters: int = 6
+    shape: Shape = dataclasses.field(default_factory=Shape)
+    tags: tuple[str, ...] = ()
+    seed: int = 0
+
+
+def configured(run: Run, cfg: ProbeConfig):
+    """Takes its parameters as one dataclass; reports what it got."""
+    for _ in run.steps(None, cfg.max_iters):
+        pass
+    return {"lr": cfg.lr, "width": cfg.shape.width, "depth": cfg.shape.depth, "n_tags": len(cfg.tags),
+            "seed": cfg.seed, "is_config": int(isinstance(cfg, ProbeConfig) and isinstance(cfg.shape, Shape))}
+
+
+def mapped(run: Run, config: dict):
+    """Takes its parameters as one plain mapping."""
+    return {"n_keys": len(config), "lr": config["lr"]}
+
+
+class TinyRNN(torch.nn.Module):
+    """A word-level RNN language model in the usual shape: its own init_hidden, a carried state."""
+
+    def __init__(self, vocab: int = 16, hidden: int = 12):
+        super().__init__()
+        self.hidden_size = hidden
+        self.emb, self.rnn = torch.nn.Embedding(vocab, hidden), torch.nn.GRU(hidden, hidden, batch_first=True)
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, x, h):
+        out, h = self.rnn(self.emb(x), h)
+        return self.head(out), h
+
+    def init_hidden(self, batch: int):
+        return torch.zeros(1, batch, self.hidden_size, device=self.head.weight.device)
+
+
+class TokenChunks(torch.utils.data.Dataset):
+    """A fixed token stream cut into (input, next-token) chunks."""
+
+    def __init__(self, n: int = 64, bptt: int = 6, vocab: int = 16):
+        g = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, vocab, (n * bptt + 1,), generator=g)
+        self.n, self.bptt = n, bptt
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        s = self.tokens[i * self.bptt:(i + 1) * self.bptt + 1]
+        return s[:-1], s[1:]
+
+
+def rnnlm(run: Run, epochs: int = 4, lr: float = 0.5):
+    """Epochs with code of their own around run.steps, a hidden state carried across steps (each
+    rank its own, reset at each epoch's start) and the model's own method through run.wrap.
+    PROBE_STEP_S paces the steps (a test signals during a given step)."""
+    import time
+
+    step_s = float(os.environ.get("PROBE_STEP_S", "0"))
+    raw = TinyRNN()
+    model = run.wrap(raw)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loader = run.loader(TokenChunks(), batch_size=4, shuffle=False)
+    carry = {"hidden": None}
+    run.track(model=model, opt=opt, carry=carry)
+    seen = []
+    for epoch in run.epochs(epochs):
+        carry["hidden"] = model.init_hidden(4)   # as word_language_model does at each epoch's start
+        for step, (x, y) in run.steps(loader):
+            if run.is_main:
+                (run.run_dir / "at").write_text(str(step))
+            time.sleep(step_s)
+            out, h = model(x, carry["hidden"])
+            carry["hidden"] = h.detach()
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            run.log(loss=loss)
+            seen.append(step)
+        run.log(epoch_end=float(epoch))   # the epoch's own code, after its steps
+    (run.run_dir / f"seen{run.rank}.json").write_text(json.dumps(seen))
+    return {"wrapped_is_raw": int(getattr(model, "module", model) is raw),
+            "plain_names": int([n for n, _ in model.named_parameters()][0] == "emb.weight")}
+
+
+def lengthy(run: Run, max_iters: int = 6, twice: int = 0):
+    """Its loop's length is its own parameter, max_iters (or 2 x twice, a length no key holds)."""
+    net = run.wrap(torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    run.track(net=net, opt=opt)
+    for _ in run.steps(None, 2 * twice if twice else max_iters):
+        opt.zero_grad()
+        net(torch.randn(3, 2)).pow(2).mean().backward()
+        opt.step()
+
+
+def prefetching(run: Run, max_steps: int = 12):
+    """nanoGPT's shape: the next batch is fetched at the end of a step, outside what a checkpoint holds."""
+    data = torch.randn(256, 2)
+
+    def get_batch():
+        return data[torch.randint(0, len(data), (8,))]
+
+    net = run.wrap(torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    run.track(net=net, opt=opt)
+    x = get_batch()
+    for _ in run.steps(None, max_steps):
+        loss = net(x).pow(2).mean()
+        x = get_batch()   # prefetch, as nanoGPT does while the GPU works
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        run.log(loss=loss)

@@ -179,6 +179,7 @@ def main() -> None:
 def _report(e: BaseException) -> int | None:
     """Print what ended the run as one line; its exit code, or None for a real bug (traceback)."""
     from expgpu.errors import Stopped, WorkerFailed
+    from expgpu.verify import NotExact
 
     if isinstance(e, UserError):
         print(f"expgpu: error: {e}", file=sys.stderr)
@@ -191,6 +192,9 @@ def _report(e: BaseException) -> int | None:
     if isinstance(e, Stopped):
         print(f"expgpu: {e}", file=sys.stderr)
         return e.exit_code
+    if isinstance(e, NotExact):
+        print(f"expgpu: {e}", file=sys.stderr)
+        return 1
     line = _one_line(e)
     if line is None:
         return None

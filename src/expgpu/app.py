@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from expgpu import config, loggers, placement, rank_process, ranks, requeue, rundir, spawn, stopping
+from expgpu import config, loggers, placement, rank_process, ranks, requeue, rundir, spawn, stopping, verify
 from expgpu.errors import Stopped, UserError, WorkerFailed, first_line
 from expgpu.rundir import atomic_write_bytes
 
@@ -83,9 +83,12 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
     earlier = None if plain["dry_run"] else _finished_earlier(run_dir, plain)
     if earlier is not None:
         if info.rank == 0:
+            keys = earlier.get("length_keys", ["max_steps"])   # an older result.json: the built-in loop's
+            longer = (f", a larger {' or '.join(f'task.{k}' for k in keys)} trains on" if keys else
+                      "; its loop's length is no task parameter, so it cannot be trained on")
             print(f"expgpu: {run_dir} already holds this task's finished run ({earlier['steps']} steps); "
-                  "kept its result.json. checkpoint.resume=false trains it again from scratch, a larger "
-                  "task.max_steps trains on", file=sys.stderr, flush=True)
+                  f"kept its result.json. checkpoint.resume=false trains it again from scratch{longer}",
+                  file=sys.stderr, flush=True)
         return earlier if info.rank == 0 else None
 
     if plain["dry_run"]:
@@ -101,9 +104,16 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
         rundir.job_failure_file(run_dir).unlink(missing_ok=True)   # from an attempt this one reruns
         if loggers.chosen(plain):
             loggers.record_job(run_dir)   # the sweep and overrides, which only this process knows
-    if nproc == 1:
-        return _finished(rank_process.run(plain, info, run_dir), info, run_dir)
+    if plain["checkpoint"]["verify"]:
+        return _finished(verify.verify(plain, info, run_dir, lambda cfg, where: _train(cfg, info, where, nproc)),
+                         info, run_dir)
+    return _finished(_train(plain, info, run_dir, nproc), info, run_dir)
 
+
+def _train(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int) -> dict | None:
+    """Train in `run_dir`, here (one process per rank) or in nproc workers; rank 0's result."""
+    if nproc == 1:
+        return rank_process.run(plain, info, run_dir)
     # Supervisor: one plan for the node, written where the workers read it.
     node = placement.compute(plain, nproc)
     _write_plan(run_dir, node, info)
@@ -118,9 +128,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
         if failure.user_error:
             raise UserError(failure.message)
         raise WorkerFailed(failure)
-    if info.rank == 0:
-        return _finished(json.loads((run_dir / rundir.RESULT).read_text()), info, run_dir)
-    return None
+    return json.loads((run_dir / rundir.RESULT).read_text()) if info.rank == 0 else None
 
 
 def _finished_earlier(run_dir: Path, plain: dict) -> dict | None:

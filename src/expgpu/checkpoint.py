@@ -69,10 +69,13 @@ def _why_unreadable(e: BaseException) -> str:
     return first
 
 
-def load(path: Path, expect: dict[str, Any], params: dict[str, Any] | None = None) -> dict[str, Any]:
+def load(path: Path, expect: dict[str, Any], params: dict[str, Any] | None = None,
+         may_differ: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load and check that the checkpoint belongs to this run shape (task, world size, ...).
 
     `params` are the task settings behind expect["fingerprint"], to name the one that differs.
+    `may_differ`: settings whose new value is the loop's length (a run trained on by the key that
+    sets its length, the function's own max_iters or epochs): these alone may differ.
     Every failure is a UserError naming the file; the file itself is never touched, so a user
     can look at it, move it away, or point the run elsewhere.
     """
@@ -94,9 +97,12 @@ def load(path: Path, expect: dict[str, Any], params: dict[str, Any] | None = Non
     for key, want in expect.items():
         if state.get(key) != want:
             if key == "fingerprint":
+                diffs = _settings_diff(state.get("params"), params)
+                if diffs and all(k in (may_differ or {}) for k, _, _ in diffs):
+                    continue
                 raise UserError(f"checkpoint {path} was written with other task settings "
-                                f"({_settings_diff(state.get('params'), params)}); resume with the same "
-                                "settings or use a new run dir")
+                                f"({_described(diffs)}); resume with the same settings or use a new run dir"
+                                f"{_length_hint(may_differ)}")
             raise UserError(f"checkpoint {path} was written with {key}={state.get(key)!r}, "
                             f"this run has {key}={want!r}; resume with the same {key} or use a new run dir")
     missing = [k for k in STATE_KEYS if k not in state]
@@ -105,12 +111,25 @@ def load(path: Path, expect: dict[str, Any], params: dict[str, Any] | None = Non
     return state
 
 
-def _settings_diff(saved: str | None, now: dict[str, Any] | None) -> str:
+def _settings_diff(saved: str | None, now: dict[str, Any] | None) -> list[tuple[str, Any, Any]] | None:
+    """(key, saved value, value now) of every task setting that differs; None when not recorded."""
     import json
 
     if saved is None or now is None:
-        return "the settings are not recorded"
+        return None
     before, after = json.loads(saved), json.loads(json.dumps(now, sort_keys=True, default=str))
-    diffs = [f"task.{k}={before.get(k)!r}, now {after.get(k)!r}"
-             for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)]
-    return "; ".join(diffs[:3]) + (f" and {len(diffs) - 3} more" if len(diffs) > 3 else "")
+    return [(k, before.get(k), after.get(k)) for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)]
+
+
+def _described(diffs: list[tuple[str, Any, Any]] | None) -> str:
+    if diffs is None:
+        return "the settings are not recorded"
+    shown = [f"task.{k}={old!r}, now {new!r}" for k, old, new in diffs]
+    return "; ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+
+
+def _length_hint(lengths: dict[str, Any] | None) -> str:
+    """Which key trains a run on, when that is what the user was after."""
+    if lengths:
+        return f"; to train it on, change only {' or '.join(f'task.{k}' for k in sorted(lengths))}, its length"
+    return ""

@@ -123,6 +123,9 @@ class CheckpointConfig:
     # Steps between the ranks' stop polls (a signal stops them within 2x this); auto: about
     # 0.2 s worth of steps, measured as training goes (expgpu/stopping.py)
     poll_every: Any = "auto"
+    # Check that the task resumes exactly: train it uninterrupted and, beside it, stopped half-way and
+    # resumed (in RUN_DIR/verify/), then compare parameters and logged rows (expgpu/verify.py)
+    verify: bool = False
 
 
 @dataclass

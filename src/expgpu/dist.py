@@ -1,4 +1,4 @@
-"""With whom: backend choice, process-group init and teardown, model wrapping."""
+"""With whom: backend choice, process-group init and teardown, collectives (run.wrap: expgpu.wrap)."""
 
 from __future__ import annotations
 
@@ -115,22 +115,6 @@ def _let_gloo_threads_finish() -> None:
     workers now and then. Sleeping releases the GIL, and a thread waiting for it takes it.
     """
     time.sleep(0.05)
-
-
-def wrap(model, device, mode: str, world_size: int, n_gpus: int):
-    """DDP across ranks (device_ids for CUDA), DataParallel over one rank's GPUs, or nothing."""
-    import torch
-
-    if mode == "dp":
-        if device.type == "cuda" and n_gpus > 1:
-            return torch.nn.DataParallel(model, device_ids=list(range(n_gpus)))
-        return model
-    if mode == "ddp" and world_size > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [device.index or 0] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
-    return model
 
 
 def gather_objects(obj: Any, world_size: int) -> list:

@@ -68,8 +68,8 @@ class Stopped(_Outcome):
     def __init__(self, result: dict, exit_code: int = 143, next_step: str = ""):
         sig = result.get("stop_signal") or "a signal"
         next_step = next_step or (f"Resume with the same overrides plus hydra.run.dir={result['run_dir']}")
-        super().__init__(f"stopped at step {result['steps']} of {result['max_steps']} by {sig}; "
-                         f"checkpoint saved. {next_step}")
+        of = f" of {result['max_steps']}" if result.get("max_steps") is not None else ""
+        super().__init__(f"stopped at step {result['steps']}{of} by {sig}; checkpoint saved. {next_step}")
         self.result = result
         self.exit_code = exit_code  # 128 + the signal: 130 Ctrl-C, 143 SIGTERM, 140 SIGUSR2
 

@@ -138,11 +138,16 @@ def to_device(batch: Any, device) -> Any:
     return batch
 
 
-class Feed:
-    """Batches for run.steps, epoch after epoch, with the (epoch, position) a checkpoint keeps."""
+# What Feed.next gives at the end of the loader under run.epochs, where an epoch ends run.steps.
+END_OF_EPOCH = object()
 
-    def __init__(self, loader: Any, device, accumulate: int):
-        self.loader, self.device, self.accumulate = loader, device, accumulate
+
+class Feed:
+    """Batches for run.steps, epoch after epoch (or one, under run.epochs: `one_epoch`), with the
+    (epoch, position) a checkpoint keeps."""
+
+    def __init__(self, loader: Any, device, accumulate: int, one_epoch: bool = False):
+        self.loader, self.device, self.accumulate, self.one_epoch = loader, device, accumulate, one_epoch
         self.move = device.type != "cpu"   # a DataLoader's batches are on the CPU already
         self.sampler = positioner(loader) if loader is not None else None
         self.epoch = 0
@@ -161,7 +166,15 @@ class Feed:
             return None
         if self.accumulate == 1:
             return self._one()
-        return [self._one() for _ in range(self.accumulate)]
+        micro = [self._one() for _ in range(self.accumulate)]
+        return END_OF_EPOCH if END_OF_EPOCH in micro else micro   # an epoch's last, partial step: dropped
+
+    def batches_left(self) -> int | None:
+        """Steps this epoch still holds, where the loader has a length."""
+        try:
+            return max(0, (len(self.loader) - self.position) // self.accumulate)
+        except TypeError:
+            return None
 
     def _one(self) -> Any:
         for _ in range(2):   # at most one new epoch per batch: an empty epoch is an error
@@ -170,6 +183,8 @@ class Feed:
             try:
                 batch = next(self._it)
             except StopIteration:
+                if self.one_epoch:
+                    return END_OF_EPOCH
                 if self.position == 0:
                     raise UserError(self._empty()) from None
                 self.epoch, self.position, self._it = self.epoch + 1, 0, None

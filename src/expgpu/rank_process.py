@@ -64,6 +64,7 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
     stopper = stopping.install()
     poll = cfg["checkpoint"]["poll_every"]
     stopper.poll_every, stopper.world_size = (None if poll == "auto" else poll), info.world_size
+    stopper.stop_at = int(os.environ.get(stopping.ENV_STOP_AT) or stopping.NEVER)   # checkpoint.verify's copy
     spec = tasks.resolve(cfg["task"])   # imports the user's module: only now that this process owns its GPU
     with dist.process_group(info, backend, timeout, run_dir, device):
         run = Run(info=info, device=device, run_dir=run_dir, cfg=cfg, spec=spec, stopper=stopper,
@@ -93,7 +94,7 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
         "strategy": node.strategy,
         "plan": ranks,
         "metrics": metrics,
-        "steps": run.step, "max_steps": run.max_steps,
+        "steps": run.step, "max_steps": run.max_steps, "epochs": run._epochs, "length_keys": run.length_keys,
         "step_means": run._extra.pop("step_means", STEP_MEANS),
         "resumed_from_step": run.resumed_from_step, "stop_signal": run.stop_signal,
         "timing": run._timings(t_start),

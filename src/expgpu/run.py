@@ -36,9 +36,11 @@ from typing import Any, Iterator
 
 from expgpu import dist, loggers, rng
 from expgpu.errors import UserError
-from expgpu.feed import Feed, RankSampler, SeededFetch
+from expgpu.feed import END_OF_EPOCH, Feed, RankSampler, SeededFetch
 from expgpu.metrics import ROW_KEYS, MetricsLog
+from expgpu.stopping import NEVER
 from expgpu.tracked import Tracked
+from expgpu.wrap import wrap
 
 log = logging.getLogger("expgpu")
 
@@ -68,11 +70,15 @@ class Run:
         self.precision: str = spec.precision
         self.step = 0                      # steps done: what run.steps yields next
         self.max_steps: int | None = None
+        self.length_keys: list[str] = []   # the task keys whose value is the loop's length (_begin)
         self.resumed_from_step: int | None = None
         self.stop_signal: str | None = None
         self._spec, self._stopper, self._wrap, self._n_gpus = spec, stopper, wrap, n_gpus
         self._state = Tracked(self.run_dir, spec, self.rank, self.world_size, device)
         self._feed: Feed | None = None
+        self._epochs: int | None = None    # run.epochs(n)'s n
+        self._epoch = 0                    # under run.epochs: the epoch now (its steps, or its own code)
+        self._pending: dict | None = None  # the checkpoint read, until the loop reaches where it resumes
         self._in_step = False
         self._saved_at: int | None = None
         self._stopped = False
@@ -86,14 +92,19 @@ class Run:
 
     @property
     def epoch(self) -> int:
-        return self._feed.epoch if self._feed is not None else 0
+        return self._feed.epoch if self._feed is not None else self._epoch
+
+    @property
+    def _started(self) -> bool:
+        return self._feed is not None or self._epochs is not None
 
     # -- models and data -------------------------------------------------------------------------
 
     def wrap(self, module):
         """`module` on run.device, wrapped as launch.wrap says: DDP when the world has more than one
-        rank, DataParallel for `dp` over this rank's GPUs, nothing for `none`. Returns what to train."""
-        return dist.wrap(module.to(self.device), self.device, self._wrap, self.world_size, self._n_gpus)
+        rank, DataParallel for `dp` over this rank's GPUs, nothing for `none`. Returns what to train:
+        called, it runs through DDP; its other attributes and methods are your module's own."""
+        return wrap(module.to(self.device), self.device, self._wrap, self.world_size, self._n_gpus)
 
     def loader(self, dataset, batch_size: int, shuffle: bool = True, drop_last: bool = True, **kwargs):
         """This rank's DataLoader over `dataset`: every rank takes a disjoint share of each epoch
@@ -127,46 +138,129 @@ class Run:
 
     def track(self, **objects) -> None:
         """Objects whose state_dict() is checkpointed and restored on a resume: modules (wrapped or
-        not), optimizers, schedulers, GradScaler, your own; a dict of numbers is restored in place.
-        Call before run.steps."""
-        if self._feed is not None:
-            raise UserError(f"run.track({', '.join(objects)}): called after run.steps began; a resume restores "
-                            "tracked objects before the first step, so track them before the loop")
+        not), optimizers, schedulers, GradScaler, your own (rank 0's state); a dict of numbers and
+        tensors is each rank's own, restored in place on that rank. Call before the loop."""
+        if self._started:
+            raise UserError(f"run.track({', '.join(objects)}): called after the training loop began; a resume "
+                            "restores tracked objects before the first step, so track them before the loop")
         for name, obj in objects.items():
             self._state.add(name, obj)
 
     # -- the loop --------------------------------------------------------------------------------
 
-    def steps(self, loader, max_steps: int, accumulate: int = 1) -> Iterator[tuple[int, Any]]:
-        """(step, batch) for step = the steps done so far .. max_steps - 1, batches on run.device.
+    def steps(self, loader, max_steps: int | None = None, accumulate: int = 1) -> Iterator[tuple[int, Any]]:
+        """(step, batch) for step = the steps done so far .. max_steps - 1, batches on run.device;
+        inside `for epoch in run.epochs(n)`, run.steps(loader) is that epoch's batches instead.
 
         `loader`: from run.loader (resumes exactly), any iterable (a resumed epoch skips the batches
         seen), or None (batch is None: loops that draw their own data). `accumulate` > 1: batch
         is a list of that many batches (micro-batches of one optimizer step)."""
-        if self._feed is not None:
-            raise UserError("run.steps: called a second time; a run has one training loop")
-        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0:
-            raise UserError(f"run.steps: max_steps={max_steps!r} is not allowed: an integer >= 0")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise UserError(f"run.steps: accumulate={accumulate!r} is not allowed: an integer >= 1")
+        if self._epochs is not None:
+            if max_steps is not None:
+                raise UserError("run.steps(loader, max_steps): inside run.epochs, run.steps(loader) is one epoch, "
+                                "as long as the loader; leave max_steps out (or break out of the loop)")
+            return self._epoch_steps(Feed(loader, self.device, accumulate, one_epoch=True))
+        if self._feed is not None:
+            raise UserError("run.steps: called a second time; a run has one training loop (for a loop over "
+                            "epochs: for epoch in run.epochs(n): for step, batch in run.steps(loader): ...)")
+        if max_steps is None:
+            raise UserError("run.steps(loader): max_steps is missing; run.steps(loader, max_steps), or "
+                            "run.steps(loader) inside `for epoch in run.epochs(n)` for one epoch at a time")
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0:
+            raise UserError(f"run.steps: max_steps={max_steps!r} is not allowed: an integer >= 0")
         self.max_steps = max_steps
         self._feed = Feed(loader, self.device, accumulate)
         return self._loop(max_steps)
 
+    def epochs(self, n: int) -> Iterator[int]:
+        """`for epoch in run.epochs(n): ... for step, batch in run.steps(loader): ...`: a loop over
+        epochs with the code of its own around each epoch's steps (evaluation, a scheduler stepped
+        per epoch). Steps count on across epochs; a stop mid-epoch resumes at that step of that
+        epoch (what the epoch's start did to tracked objects is restored as it was at the stop)."""
+        if self._feed is not None or self._epochs is not None:
+            raise UserError("run.epochs: the run's training loop has begun already; a run has one")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise UserError(f"run.epochs: n={n!r} is not allowed: an integer >= 0")
+        self._epochs = n
+        return self._epoch_loop(n)
+
     def _loop(self, max_steps: int) -> Iterator[tuple[int, Any]]:
+        self._begin(max_steps, last_poll=max_steps - 1)
+        self._resume_into(self._feed)
+        yield from self._run_steps(self._feed, max_steps)
+        self._end()
+
+    def _epoch_loop(self, n: int) -> Iterator[int]:
+        self._begin(n)
+        first = Tracked.where(self._pending, self.rank)[0] if self._pending is not None else 0
+        for epoch in range(first, n):
+            self._epoch = epoch
+            self._resume_into(None)   # saved between epochs: as it was before this one's own code
+            yield epoch
+            self._count_broken_step()
+            self._feed = None   # between epochs: a save here resumes at the next one's start
+            self._epoch = epoch + 1
+        self._resume_into(None)   # nothing left to train (a finished run rerun): its state, as saved
+        self._end()
+
+    def _epoch_steps(self, feed: Feed) -> Iterator[tuple[int, Any]]:
+        self._count_broken_step()
+        feed.resume(self._epoch, 0)
+        self._feed = feed
+        self._resume_into(feed)   # the epoch the checkpoint is in: its position, objects, RNG
+        if self._epoch == self._epochs - 1:   # the run's last step polls too
+            left = feed.batches_left()
+            self._stopper.set_last(None if left is None else self.step + left - 1)
+        yield from self._run_steps(feed, NEVER)
+
+    def _begin(self, length: int, last_poll: int | None = None) -> None:
+        """Before the first step: tracked state checked, the checkpoint read (restored by
+        _resume_into), rows after it trimmed, and a stop requested while starting up acted on."""
         self._state.check_loadable()
-        self._resume()
+        self.length_keys = sorted(self._length_keys(length))
+        if self.cfg.checkpoint.resume:
+            self._pending = self._state.load(self._length_keys(length))
+        if self._pending is not None:
+            self.step = self.resumed_from_step = self._saved_at = self._pending["step"]
+            if self._metrics is not None:
+                self._metrics.load_state_dict(self._pending.get("metrics", []))
         if self._metrics is not None:
-            self._metrics.open(self.step, max_steps, resumed=self.resumed_from_step is not None)
-        every, log_every = self.cfg.checkpoint.every_steps, self._spec.log_every
-        start = self._start_step = self.step
-        if self._stopper.begin(self.step, max_steps - 1):   # a signal while starting up: save, no steps
-            self._stop()
+            self._metrics.open(self.step, self.max_steps, resumed=self._pending is not None)
+        self._start_step = self.step
+        if self._stopper.begin(self.step, NEVER if last_poll is None else last_poll):
+            self._stop()   # a signal while starting up: no steps (the checkpoint, if any, stays as it is)
         self._timing["first_step_at"] = time.time()
-        feed, should_stop, metrics = self._feed, self._stopper.should_stop, self._metrics
+
+    def _resume_into(self, feed: Feed | None) -> None:
+        """The checkpoint read by _begin restored where the loop reaches the point it was saved at.
+        Under run.epochs: a save between epochs before the epoch's own code, a save mid-epoch when
+        run.steps begins (after the epoch's start reset what the checkpoint holds as it was then)."""
+        if self._pending is None:
+            return
+        epoch, position = Tracked.where(self._pending, self.rank)
+        if self._epochs is not None and self._epoch < self._epochs and (epoch != self._epoch or
+                                                                         (feed is None) != (position == 0)):
+            return
+        self._state.restore(self._pending)
+        if feed is not None:
+            feed.resume(epoch, position)
+        self._pending = None
+
+    def _length_keys(self, length: int) -> dict[str, int]:
+        """The task keys whose value is the loop's length: the one that trains a finished run on."""
+        return {k: v for k, v in self._spec.params.items()
+                if v == length and isinstance(v, int) and not isinstance(v, bool)}
+
+    def _run_steps(self, feed: Feed, max_steps: int) -> Iterator[tuple[int, Any]]:
+        every, log_every = self.cfg.checkpoint.every_steps, self._spec.log_every
+        should_stop, metrics, start = self._stopper.should_stop, self._metrics, self._start_step
         crash_step = self._faults.get("crash_step")
         while self.step < max_steps:
             batch = feed.next()
+            if batch is END_OF_EPOCH:
+                return
             if crash_step == self.step:
                 _inject_fault(self._faults, self.rank, self.step)
             self._in_step = True
@@ -184,10 +278,17 @@ class Run:
                 self._save("every_steps")
             if should_stop(step):
                 self._stop()
+
+    def _end(self) -> None:
         self._stopper.settle()   # the stop poll still in flight: finished before the group goes
         _sync(self.device)
         self._timing["end"] = time.time()
         self._save("end of training")
+
+    def _count_broken_step(self) -> None:
+        """A break out of run.steps in a step's body: that step was done."""
+        if self._in_step:
+            self.step, self._in_step = self.step + 1, False
 
     def log(self, **scalars) -> None:
         """Numbers or one-element tensors for this step; rank 0 writes them to metrics.jsonl,
@@ -220,29 +321,32 @@ class Run:
 
     # -- checkpoints (expgpu.tracked) ----------------------------------------------------------------
 
-    def _resume(self) -> None:
-        if self.cfg.checkpoint.resume and self._state.path.exists():
-            self.step = self.resumed_from_step = self._saved_at = self._state.resume(self._feed, self._metrics)
+    def _where(self) -> tuple[int, int]:
+        """(epoch, batch position) of this rank, as a resume needs it."""
+        if self._feed is None:
+            return self._epoch, 0
+        return self._feed.epoch, self._feed.position
 
     def _save(self, reason: str) -> None:
         """Collective: every rank calls it at the same step."""
-        self._state.save(self.step, self._feed, self._metrics, reason)
+        self._state.save(self.step, self._where(), self._metrics, reason)
         self._saved_at = self.step
 
     def _stop(self) -> None:
         self._stopper.settle()
         self.stop_signal = self._stopper.agreed
         self._timing["end"] = time.time()
-        self._save("stop requested")
+        if self._pending is None:   # else nothing changed since the checkpoint it was to resume
+            self._save("stop requested")
         self._stopped = True
         raise StopTraining(self.stop_signal)
 
     def _close(self, finished: bool) -> None:
         """After the function: the last rows, and a checkpoint if the loop ended early (a break)."""
         try:
-            if finished and self._in_step:   # a break in the loop's body: that step was done
-                self.step, self._in_step = self.step + 1, False
-            if finished and self._feed is not None and self._saved_at != self.step:
+            if finished:
+                self._count_broken_step()
+            if finished and self._started and self._saved_at != self.step:
                 self._stopper.settle()
                 _sync(self.device)
                 self._timing["end"] = self._timing["end"] or time.time()

@@ -31,6 +31,9 @@ from typing import Callable
 STOP_SIGNALS = (signal.SIGINT, signal.SIGUSR2, signal.SIGTERM)
 # The signals a worker started by expgpu.spawn stops on: its supervisor's (see Stopper.install).
 ENV_SIGNALS = "EXPGPU_STOP_SIGNALS"
+# checkpoint.verify: every rank stops at this step, as on a signal (expgpu/verify.py)
+ENV_STOP_AT = "EXPGPU_STOP_AT"
+NEVER = 1 << 62
 # poll_every="auto": the stop poll's period. A poll is an all-reduce on the ranks' own
 # threads; every 10 steps of a fast loop it cost 2-4 % of steps/s on 2 CPU ranks (gloo),
 # at ~5 a second nothing measurable. A stop is acted on within 2 periods (0.4 s), far inside
@@ -59,7 +62,8 @@ class Stopper:
         self._pending = None  # (flags, work) of the stop poll in flight
         self._next = 0        # the step of the next poll
         self._interval = FIRST_INTERVAL
-        self._last = 1 << 62       # the step of the loop's last poll (begin)
+        self.last = NEVER          # the step of the loop's last poll, which reads at once (begin)
+        self.stop_at = NEVER       # a stop requested at this step on every rank (checkpoint.verify)
         self._polled = (0, 0.0)   # (step, perf_counter) of the last poll, to time the steps
         self._previous: dict[int, Callable | int | None] = {}
         self.owned: tuple[str, ...] = ()   # the signals that stop this run
@@ -109,7 +113,7 @@ class Stopper:
         was requested while starting up. `last`: the step of the loop's last poll (max_steps - 1),
         which reads at once, so a signal in a run shorter than one poll interval is still acted on."""
         self._pending = None   # of an earlier run in this process, if any: its group is gone
-        self._last = last
+        self.last = last
         if self.world_size == 1:
             return self.should_stop(step)
         strongest, self._interval = self._read(self._reduce(self.poll_every or FIRST_INTERVAL, async_op=False))
@@ -129,21 +133,29 @@ class Stopper:
         its own step time, and all take the smallest proposal.
         """
         if self.world_size == 1:
+            if step >= self.stop_at:
+                self._requested()
             self.agreed = self.received
             return self.received is not None
         if step < self._next:
             return False
+        if step >= self.stop_at:   # the poll there reads at once (_decided never schedules past it)
+            self._requested()
         strongest = 0
         if self._pending is not None:
             strongest, self._interval = self._read(*self._pending)
             self._pending = None
         if not strongest:
             proposal = self._proposal(step)
-            if step >= self._last or (self.poll_every is None and self._interval == 1):
+            if step >= min(self.last, self.stop_at) or (self.poll_every is None and self._interval == 1):
                 strongest, self._interval = self._read(self._reduce(proposal, async_op=False))
             else:
                 self._pending = self._reduce(proposal, async_op=True)
         return self._decided(step, strongest)
+
+    def _requested(self) -> None:
+        """checkpoint.verify's stop, as if SIGTERM had come (nothing stronger came first)."""
+        self.received = self.received or "SIGTERM"
 
     def _decided(self, step: int, strongest: int) -> bool:
         if strongest:
@@ -151,8 +163,26 @@ class Stopper:
             return True
         self._polled = (step, time.perf_counter())
         # never past the last poll: the ranks would train on to the end past a stop request
-        self._next = min(step + self._interval, max(self._last, step + 1))
+        self._next = min(step + self._interval, max(min(self.last, self.stop_at), step + 1))
         return False
+
+    def set_last(self, last: int | None) -> None:
+        """Under run.epochs, at the last epoch's start (every rank): its last step, where the loader
+        has a length; the ranks take the earliest, and none if a rank does not know (a poll that
+        one rank skips would hang the others)."""
+        if self.world_size > 1:
+            import torch
+            import torch.distributed as dist
+
+            from expgpu.dist import cpu_group
+
+            flags = torch.tensor([0 if last is not None else 1, -(last or 0)], dtype=torch.int64)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group())
+            unknown, last = int(flags[0]), -int(flags[1])
+            if unknown:
+                return
+        if last is not None:
+            self.last, self._next = last, min(self._next, max(last, 0))
 
     def _read(self, flags, work=None) -> tuple[int, int]:
         """(the strongest signal, the interval agreed) from a reduction's result."""

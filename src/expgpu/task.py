@@ -21,6 +21,7 @@ before the call, after the run is seeded and this process owns its GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import importlib
@@ -54,6 +55,9 @@ class TaskSpec:
     precision: str         # "32" | "16" | "bf16"
     identity: dict         # the settings a checkpoint must share with its resume
     fingerprint: str
+    # (parameter name, its dataclass or dict) when the function takes the whole task config as one
+    # object, `def train(run, cfg: GPTConfig)`: params then holds its fields, built into it at the call
+    config_object: tuple[str, Any] | None = None
 
 
 def locate(path: str, key: str) -> Any:
@@ -92,18 +96,92 @@ def resolve(task_cfg: dict) -> TaskSpec:
         raise UserError(f"task._target_={target}: a {type(fn).__name__}, not a function to call as fn(run, ...)")
     run_keys = {k: cfg.pop(k, default) for k, default in RUN_KEYS.items()}
     named, var_kw = _parameters(fn, target)
-    params = _check_params(cfg, named, var_kw, target, _hints(fn, named))
-    for k in RUN_KEYS:
-        if k in named and k in task_cfg:
-            params[k] = task_cfg[k]
+    hints = _hints(fn, named)
+    whole = _config_object(named, hints, cfg)
+    if whole is not None:
+        # the run's keys reach a dataclass that has such a field (a script's own `seed`), a dict never
+        names = [f.name for f in dataclasses.fields(whole[1])] if whole[1] is not dict else []
+        params = _check_fields(whole[1], {**cfg, **{k: task_cfg[k] for k in RUN_KEYS if k in names and k in task_cfg}},
+                               f"{target} takes its parameters as {whole[0]}: {_type_name(whole[1])}")
+        defaults = _field_defaults(whole[1])
+    else:
+        params = _check_params(cfg, named, var_kw, target, hints)
+        for k in RUN_KEYS:
+            if k in named and k in task_cfg:
+                params[k] = task_cfg[k]
+        defaults = {n: p.default for n, p in named.items() if p.default is not p.empty and _plain(p.default)}
     settings = _run_settings(run_keys, classic=target == SUPERVISED)
-    defaults = {n: p.default for n, p in named.items() if p.default is not p.empty and _plain(p.default)}
     identity = {"_target_": target, **{k: v for k, v in {**defaults, **params}.items() if k not in MAY_CHANGE},
                 "seed": settings["seed"], "seed_per_rank": settings["seed_per_rank"],
                 "precision": settings["precision"]}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return TaskSpec(name=run_keys["name"] or target.rsplit(".", 2)[-2], target=target, fn=fn, params=params,
-                    identity=identity, fingerprint=digest, **settings)
+                    identity=identity, fingerprint=digest, config_object=whole, **settings)
+
+
+def _config_object(named: dict[str, inspect.Parameter], hints: dict[str, Any], given: dict) -> tuple[str, Any] | None:
+    """(name, dataclass or dict) when the function takes one parameter besides the run, annotated
+    with a dataclass or a mapping type, and the task file does not set that name itself: the task
+    keys are then that object's fields (a script's config block stays as it is)."""
+    from collections.abc import Mapping
+
+    if len(named) != 1:
+        return None
+    (name, _), = named.items()
+    ann = hints.get(name)
+    if name in given or ann is None:
+        return None
+    if isinstance(ann, type) and dataclasses.is_dataclass(ann):
+        return name, ann
+    return (name, dict) if (typing.get_origin(ann) or ann) in (dict, Mapping) else None
+
+
+def _type_name(cls: Any) -> str:
+    return getattr(cls, "__name__", str(cls))
+
+
+def _check_fields(cls: Any, given: dict, whose: str, prefix: str = "task.") -> dict:
+    """The task keys checked against the config object's fields and converted to their annotations;
+    a nested dataclass field takes a mapping, checked alike. A dict takes every key as given."""
+    if cls is dict:
+        return dict(given)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:   # an annotation that does not evaluate: values pass as given
+        hints = {}
+    out = {}
+    for key, value in given.items():
+        if key not in fields:
+            raise UserError(f"{prefix}{key}: {whose} has no field {key!r}{_did_you_mean(key, given, fields, prefix)}; "
+                            f"its fields: {', '.join(fields)}")
+        ann = hints.get(key)
+        if isinstance(ann, type) and dataclasses.is_dataclass(ann) and isinstance(value, dict):
+            out[key] = _check_fields(ann, value, f"{_type_name(cls)}.{key}: {_type_name(ann)}", f"{prefix}{key}.")
+        else:
+            out[key] = _coerce(f"{prefix[len('task.'):]}{key}", value, ann)
+    for name, f in fields.items():
+        if name not in given and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise UserError(f"{prefix}{name}: {whose} needs it (a field without a default); "
+                            f"set it in the task file or as {prefix}{name}=...")
+    return out
+
+
+def _field_defaults(cls: Any) -> dict:
+    """The config object's plain defaults, which belong to the run's identity as a function's do."""
+    if cls is dict:
+        return {}
+    return {f.name: f.default for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING and _plain(f.default)}
+
+
+def _built_object(cls: Any, values: dict) -> Any:
+    """The config object from its checked fields, nested dataclasses built from their mappings."""
+    if cls is dict:
+        return values
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _built_object(hints[k], v) if isinstance(v, dict) and isinstance(hints.get(k), type)
+                  and dataclasses.is_dataclass(hints[k]) else v for k, v in values.items()})
 
 
 def _parameters(fn: Callable, target: str) -> tuple[dict[str, inspect.Parameter], bool]:
@@ -134,7 +212,7 @@ def _check_params(given: dict, named: dict[str, inspect.Parameter], var_kw: bool
     return {k: _coerce(k, v, hints.get(k)) for k, v in given.items()}
 
 
-def _did_you_mean(key: str, given: dict, named: dict) -> str:
+def _did_you_mean(key: str, given: dict, named: dict, prefix: str = "task.") -> str:
     """Where the user probably meant to put `key`: a nested setting of that name (task.lr for
     task.optimizer.lr), else a parameter spelt alike (task.max_step)."""
     import difflib
@@ -145,8 +223,8 @@ def _did_you_mean(key: str, given: dict, named: dict) -> str:
         here = [f"{path}.{key}"] if key in value else []
         return here + [p for k, v in value.items() if k != key for p in nested(v, f"{path}.{k}")]
 
-    found = [p for k, v in given.items() if k != key for p in nested(v, f"task.{k}")]
-    found = found or [f"task.{m}" for m in difflib.get_close_matches(key, list(named), n=1)]
+    found = [p for k, v in given.items() if k != key for p in nested(v, f"{prefix}{k}")]
+    found = found or [f"{prefix}{m}" for m in difflib.get_close_matches(key, list(named), n=1)]
     return f" (did you mean {found[0]}?)" if found else ""
 
 
@@ -274,4 +352,11 @@ def build_params(spec: TaskSpec) -> dict[str, Any]:
             cause = e.__cause__ or e
             what = value.get("_target_") if isinstance(value, dict) else "its _target_ entries"
             raise UserError(f"task.{key}: cannot build {what}: {type(cause).__name__}: {first_line(cause)}") from None
-    return built
+    if spec.config_object is None:
+        return built
+    name, cls = spec.config_object
+    try:
+        return {name: _built_object(cls, built)}
+    except Exception as e:   # the dataclass's own checks (__post_init__)
+        raise UserError(f"task: {_type_name(cls)} refused the task's settings: {type(e).__name__}: "
+                        f"{first_line(e)}") from None

@@ -1,8 +1,9 @@
 """What a run's checkpoint holds, and putting it back: the checkpoint half of `Run`.
 
 checkpoint.pt (in the run dir) holds the objects given to `run.track` (their state_dict(), from
-rank 0: DDP keeps the ranks' copies equal), the step, and for every rank its RNG states and its
-position in the data; rank 0's metrics rows not yet written out ride along. `Tracked` makes that
+rank 0: DDP keeps the ranks' copies equal), the step, and for every rank its RNG states, its
+position in the data and its own tracked dicts (an RNN's carried hidden state, a per-rank sum:
+each rank gets its own back); rank 0's metrics rows not yet written out ride along. `Tracked` makes that
 state (a collective `save`, every rank at the same step) and restores it (`resume`, before the
 first step). checkpoint.py is the file underneath: atomic, tensors-only loading, shape checks.
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 from expgpu import checkpoint, dist, rng, rundir
 from expgpu.errors import UserError, first_line
+from expgpu.wrap import unwrapped
 
 log = logging.getLogger("expgpu")
 
@@ -52,34 +54,47 @@ class Tracked:
             if not isinstance(obj, own):
                 checkpoint.check_loadable(name, obj.state_dict())
 
-    def resume(self, feed, metrics) -> int | None:
-        """Put the checkpoint's state back (tracked objects, data position, RNG, rank 0's rows);
-        the step it was saved at, or None when there is nothing to resume."""
-        path = self.path
-        state = checkpoint.load(path, self.expect(), self._spec.identity)
+    def load(self, lengths: dict[str, int] | None = None) -> dict | None:
+        """The checkpoint to resume from, checked against this run (its shape, settings, tracked
+        names), or None when there is none; nothing is restored yet (restore). `lengths`: the task
+        keys whose values are the loop's length (max_steps, epochs): one of those may differ."""
+        if not self.path.exists():
+            return None
+        state = checkpoint.load(self.path, self.expect(), self._spec.identity, may_differ=lengths)
         saved, mine = sorted(state["tracked"]), sorted(self.objects)
         if saved != mine:
-            raise UserError(f"checkpoint {path} tracks {', '.join(saved) or 'nothing'}, this run tracks "
+            raise UserError(f"checkpoint {self.path} tracks {', '.join(saved) or 'nothing'}, this run tracks "
                             f"{', '.join(mine) or 'nothing'} (run.track); resume with the same code or use a new run dir")
+        return state
+
+    @staticmethod
+    def where(state: dict, rank: int) -> tuple[int, int]:
+        """(epoch, batch position) at which `rank` stood when `state` was saved."""
+        mine = state["ranks"][rank]
+        return mine["epoch"], mine["position"]
+
+    def restore(self, state: dict) -> None:
+        """The tracked objects (rank 0's; this rank's own dicts) and this rank's RNG, as saved."""
+        mine = state["ranks"][self._rank]
+        own = mine.get("tracked", {})   # this rank's own dicts, not rank 0's
         for name, obj in self.objects.items():
             try:
-                obj.load_state_dict(state["tracked"][name])
+                obj.load_state_dict(own[name] if name in own else state["tracked"][name])
             except UserError:
                 raise
             except Exception as e:  # same settings, other code
-                raise UserError(f"checkpoint {path}: {name} does not fit what this run tracks as {name} "
+                raise UserError(f"checkpoint {self.path}: {name} does not fit what this run tracks as {name} "
                                 f"({type(e).__name__}: {first_line(e)}); use a new run dir") from None
-        mine_state = state["ranks"][self._rank]
-        feed.resume(mine_state["epoch"], mine_state["position"])
-        rng.restore(mine_state["rng"], self._device)
-        if metrics is not None:
-            metrics.load_state_dict(state.get("metrics", []))
-        log.info("resumed from %s at step %d (epoch %d, batch %d)", path, state["step"], feed.epoch, feed.position)
-        return state["step"]
+        rng.restore(mine["rng"], self._device)
+        epoch, position = self.where(state, self._rank)
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", self.path, state["step"], epoch, position)
 
-    def save(self, step: int, feed, metrics, reason: str) -> None:
-        """Collective: every rank calls it at the same step; rank 0 (the one with `metrics`) writes."""
-        mine = {"rng": rng.capture(self._device), "epoch": feed.epoch, "position": feed.position}
+    def save(self, step: int, where: tuple[int, int], metrics, reason: str) -> None:
+        """Collective: every rank calls it at the same step, `where` its (epoch, batch position);
+        rank 0 (the one with `metrics`) writes."""
+        mine = {"rng": rng.capture(self._device), "epoch": where[0], "position": where[1],
+                "tracked": {name: _on_cpu(obj.state_dict()) for name, obj in self.objects.items()
+                            if isinstance(obj, _DictState)}}
         ranks = dist.gather_objects(mine, self._world_size)
         if metrics is None:
             return
@@ -121,17 +136,36 @@ class _DictState:
                 for k, v in self.d.items()}
 
     def load_state_dict(self, state: dict) -> None:
+        # A checkpoint's tensors come back on the CPU: each goes where the value it replaces was
+        # (a hidden state on the rank's GPU), so the loop's next step finds it where it left it.
+        placed = {k: _placed_like(v, self.d[k]) if k in self.d else v for k, v in state.items()}
         self.d.clear()
-        self.d.update(state)
+        self.d.update(placed)
 
 
-def unwrapped(obj: Any) -> Any:
-    """The module inside DDP / DataParallel / torch.compile: its state_dict has no wrapper prefix."""
-    for _ in range(3):
-        inner = getattr(obj, "_orig_mod", None) or (getattr(obj, "module", None)
-                                                    if type(obj).__name__ in ("DistributedDataParallel",
-                                                                               "DataParallel") else None)
-        if inner is None:
-            return obj
-        obj = inner
-    return obj
+def _placed_like(loaded: Any, current: Any) -> Any:
+    """`loaded` with each tensor on the device of its counterpart in `current` (nested alike)."""
+    if hasattr(loaded, "to") and hasattr(current, "device"):
+        return loaded.to(current.device)
+    if isinstance(loaded, dict) and isinstance(current, dict):
+        return {k: _placed_like(v, current[k]) if k in current else v for k, v in loaded.items()}
+    if isinstance(loaded, (list, tuple)) and isinstance(current, (list, tuple)) and len(loaded) == len(current):
+        return _rebuilt(loaded, [_placed_like(a, b) for a, b in zip(loaded, current)])
+    return loaded
+
+
+def _on_cpu(state: Any) -> Any:
+    """Tensors moved to the CPU before they travel to rank 0: unpickled there, a tensor of another
+    rank's GPU would be made on that GPU, by a process that must only touch its own."""
+    if hasattr(state, "detach") and hasattr(state, "cpu"):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {k: _on_cpu(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return _rebuilt(state, [_on_cpu(v) for v in state])
+    return state
+
+
+def _rebuilt(seq: list | tuple, items: list) -> list | tuple:
+    """A list or tuple of `items`, of `seq`'s own type (a namedtuple too)."""
+    return type(seq)(*items) if hasattr(seq, "_fields") else type(seq)(items)

@@ -1,0 +1,135 @@
+"""Loops in the shapes scripts already have, ported with few lines and resumed exactly: a nested
+`for epoch in run.epochs(n): for step, batch in run.steps(loader)` with code of its own around each
+epoch, a hidden state each rank carries across steps, the model's own methods through run.wrap,
+parameters taken as one config object, and a finished run trained on by its own length key."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import finish, start
+from test_run_api import PROBE_ENV, TESTS, error_line, probe
+
+pytestmark = pytest.mark.timeout(240)
+
+RNN = ["task=probe_rnnlm", "launch.nproc_per_node=2"]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k != "time"}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def rnn_reference(tmp_path_factory):
+    run = probe(RNN, tmp_path_factory.mktemp("rnnref") / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.result["steps"] == 32 and run.result["metrics"] == {"wrapped_is_raw": 1, "plain_names": 1}
+    return run
+
+
+def _at(run_dir: Path) -> int:
+    try:
+        return int((run_dir / "at").read_text() or -1)
+    except (OSError, ValueError):
+        return -1
+
+
+def test_an_epoch_loop_stopped_mid_epoch_resumes_exactly_with_each_ranks_carried_state(tmp_path, rnn_reference):
+    run_dir = tmp_path / "run"
+    # Steps of 0.25 s (a poll after each): the signal during step 10 stops at step 11 or 12, mid-epoch 1.
+    proc = start(["--config-dir", str(TESTS / "conf"), *RNN], run_dir, env={**PROBE_ENV, "PROBE_STEP_S": "0.25"})
+    deadline = time.monotonic() + 90
+    while _at(run_dir) < 10 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    stopped = finish(proc, run_dir)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    at = stopped.result["steps"]
+    assert 10 < at < 16, f"stopped at {at}: not in the middle of epoch 1"
+    resumed = probe(RNN, run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    res, ref = resumed.result, rnn_reference.result
+    assert res["resumed_from_step"] == at and res["steps"] == 32
+    # Each rank got its own hidden state back (rank 0's on rank 1 would change its gradients), the
+    # epoch-start reset did not clobber the restored one, and the data continued where it stopped.
+    assert res["param_checksum"] == ref["param_checksum"] and len(set(res["rank_checksums"])) == 1
+    assert _rows(run_dir) == _rows(rnn_reference.run_dir)
+    for rank in (0, 1):
+        assert json.loads((run_dir / f"seen{rank}.json").read_text()) == list(range(at, 32))
+
+
+def test_a_finished_epoch_loop_is_trained_on_by_its_epochs_key(tmp_path, rnn_reference):
+    run_dir = tmp_path / "run"
+    assert probe([*RNN, "task.epochs=3"], run_dir).returncode == 0
+    more = probe([*RNN, "task.epochs=4"], run_dir)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert more.result["resumed_from_step"] == 24 and more.result["steps"] == 32
+    assert more.result["param_checksum"] == rnn_reference.result["param_checksum"]
+    assert json.loads((run_dir / "seen0.json").read_text()) == list(range(24, 32))
+
+
+def test_a_finished_run_is_trained_on_by_its_own_length_key_and_the_message_names_it(tmp_path):
+    run_dir = tmp_path / "run"
+    first = probe(["task=probe_lengthy", "task.max_iters=6"], run_dir)
+    assert first.returncode == 0 and first.result["length_keys"] == ["max_iters"]
+    again = probe(["task=probe_lengthy", "task.max_iters=6"], run_dir)
+    assert again.returncode == 0 and "a larger task.max_iters trains on" in again.stderr
+    longer = probe(["task=probe_lengthy", "task.max_iters=9"], run_dir)
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert longer.result["resumed_from_step"] == 6 and longer.result["steps"] == 9
+    straight = probe(["task=probe_lengthy", "task.max_iters=9"], tmp_path / "straight")
+    assert longer.result["param_checksum"] == straight.result["param_checksum"]
+
+
+def test_a_length_no_key_holds_cannot_be_extended_and_the_message_says_so(tmp_path):
+    run_dir = tmp_path / "run"
+    assert probe(["task=probe_lengthy", "task.twice=3"], run_dir).returncode == 0
+    again = probe(["task=probe_lengthy", "task.twice=3"], run_dir)
+    assert "its loop's length is no task parameter" in again.stderr
+    refused = error_line(probe(["task=probe_lengthy", "task.twice=4"], run_dir))
+    assert "task.twice=3, now 4" in refused and "to train it on" not in refused
+
+
+def test_parameters_taken_as_one_config_object(tmp_path):
+    run = probe(["task=probe_configured", "task.shape.width=8", "task.max_iters=3", "task.tags=[a,b]",
+                 "task.seed=7"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.result["metrics"] == {"lr": 0.05, "width": 8, "depth": 2, "n_tags": 2, "seed": 7, "is_config": 1}
+    assert run.result["steps"] == 3 and run.result["length_keys"] == ["max_iters"]
+    mapped = probe(["task=probe_mapped", "task.lr=0.25"], tmp_path / "mapped")
+    assert mapped.result["metrics"] == {"n_keys": 2, "lr": 0.25}
+
+
+@pytest.mark.parametrize("args,says", [
+    (["task.lrr=1"], "task.lrr: run_probe.configured takes its parameters as cfg: ProbeConfig has no field 'lrr' "
+                     "(did you mean task.lr?); its fields: lr, max_iters, shape, tags, seed"),
+    (["task.shape.widht=3"], "task.shape.widht: ProbeConfig.shape: Shape has no field 'widht' "
+                             "(did you mean task.shape.width?); its fields: width, depth"),
+    (["task.max_iters=x"], "task.max_iters='x' is not allowed: an integer"),
+])
+def test_a_config_object_that_rejects_a_key_names_it_and_its_fields(tmp_path, args, says):
+    assert says in error_line(probe(["task=probe_configured", *args], tmp_path / "run"))
+
+
+def test_verify_says_an_exact_loop_is_exact(tmp_path):
+    run = probe([*RNN, "checkpoint.verify=true"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "verify.json").read_text())
+    assert report["exact"] and report["stopped_at"] == 16 and report["params_equal"], report
+    assert "checkpoint.verify: exact: stopped at step 16 of 32 and resumed" in run.output
+
+
+def test_verify_names_the_first_step_that_differs_and_the_likely_cause(tmp_path):
+    run = probe(["task=probe_prefetching", "checkpoint.verify=true"], tmp_path / "run")
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("expgpu: checkpoint.verify: NOT exact: stopped at step 6 of 12 and resumed, the "
+                           "logged rows first differ at step 7"), last
+    assert "the first step after the resume" in last and "a batch fetched at the end of a step" in last
+    assert json.loads((tmp_path / "run" / "verify.json").read_text())["first_differing_step"] == 7
