@@ -187,7 +187,8 @@ def test_the_objective_ranks_the_jobs_and_the_curves_show_eval_metrics(tmp_path)
     from expgpu.report.plot import panels
 
     rows = collect(sweep)
-    assert panels(rows, rank(rows)) == ["loss", "accuracy", "eval_loss"]   # loss, the objective, eval metrics
+    # the objective, the training loss, held-out metrics, the rest
+    assert panels(rows, rank(rows)) == ["accuracy", "loss", "eval_loss", "lr"]
 
 
 def test_a_failed_job_shows_its_one_line_reason(tmp_path):

@@ -6,9 +6,9 @@ the others failed.
 
 One row per job, best first (report.rank says by what), the overrides that tell jobs apart, a
 column per metric the jobs returned, a failed job's one-line reason. Writes, into SWEEP_DIR only:
-report.csv (one column per override key), loss_curves.png (loss and evaluation metrics, matplotlib's
-Agg backend: no display needed) and report.html (both on one page). A sweep writes the same at its
-end (report.callback). Never writes into a job dir.
+report.csv (one column per override key), loss_curves.png (a panel per metric the jobs logged,
+the ranking metric first; matplotlib's Agg backend: no display needed) and report.html (both on
+one page). A sweep writes the same at its end (report.callback). Never writes into a job dir.
 """
 
 from __future__ import annotations
