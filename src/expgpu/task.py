@@ -12,11 +12,12 @@ the built-in supervised function, `expgpu.tasks.supervised.train`: one loop, not
 A few keys belong to the run and are read by expgpu whatever the function (RUN_KEYS: the seed,
 the logging cadence and what a row keeps, the precision of run.autocast); they reach the
 function too when it names them. Every other key must be a parameter of the function: a
-misspelt one is an error naming it, not a setting silently ignored. Values are checked against the function's annotations (int,
-float, bool, str, Literal, Enum, and lists, tuples and dicts of them), so `lr: 2e-3`,
-`task.max_steps=abc` or `task.layers=[a,b]` for `layers: list[int]` fail or convert before any
-rank starts training. Nested `{_target_: ...}` values are built (hydra.utils.instantiate) just
-before the call, after the run is seeded and this process owns its GPU.
+misspelt one is an error naming it, not a setting silently ignored. Values are checked against
+the function's annotations (int, float, bool, str, Literal, Enum, and lists, tuples and dicts of
+them), so `lr: 2e-3`, `task.max_steps=abc` or `task.layers=[a,b]` for `layers: list[int]` fail
+or convert before any rank starts training. Nested `{_target_: ...}` values are built
+(hydra.utils.instantiate) just before the call, after the run is seeded and this process owns
+its GPU.
 """
 
 from __future__ import annotations

@@ -43,7 +43,9 @@ def panels(rows: list[Row], ranking: Ranking) -> list[str]:
 
 def _ranks(name: str, ranking: Ranking) -> bool:
     """The ranking metric's own series, or the series it was taken from (best_val_loss: val/loss)."""
-    return ranking.metric is not None and (name == ranking.metric or measure(name) == measure(ranking.metric))
+    if ranking.metric is None:
+        return False
+    return name == ranking.metric or measure(name) == measure(ranking.metric) != ()
 
 
 def _grid(n: int) -> tuple[int, int, float, float]:
