@@ -90,6 +90,24 @@ def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 90) -> Run:
     return Run(proc.returncode, out, err, run_dir)
 
 
+def write_job(job_dir: Path, overrides: list[str], metrics: dict,
+              series: dict[str, list[tuple[int, float]]] | None = None, status: str = "finished",
+              objective: str | None = None) -> Path:
+    """A job dir as a sweep leaves it (.hydra/overrides.yaml and config.yaml, result.json,
+    metrics.jsonl), for the report: its rule and pictures on names no built-in task logs."""
+    (job_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+    (job_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    (job_dir / ".hydra" / "config.yaml").write_text(f"objective: {objective or 'null'}\n")
+    (job_dir / "result.json").write_text(json.dumps({"status": status, "metrics": metrics, "steps": 100}))
+    rows: dict[int, dict] = {}
+    for name, points in (series or {}).items():
+        for step, value in points:
+            rows.setdefault(step, {})[name] = value
+    (job_dir / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": step, **rows[step], "epoch": 0, "time": 1000.0 + step}) + "\n" for step in sorted(rows)))
+    return job_dir
+
+
 def pytest_collection_modifyitems(config, items):
     # Decided without touching CUDA in this process (torch.cuda.is_available() may create
     # a context on GPU 0 in the test runner itself).

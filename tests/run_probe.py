@@ -8,6 +8,8 @@ import dataclasses
 import enum
 import json
 import os
+import signal
+import time
 from typing import Literal, Optional
 
 import torch
@@ -37,6 +39,20 @@ def logs(run: Run, max_steps: int = 12, eval_at: int = 6):
     run.log(after=7)
     return {"steps_seen": len(seen), "batches_none": int(all(b is None for _, b in seen)),
             "first": seen[0][0] if seen else -1}
+
+
+def logs_window(run: Run, max_steps: int = 30):
+    """x = (step + 1) / 3 every step (float32: a sum kept in float64 would differ), y = step / 4 as a
+    Python float every third step. With PROBE_STOP_AT=k rank 0 sends SIGTERM, as a user's `kill PID`,
+    to the `python -m expgpu` that started it, in the body of step k."""
+    stop_at = int(os.environ.get("PROBE_STOP_AT", "-1"))
+    for step, _ in run.steps(None, max_steps):
+        run.log(x=torch.tensor(step + 1.0) / 3)
+        if step % 3 == 0:
+            run.log(y=step / 4)
+        if run.is_main and step == stop_at:
+            os.kill(os.getppid(), signal.SIGTERM)
+            time.sleep(2)   # forwarded to every rank: this one has it before its next stop poll
 
 
 def tracks(run: Run, max_steps: int = 4):

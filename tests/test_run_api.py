@@ -82,9 +82,18 @@ def test_bad_container_and_choice_values_are_one_line_and_exit_2(tmp_path, args,
                                            "No module named 'a_dependency_not_installed'"),
     (["task._target_=run_probe.json"], "task._target_=run_probe.json: a module, not a function"),
     (["task.precision=8"], "task.precision=8 is not allowed: 32, 16 or bf16"),
+    (["task.log_reduce=median"], "task.log_reduce='median' is not allowed: last or mean"),
 ])
 def test_bad_task_parameters_are_one_line_and_exit_2(tmp_path, args, says):
     assert says in error_line(probe(["task=probe_typed", *args], tmp_path / "run"))
+
+
+def test_log_reduce_is_the_runs_key_for_the_built_in_loop_too(tmp_path):
+    bad = expgpu(["task=a", "task.log_reduce=max"], tmp_path / "bad")
+    assert "task.log_reduce='max' is not allowed: last or mean" in error_line(bad)
+    run = expgpu(["task=a", "task.max_steps=10", "task.log_every=5", "task.log_reduce=mean"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [r["step"] for r in run.metrics()] == [5, 10]
 
 
 @pytest.mark.parametrize("task,args,says", [
@@ -222,6 +231,54 @@ def test_log_is_read_back_at_log_steps_and_keeps_odd_steps(tmp_path):
     assert rows == [{"step": 5, "x": 4.0}, {"step": 7, "ev": 1.5}, {"step": 10, "x": 9.0},
                     {"step": 12, "x": 11.0, "after": 7}], rows
     assert run.result["metrics"] == {"steps_seen": 12, "batches_none": 1, "first": 0}
+
+
+def test_log_reduce_mean_writes_each_windows_mean_and_odd_steps_as_logged(tmp_path):
+    run = probe(["task=probe_logs", "task.log_every=5", "task.log_reduce=mean"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    rows = [{k: v for k, v in r.items() if k not in ("epoch", "time")} for r in run.metrics()]
+    # x = the body's step, logged at step + 1: the rows hold means of 0..4, 5..9 and 10..11; ev,
+    # logged once, and `after`, an int logged once after the loop, are written as they were logged
+    assert rows == [{"step": 5, "x": 2.0}, {"step": 7, "ev": 1.5}, {"step": 10, "x": 7.0},
+                    {"step": 12, "x": 10.5, "after": 7}], rows
+
+
+def _window_means(max_steps: int, every: int) -> list[dict]:
+    """What probe_logs_window's metrics.jsonl holds under log_reduce=mean: per window of `every`
+    steps, x's mean at the window's last step, y's at the last step y was logged in it."""
+    import torch
+
+    rows: dict[int, dict] = {}
+    for end in range(every, max_steps + 1, every):
+        steps = range(end - every + 1, end + 1)   # rows count steps done: body k logs at k + 1
+        xs = [(torch.tensor(s + 0.0) / 3).item() for s in steps]
+        rows.setdefault(end, {})["x"] = sum(xs) / len(xs)
+        ys = [s for s in steps if (s - 1) % 3 == 0]
+        if ys:
+            rows.setdefault(ys[-1], {})["y"] = sum((s - 1) / 4 for s in ys) / len(ys)
+    return [{"step": s, **rows[s]} for s in sorted(rows)]
+
+
+def test_log_reduce_mean_stopped_mid_window_resumes_to_the_uninterrupted_rows(tmp_path):
+    """2 ranks, gloo, through the CLI: a SIGTERM in the middle of a log_every window; the checkpoint
+    holds each name's sum and count, so the resumed run writes the window's mean over all of it."""
+    args = ["task=probe_logs_window", "launch.nproc_per_node=2", "task.log_every=5", "task.log_reduce=mean",
+            "checkpoint.poll_every=1"]
+    straight = probe(args, tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    stopped = probe(args, tmp_path / "run", env=clean_env(PYTHONPATH=str(TESTS), PROBE_STOP_AT="11"))
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    at = stopped.result["steps"]
+    # the ranks agree on the stop two polls after it reached rank 0 (body of step 11): step 13
+    assert stopped.result["status"] == "stopped" and at % 5 != 0 and 11 < at < 30, stopped.result
+    resumed = probe(args, tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.result["resumed_from_step"] == at
+    rows = [[{k: v for k, v in r.items() if k not in ("epoch", "time")} for r in run.metrics()]
+            for run in (resumed, straight)]
+    assert rows[0] == rows[1]   # bit for bit: the float32 sum went on from where it stopped
+    want = _window_means(30, 5)
+    assert len(rows[1]) == len(want) and all(r == pytest.approx(w) for r, w in zip(rows[1], want)), rows[1]
 
 
 # -- users' code: the examples ---------------------------------------------------------------

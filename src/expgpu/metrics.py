@@ -2,9 +2,11 @@
 
 A logged tensor stays on its device until a flush (every `task.log_every` steps, at a stop, at
 the end): reading it back (`.item()`) waits for the GPU, which a plain PyTorch loop also does
-only when it prints. Between two flushes the latest value of each name is kept with the step it
-was logged at, so a metric logged every step costs one read per flush, and one logged at an odd
-step (an evaluation) is still written, at its own step.
+only when it prints. Between two flushes each name keeps one value and the step it was last
+logged at, so a metric logged every step costs one read per flush, and one logged at an odd step
+(an evaluation) is still written, at its own step. Which value (`task.log_reduce`): the last one
+logged (MetricsLog, the default: a row is a sample of the window, as a printing loop shows), or
+the mean of all of them (WindowMeanLog: summed on the device as they come, divided at the flush).
 
 A row's `step` counts the steps done, as the checkpoint does: what is logged inside the body of
 `for step, batch in run.steps(...)` belongs to step + 1. metrics.jsonl holds one JSON row per
@@ -103,14 +105,18 @@ class MetricsLog:
         for name, value in values.items():
             pending[name] = (step, value)
 
+    def _values(self) -> list[tuple[str, int, Any]]:
+        """(name, step, number) of each name logged since the last row: read back now."""
+        return [(name, step, _number(scalar(name, value))) for name, (step, value) in self.pending.items()]
+
     def flush(self, epoch: int, to_loggers: bool = True) -> None:
         if not self.pending:
             return
         if self.file is None:
             self.open(0, self.total)
         rows: dict[int, dict[str, Any]] = {}
-        for name, (step, value) in self.pending.items():
-            rows.setdefault(step, {})[name] = _number(scalar(name, value))
+        for name, step, value in self._values():
+            rows.setdefault(step, {})[name] = value
         self.pending.clear()
         now = round(time.time(), 3)
         written = [{"step": step, **rows[step], "epoch": epoch, "time": now} for step in sorted(rows)]
@@ -133,10 +139,12 @@ class MetricsLog:
     def state_dict(self) -> list:
         """The values logged since the last row, for the checkpoint: a resumed run writes them at
         the next flush, as the uninterrupted run does, instead of a row at the stop step."""
-        return [[name, step, _number(scalar(name, value))] for name, (step, value) in self.pending.items()]
+        return [[name, step, value] for name, step, value in self._values()]
 
     def load_state_dict(self, state: list) -> None:
-        self.pending = {name: (int(step), value) for name, step, value in state}
+        # [name, step, sum, count] entries: a checkpoint of log_reduce=mean (a resume may change it)
+        self.pending = {name: (int(step), value / n[0] if n and n[0] != 1 else value)
+                        for name, step, value, *n in state}
 
     def close(self, epoch: int, flush: bool = True, crashed: bool = False) -> None:
         if flush:
@@ -154,6 +162,49 @@ class MetricsLog:
         """After the function: the loggers get its outcome (finished, stopped, failed) and returned metrics."""
         if self.loggers is not None:
             self.loggers.finish(status, metrics, step, self.last_row)
+
+
+class WindowMeanLog(MetricsLog):
+    """task.log_reduce=mean: a row holds the mean of each name's values logged since the last row.
+
+    Values are added up as they come, tensors on their device (no read-back: the sum is read at the
+    flush, as MetricsLog reads its last value), in float32 at least; a name logged once since the
+    last row (an evaluation) keeps its one value as logged. The checkpoint holds each (sum, count):
+    a run stopped in the middle of a window and resumed writes the uninterrupted run's mean."""
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        pending = self.pending
+        for name, value in values.items():
+            value = scalar(name, value)   # checked now: a sum of strings or vectors is no mean to report
+            if not hasattr(value, "detach"):
+                value = _number(value)    # NumPy's bools add as `or`: Python numbers add as numbers
+            held = pending.get(name)
+            if held is None:
+                pending[name] = [step, value, 1]
+            else:
+                held[0], held[1], held[2] = step, _widened(held[1]) + _widened(value), held[2] + 1
+
+    def _values(self) -> list[tuple[str, int, Any]]:
+        out = []
+        for name, (step, total, count) in self.pending.items():
+            value = _number(total)
+            out.append((name, step, value if count == 1 else value / count))
+        return out
+
+    def state_dict(self) -> list:
+        return [[name, step, _number(total), count] for name, (step, total, count) in self.pending.items()]
+
+    def load_state_dict(self, state: list) -> None:
+        # [name, step, value] entries: a checkpoint of log_reduce=last, its value a window of one
+        self.pending = {name: [int(step), value, n[0] if n else 1] for name, step, value, *n in state}
+
+
+def _widened(value: Any) -> Any:
+    """A tensor to add up in float32 at least: bf16 and fp16 sums lose digits within a few dozen
+    terms, bool tensors add as `or`, small integers overflow. Python numbers as they are."""
+    if hasattr(value, "is_floating_point") and (not value.is_floating_point() or value.element_size() < 4):
+        return value.float()
+    return value
 
 
 # Without a terminal, a progress line at most this often (and the last row at the end): a line per

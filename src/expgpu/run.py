@@ -37,7 +37,7 @@ from typing import Any, Iterator
 from expgpu import dist, loggers, rng
 from expgpu.errors import UserError
 from expgpu.feed import END_OF_EPOCH, Feed, RankSampler, SeededFetch
-from expgpu.metrics import ROW_KEYS, MetricsLog
+from expgpu.metrics import ROW_KEYS, MetricsLog, WindowMeanLog
 from expgpu.stopping import NEVER
 from expgpu.tracked import Tracked
 from expgpu.wrap import wrap
@@ -82,7 +82,9 @@ class Run:
         self._in_step = False
         self._saved_at: int | None = None
         self._stopped = False
-        self._metrics = MetricsLog(self.run_dir, loggers=loggers.build(cfg, self.run_dir)) if self.is_main else None
+        # task.log_reduce chooses the class once: run.log, called every step, tests nothing for it
+        log_class = WindowMeanLog if spec.log_reduce == "mean" else MetricsLog
+        self._metrics = log_class(self.run_dir, loggers=loggers.build(cfg, self.run_dir)) if self.is_main else None
         self._gpu_speed = gpu_speed        # this rank's GPU score (data.shard=proportional)
         self._start_step = 0
         self._timing: dict[str, float | None] = {"first_step_at": None, "t10": None, "end": None}

@@ -10,13 +10,14 @@ A task file without `_target_` (model + dataset + optimizer + loss + ...) gives 
 the built-in supervised function, `expgpu.tasks.supervised.train`: one loop, not two.
 
 A few keys belong to the run and are read by expgpu whatever the function (RUN_KEYS: the seed,
-the logging cadence, the precision of run.autocast); they reach the function too when it names
-them. Every other key must be a parameter of the function: a misspelt one is an error naming it,
-not a setting silently ignored. Values are checked against the function's annotations (int,
-float, bool, str, Literal, Enum, and lists, tuples and dicts of them), so `lr: 2e-3`,
-`task.max_steps=abc` or `task.layers=[a,b]` for `layers: list[int]` fail or convert before any
-rank starts training. Nested `{_target_: ...}` values are built (hydra.utils.instantiate) just
-before the call, after the run is seeded and this process owns its GPU.
+the logging cadence and what a row keeps, the precision of run.autocast); they reach the
+function too when it names them. Every other key must be a parameter of the function: a
+misspelt one is an error naming it, not a setting silently ignored. Values are checked against
+the function's annotations (int, float, bool, str, Literal, Enum, and lists, tuples and dicts of
+them), so `lr: 2e-3`, `task.max_steps=abc` or `task.layers=[a,b]` for `layers: list[int]` fail
+or convert before any rank starts training. Nested `{_target_: ...}` values are built
+(hydra.utils.instantiate) just before the call, after the run is seeded and this process owns
+its GPU.
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ from expgpu.errors import UserError, first_line
 SUPERVISED = "expgpu.tasks.supervised.train"
 # The run's own keys and their defaults. seed_per_rank None: true for a task function (each rank
 # draws its own dropout masks and noise), false for the built-in loop (as before it existed).
-RUN_KEYS: dict[str, Any] = {"name": None, "seed": 0, "seed_per_rank": None, "log_every": 10, "precision": 32}
+RUN_KEYS: dict[str, Any] = {"name": None, "seed": 0, "seed_per_rank": None, "log_every": 10, "log_reduce": "last",
+                            "precision": 32}
 PRECISIONS = ("32", "16", "bf16")
+# What a metrics.jsonl row holds for a name logged several times since the last row (expgpu.metrics).
+LOG_REDUCES = ("last", "mean")
 # Settings a resume may change: the rest must match the checkpoint's (its fingerprint).
-MAY_CHANGE = ("max_steps", "log_every", "name", "eval_every", "eval_dataset", "compile")
+MAY_CHANGE = ("max_steps", "log_every", "log_reduce", "name", "eval_every", "eval_dataset", "compile")
 _SIMPLE = (int, float, bool, str)
 
 
@@ -52,6 +56,7 @@ class TaskSpec:
     seed: int
     seed_per_rank: bool
     log_every: int
+    log_reduce: str        # "last" | "mean"
     precision: str         # "32" | "16" | "bf16"
     identity: dict         # the settings a checkpoint must share with its resume
     fingerprint: str
@@ -308,11 +313,14 @@ def _run_settings(keys: dict, classic: bool) -> dict:
     if per_rank is not None and not isinstance(per_rank, bool):
         raise UserError(f"task.seed_per_rank={per_rank!r} is not allowed: true, false or null "
                         "(null: true for a task function, false for the built-in loop)")
+    if keys["log_reduce"] not in LOG_REDUCES:
+        raise UserError(f"task.log_reduce={keys['log_reduce']!r} is not allowed: last or mean (a name logged "
+                        "several times between two metrics.jsonl rows: its last value, or their mean)")
     if str(precision) not in PRECISIONS:
         raise UserError(f"task.precision={precision!r} is not allowed: 32, 16 or bf16")
     if keys["name"] is not None and not isinstance(keys["name"], str):
         raise UserError(f"task.name={keys['name']!r} is not allowed: a string")
-    return {"seed": seed, "log_every": every, "precision": str(precision),
+    return {"seed": seed, "log_every": every, "log_reduce": keys["log_reduce"], "precision": str(precision),
             "seed_per_rank": (not classic) if per_rank is None else per_rank}
 
 

@@ -6,9 +6,9 @@ the others failed.
 
 One row per job, best first (report.rank says by what), the overrides that tell jobs apart, a
 column per metric the jobs returned, a failed job's one-line reason. Writes, into SWEEP_DIR only:
-report.csv (one column per override key), loss_curves.png (loss and evaluation metrics, matplotlib's
-Agg backend: no display needed) and report.html (both on one page). A sweep writes the same at its
-end (report.callback). Never writes into a job dir.
+report.csv (one column per override key), loss_curves.png (a panel per metric the jobs logged,
+the ranking metric first; matplotlib's Agg backend: no display needed) and report.html (both on
+one page). A sweep writes the same at its end (report.callback). Never writes into a job dir.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None, prog: str = "expgpu-report") -> int:
     parser = argparse.ArgumentParser(prog=prog, description="Which job of a sweep was best: a table, report.csv, "
                                                             "loss_curves.png and report.html in the sweep dir.")
     parser.add_argument("sweep_dir", type=Path, help="a sweep dir (outputs/multirun/DATE/TIME) or a run dir")
-    parser.add_argument("--metric", help="rank by this returned metric (default: the jobs' objective, else "
-                                         "eval_loss, eval_accuracy, accuracy, final_loss)")
+    parser.add_argument("--metric", help="rank by this returned metric (default: the jobs' objective, else the "
+                                         "metric most finished jobs returned, a loss or score, held-out first: "
+                                         "see the README)")
     way = parser.add_mutually_exclusive_group()
     way.add_argument("--maximize", action="store_const", const=True, dest="maximize", help="higher is better")
     way.add_argument("--minimize", action="store_const", const=False, dest="maximize", help="lower is better")

@@ -4,7 +4,7 @@ Works on any sweep dir Hydra wrote (basic launcher, gpu_pool, joblib, SLURM thro
 on a single run dir. Each job dir gives its overrides (.hydra/overrides.yaml), its objective
 (.hydra/config.yaml's `objective`, an optimizing sweeper's direction in .hydra/hydra.yaml), its
 outcome, returned metrics and devices (result.json), why it failed (.expgpu/failure.json, else the
-first rank's .expgpu/rank*.failure.json), its logged history (metrics.jsonl: loss, eval metrics);
+first rank's .expgpu/rank*.failure.json), its logged history (metrics.jsonl: every name run.log wrote);
 gpu_pool's pool.json adds GPUs, wall times, errors and jobs that never started. A job dir that is
 missing or broken is a row saying so, never the end of the report.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 from expgpu.errors import UserError
 from expgpu.rundir import METRICS, POOL_RECORD, RESULT, failure_files, job_failure_file
 
-# Logged every step but not a result: not drawn (the learning rate is, when nothing else is).
+# Every metrics.jsonl row's own bookkeeping, not a metric the task logged: no panel of its own.
 _NOT_PLOTTED = ("epoch", "time", "step")
 
 

@@ -56,7 +56,7 @@ def page(rows: list[Row], ranking: Ranking, title: str, png: str | None, base: P
                        f"{escape(r.error)}</td></tr>")
     out.append("</table>")
     if png:
-        out.append(f"<img src='{escape(png)}' alt='loss and evaluation curves'>")
+        out.append(f"<img src='{escape(png)}' alt='the metrics the jobs logged, a panel each'>")
     out.append("</body></html>\n")
     return "\n".join(out)
 

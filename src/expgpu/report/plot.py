@@ -1,8 +1,12 @@
-"""loss_curves.png: the training loss and the evaluation metrics of every job, one panel each.
+"""loss_curves.png: every metric the jobs logged (metrics.jsonl), one panel each, for every job.
 
-The best job (report.rank) is drawn thick. Up to LEGEND_ALL jobs each get a legend entry inside the
-first panel; beyond that only the best LEGEND_BEST are named, in a legend beside the panels, and
-the others are thin grey lines: 42 entries in a legend cover the plot and say nothing.
+Panels in this order: the ranking metric, the training losses, the held-out metrics, the other
+losses and scores, then the rest (learning rate, gradient norm, names of no known kind; report.rank
+says how a name is read), each group in the order the jobs logged them; at most MAX_PANELS, the
+ones left out named under the panels. The best job (report.rank) is drawn thick. Up to LEGEND_ALL
+jobs each get a legend entry inside the first panel; beyond that only the best LEGEND_BEST are
+named, in a legend beside the panels, and the others are thin grey lines: 42 entries in a legend
+cover the plot and say nothing.
 """
 
 from __future__ import annotations
@@ -12,23 +16,44 @@ import math
 from pathlib import Path
 
 from expgpu.report.collect import Row
-from expgpu.report.rank import Ranking
+from expgpu.report.rank import Ranking, held_out, kind, measure
 
 LEGEND_ALL = 12
 LEGEND_BEST = 10
-MAX_PANELS = 4
+# 4 rows of 3: past that a panel is too small to read on a screen, and a sweep's own metrics
+# come first anyway.
+MAX_PANELS = 12
 
 
 def panels(rows: list[Row], ranking: Ranking) -> list[str]:
-    """Which logged series to draw: loss, the ranking metric, then evaluation metrics."""
-    logged = [name for r in rows for name in r.series]
-    wanted = ["loss", ranking.metric or ""]
-    wanted += [n for n in logged if n.startswith(("eval_", "train_")) or n in ("accuracy", "val_loss")]
-    out = []
-    for name in wanted:
-        if name in logged and name not in out:
-            out.append(name)
-    return out[:MAX_PANELS]
+    """Every logged series, in the order to draw them (all of them: the caller caps)."""
+    logged: list[str] = []
+    for r in rows:
+        logged += [name for name in r.series if name not in logged]
+
+    def group(name: str) -> int:
+        if _ranks(name, ranking):
+            return 0
+        if held_out(name):
+            return 2
+        return {"loss": 1, "score": 3}.get(kind(name), 4)
+
+    return sorted(logged, key=lambda name: (group(name), logged.index(name)))
+
+
+def _ranks(name: str, ranking: Ranking) -> bool:
+    """The ranking metric's own series, or the series it was taken from (best_val_loss: val/loss)."""
+    if ranking.metric is None:
+        return False
+    return name == ranking.metric or measure(name) == measure(ranking.metric) != ()
+
+
+def _grid(n: int) -> tuple[int, int, float, float]:
+    """Columns, rows and a panel's size in inches: 3 narrower columns past 4 panels, so that 12
+    panels stay a picture of about 1700 x 1700 pixels."""
+    cols = 1 if n == 1 else 2 if n <= 4 else 3
+    width, height = (6.2, 4.2) if cols < 3 else (5.2, 3.6)
+    return cols, math.ceil(n / cols), width, height
 
 
 def plot(rows: list[Row], ranking: Ranking, path: Path, title: str) -> list[str] | None:
@@ -36,6 +61,7 @@ def plot(rows: list[Row], ranking: Ranking, path: Path, title: str) -> list[str]
     names = panels(rows, ranking)
     if not names:
         return None
+    names, left_out = names[:MAX_PANELS], names[MAX_PANELS:]
     import matplotlib
 
     matplotlib.use("Agg")  # no display: a file, from a terminal, a cluster node or CI
@@ -51,10 +77,13 @@ def plot(rows: list[Row], ranking: Ranking, path: Path, title: str) -> list[str]
     # One colour per job for every panel: the legend, in the first panel only, names jobs by colour
     # (matplotlib's cycle would start again in each panel, over the jobs that logged that metric).
     colour = {id(r): f"C{i % 10}" for i, r in enumerate(r for r in drawn if id(r) in named)}
-    cols = min(len(names), 2)
-    nrows = math.ceil(len(names) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(6.2 * cols + (3.2 if crowded else 0), 4.2 * nrows + 0.6),
+    cols, nrows, width, height = _grid(len(names))
+    foot = 0.3 if left_out else 0.0   # inches for the line naming what was left out
+    fig, axes = plt.subplots(nrows, cols, figsize=(width * cols + (3.2 if crowded else 0), height * nrows + 0.6 + foot),
                              dpi=110, squeeze=False)
+    # Each named job's first line carries its legend entry, whichever panel it is in: the first
+    # panel (the ranking metric's) may lack jobs that did not log it.
+    entry: dict[int, object] = {}
     try:
         for ax, name in zip(axes.flat, names):
             for r in reversed(drawn):   # the best last: on top
@@ -68,19 +97,20 @@ def plot(rows: list[Row], ranking: Ranking, path: Path, title: str) -> list[str]
                 style = dict(linewidth=2.6 if best else 1.3, zorder=3 if best else 2, color=colour.get(id(r)))
                 if not labelled:
                     style.update(color="0.7", linewidth=0.8, zorder=1)
-                ax.plot(steps, values, marker="o" if len(steps) <= 3 else None, markersize=3,
-                        label=label if labelled and ax is axes.flat[0] else None, **style)
+                [line] = ax.plot(steps, values, marker="o" if len(steps) <= 3 else None, markersize=3, label=label,
+                                 **style)
+                if labelled:
+                    entry.setdefault(id(r), line)
             series = [v for r in drawn for _, v in r.series.get(name, [])]
-            if name.endswith("loss") and series and all(v > 0 for v in series):
+            if kind(name) == "loss" and series and all(v > 0 for v in series):
                 ax.set_yscale("log")
             ax.set_xlabel("step")
-            ax.set_title(name + (f"  ({ranking.direction})" if name == ranking.metric else ""), fontsize=9)
+            ax.set_title(name + (f"  ({ranking.direction})" if _ranks(name, ranking) else ""), fontsize=9)
             ax.grid(True, alpha=0.3)
         for ax in list(axes.flat)[len(names):]:
             ax.set_visible(False)
-        handles, labels = axes.flat[0].get_legend_handles_labels()
-        order = sorted(range(len(labels)), key=lambda i: -i)   # drawn worst first: list best first
-        handles, labels = [handles[i] for i in order], [labels[i] for i in order]
+        handles = [entry[id(r)] for r in drawn if id(r) in entry]   # best first
+        labels = [h.get_label() for h in handles]
         unfinished = any(r.status != "finished" for r in drawn)
         note = "* did not finish" if unfinished else None
         if crowded:
@@ -91,10 +121,18 @@ def plot(rows: list[Row], ranking: Ranking, path: Path, title: str) -> list[str]
             axes.flat[0].legend(handles, labels, fontsize=7, loc="best", title=note, title_fontsize=7)
         common = " ".join(ranking.common)
         fig.suptitle(title + (f"\n{common}" if common else ""), fontsize=9)
-        fig.tight_layout(rect=(0, 0, 1 - (3.2 / fig.get_figwidth() if crowded else 0), 1))
+        top = 1 - (0.42 if common else 0.28) / fig.get_figheight()   # tight_layout leaves the title no room
+        if left_out:
+            fig.text(0.01, 0.3 / fig.get_figheight(), f"not drawn ({MAX_PANELS} panels at most): "
+                     + _shortened(", ".join(left_out), 40 * cols), fontsize=8, va="center")
+        fig.tight_layout(rect=(0, foot / fig.get_figheight(), 1 - (3.2 / fig.get_figwidth() if crowded else 0), top))
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
     finally:
         plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())
     return labels
+
+
+def _shortened(text: str, chars: int) -> str:
+    return text if len(text) <= chars else text[:chars - 3].rsplit(", ", 1)[0] + ", ..."

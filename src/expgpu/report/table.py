@@ -20,15 +20,18 @@ def fmt(x, digits: int = 4) -> str:
 
 
 def headline(ranking: Ranking) -> str:
-    """One line: the metric, which way, and the best job (or why none is)."""
+    """One line: the metric, which way, why that metric, and the best job (or why none is)."""
     if ranking.metric is None:
-        return "no job returned a metric to rank by"
+        return f"nothing to rank by: {ranking.why}"
+    way = ranking.direction
+    if ranking.assumed:   # a wrong guess ranks the sweep upside down: say it is one, and how to undo it
+        way += ", assumed: the name says neither loss nor score, --maximize if not"
+    ranked = f"ranked by {ranking.metric} ({way}; {ranking.why})"
     best = ranking.best
     if best is None:
-        return f"ranked by {ranking.metric} ({ranking.direction}): no finished job returned it"
+        return f"{ranked}: no finished job returned it"
     what = " ".join(ranking.differs.get(best.job) or []) or "no overrides"
-    return (f"ranked by {ranking.metric} ({ranking.direction}); best: job {best.job} ({what}), "
-            f"{ranking.metric} {fmt(best.metrics[ranking.metric], 6)}")
+    return f"{ranked}; best: job {best.job} ({what}), {ranking.metric} {fmt(best.metrics[ranking.metric], 6)}"
 
 
 def table(rows: list[Row], ranking: Ranking) -> str:
