@@ -114,21 +114,6 @@ def test_dealt(counts, chunk, expected):
 # --- SLURM refusals: one line naming the variable -----------------------------------------------
 
 SLURM_REFUSALS = {
-    "gtids not a list": (CYCLIC_NODE0, {"SLURM_GTIDS": "0,,2"}, "SLURM_GTIDS='0,,2' must be the comma-separated"),
-    "gtids disagree with procid": (
-        CYCLIC_NODE0, {"SLURM_GTIDS": "0,1,3,4"},
-        "SLURM_GTIDS='0,1,3,4' gives local rank 1 the rank 1 but SLURM_PROCID=2"),
-    "gtids too short": (
-        CYCLIC_NODE0, {"SLURM_GTIDS": "0,2"},
-        "SLURM_GTIDS='0,2' lists 2 ranks but this node has SLURM_STEP_TASKS_PER_NODE"),
-    "gtids beyond the step": (
-        CYCLIC_NODE0, {"SLURM_GTIDS": "0,2,3,9"}, "SLURM_GTIDS='0,2,3,9' must list distinct ranks below "
-                                                   "SLURM_STEP_NUM_TASKS=5"),
-    "arbitrary layout, no gtids": (
-        CYCLIC_NODE0, {"SLURM_GTIDS": None, "SLURM_DISTRIBUTION": "arbitrary"},
-        "SLURM_GTIDS is not set, and SLURM_DISTRIBUTION='arbitrary' does not say"),
-    "plane without its size": (
-        PLANE2_NODE0, {"SLURM_GTIDS": None, "SLURM_DIST_PLANESIZE": None}, "SLURM_DIST_PLANESIZE is not set"),
     "step tasks vs step counts": (
         SRUN_E, {"SLURM_STEP_NUM_TASKS": "3"},
         "SLURM_STEP_TASKS_PER_NODE='2' sums to 2 tasks but SLURM_STEP_NUM_TASKS=3"),
@@ -147,6 +132,60 @@ def test_slurm_refusals_name_the_variable(base, changes, message):
     with pytest.raises(UserError) as caught:
         detect(env)
     assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+# --- SLURM's own variables are the truth: a layout that disagrees only loses the dry run's labels ---
+
+# Lightning's SLURM test environment, as an srun step: rank 1 at local rank 2 of node 3, where the
+# block layout over 5 tasks a node would put rank 17 (-m arbitrary with a hostfile does such things)
+LIGHTNING_TEST = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "0001234", "SLURM_PROCID": "1", "SLURM_LOCALID": "2",
+                  "SLURM_NODEID": "3", "SLURM_NTASKS": "20", "SLURM_NNODES": "4", "SLURM_TASKS_PER_NODE": "5(x4)",
+                  "SLURM_JOB_NODELIST": "1.1.1.1,1.1.1.2,1.1.1.3,1.1.1.4", "SLURM_JOB_NAME": "JOB"}
+SLURM_DISAGREEMENTS = {
+    "block layout vs procid": (
+        LIGHTNING_TEST, {}, "the layout inferred from SLURM_DISTRIBUTION unset: block over "
+                            "SLURM_TASKS_PER_NODE='5(x4)' (this node's ranks by it: 15,16,17,18,19) puts rank 17 "
+                            "at local rank 2"),
+    "gtids disagree with procid": (
+        CYCLIC_NODE0, {"SLURM_GTIDS": "0,1,3,4"},
+        "SLURM_GTIDS='0,1,3,4' (this node's ranks by it: 0,1,3,4) puts rank 1 at local rank 1"),
+    "gtids too short": (
+        CYCLIC_NODE0, {"SLURM_GTIDS": "0,2"}, "SLURM_GTIDS='0,2' (this node's ranks by it: 0,2) lists 2 tasks "
+                                              "for this node, which has 4"),
+    "gtids beyond the step": (
+        CYCLIC_NODE0, {"SLURM_GTIDS": "0,2,3,9"}, "SLURM_GTIDS='0,2,3,9' (this node's ranks by it: 0,2,3,9) "
+                                                   "does not list distinct ranks below 5"),
+    "gtids not a list": (CYCLIC_NODE0, {"SLURM_GTIDS": "0,,2"}, "SLURM_GTIDS='0,,2' must be the comma-separated"),
+    "arbitrary layout, no gtids": (
+        CYCLIC_NODE0, {"SLURM_GTIDS": None, "SLURM_DISTRIBUTION": "arbitrary"},
+        "SLURM_GTIDS is not set, and SLURM_DISTRIBUTION='arbitrary' does not say"),
+    "plane without its size": (
+        PLANE2_NODE0, {"SLURM_GTIDS": None, "SLURM_DIST_PLANESIZE": None}, "SLURM_DIST_PLANESIZE is not set"),
+}
+
+
+@pytest.mark.parametrize("base, changes, message", SLURM_DISAGREEMENTS.values(), ids=SLURM_DISAGREEMENTS.keys())
+def test_slurms_own_variables_win_over_a_layout_that_disagrees_with_one_warning(base, changes, message, caplog):
+    env = {k: v for k, v in {**base, **changes}.items() if v is not None}
+    with caplog.at_level("WARNING", logger="expgpu"):
+        got = detect(env)
+    rank, local, node = (int(env[k]) for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"))
+    assert (got.rank, got.local_rank, got.node_rank) == (rank, local, node)
+    assert got.ranks_on_node == tuple(rank if i == local else None for i in range(got.local_world_size))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and message in warnings[0] and "\n" not in warnings[0], warnings
+    assert warnings[0].startswith(f"SLURM_PROCID={rank} SLURM_LOCALID={local} SLURM_NODEID={node} used as they are")
+
+
+def test_a_node_whose_ranks_disagree_with_the_layout_runs_and_its_dry_run_labels_the_rest_unknown(tmp_path):
+    env = {**LIGHTNING_TEST, "SLURM_LOCALID": "0"}   # local rank 0 writes the node's plan
+    run = expgpu(["dry_run=true", "gpu_map.share=true", "inventory.simulate=[{name:A100,memory_mb:40960}]"],
+                 tmp_path / "run", env=clean_env(**env), timeout=60)
+    assert run.returncode == 0, run.stderr
+    table = run.stdout[run.stdout.index("gpu_map=sequential"):].splitlines()[2:7]
+    assert [(line.split()[0], line.split()[2]) for line in table] == [("1", "0"), ("?", "1"), ("?", "2"),
+                                                                      ("?", "3"), ("?", "4")], run.stdout
+    assert "puts rank 15 at local rank 0" in run.output
 
 
 # --- torchrun with different workers per node, and env:// launches without a rendezvous -----------

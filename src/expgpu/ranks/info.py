@@ -33,8 +33,8 @@ class RankInfo:
     # interleave nodes. Not passed: rank - local_rank + (0 .. local_world_size - 1), right where a
     # launcher numbers a node's processes contiguously (torchrun, expgpu's spawn, mpirun's default);
     # stays () = unknown where that block does not fit in the world (torchrun --virtual-local-rank
-    # gives every worker LOCAL_RANK=0).
-    ranks_on_node: tuple[int, ...] = ()
+    # gives every worker LOCAL_RANK=0). None for a rank of this node that cannot be known.
+    ranks_on_node: tuple[int | None, ...] = ()
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -93,7 +93,8 @@ def _check_ranks_on_node(fields: Mapping[str, Any], name, fail) -> None:
     if len(given) != fields["local_world_size"]:
         fail("ranks_on_node", f"lists {len(given)} ranks but this node has "
                               f"{name('local_world_size')}={fields['local_world_size']}")
-    if len(set(given)) != len(given) or not all(0 <= r < world for r in given):
+    known = [r for r in given if r is not None]   # None: a rank the source cannot tell (SLURM's disagree)
+    if len(set(known)) != len(known) or not all(0 <= r < world for r in known):
         fail("ranks_on_node", f"must list distinct ranks below {name('world_size')}={world}")
     if given[local_rank] != rank:
         fail("ranks_on_node", f"gives local rank {local_rank} the rank {given[local_rank]} but {name('rank')}={rank}")

@@ -20,11 +20,13 @@ step's are missing (hand-made environments).
 
 Which global ranks share a node: SLURM_GTIDS, which slurmstepd sets for every task (the task ids of
 this node, by SLURM_LOCALID). With `-m cyclic`, `-m plane=N` or uneven counts like `2(x3),1` they
-are not node_rank * tasks_per_node + local_rank.
+are not node_rank * tasks_per_node + local_rank. They only label the dry run's table: a task's own
+rank, local rank and node are SLURM_PROCID, SLURM_LOCALID and SLURM_NODEID, whatever the layout.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +35,8 @@ import hostlist
 
 from expgpu.errors import UserError, env_int
 from expgpu.ranks.info import RankInfo, build, env_port, env_str, is_set, plural
+
+log = logging.getLogger("expgpu")
 
 MAX_NORMAL_STEP_ID = 0xFFFFFFF0
 # field -> (the step's own variable, the older name srun -E leaves at the allocation's value)
@@ -104,7 +108,7 @@ def detect(env: Mapping[str, str]) -> RankInfo | None:
             f"in {counts_var}={env[counts_var]!r}"
         )
     names["local_world_size"] = f"{counts_var}[SLURM_NODEID]"
-    names["ranks_on_node"], ranks_on_node = node_tasks(env, counts, node_rank)
+    ranks_on_node = node_labels(env, counts, node_rank, rank, local_rank, world_size)
     if is_set(env, "MASTER_ADDR"):
         master_addr = env_str(env, "MASTER_ADDR")
     else:  # rank 0 runs on the step's first node in every layout but a hostfile's (-m arbitrary)
@@ -142,6 +146,35 @@ def _check_layout(env, names, counts, host_names, world_size, num_nodes, node_ra
         raise UserError(f"SLURM_NODEID='{node_rank}' must be < {nodes_var}={num_nodes}")
 
 
+def node_labels(env: Mapping[str, str], counts: list[int], node_rank: int, rank: int, local_rank: int,
+                world_size: int) -> tuple[int | None, ...]:
+    """The global ranks of this node's tasks by SLURM_LOCALID, for the dry run's labels only.
+
+    SLURM_PROCID, SLURM_LOCALID and SLURM_NODEID are the truth (a hostfile's -m arbitrary, a site's
+    own layout, a test environment): where SLURM_GTIDS or the inferred layout disagree with them,
+    or cannot be read, one warning says so and this node's other ranks are unknown (None, shown as ?).
+    """
+    unknown = tuple(rank if i == local_rank else None for i in range(counts[node_rank]))
+    ids = f"SLURM_PROCID={rank} SLURM_LOCALID={local_rank} SLURM_NODEID={node_rank}"
+    try:
+        source, labels = node_tasks(env, counts, node_rank)
+    except UserError as e:
+        log.warning("%s used as they are; the dry run shows this node's other ranks as ?, since %s", ids, e)
+        return unknown
+    problem = None
+    if len(labels) != len(unknown):
+        problem = f"lists {plural(len(labels), 'task')} for this node, which has {len(unknown)}"
+    elif len(set(labels)) != len(labels) or not all(0 <= r < world_size for r in labels):
+        problem = f"does not list distinct ranks below {world_size}"
+    elif labels[local_rank] != rank:
+        problem = f"puts rank {labels[local_rank]} at local rank {local_rank}"
+    if problem is not None:
+        log.warning("%s used as they are (SLURM's own); %s (this node's ranks by it: %s) %s, so the dry run "
+                    "shows this node's other ranks as ?", ids, source, ",".join(map(str, labels)), problem)
+        return unknown
+    return labels
+
+
 def node_tasks(env: Mapping[str, str], counts: list[int], node_rank: int) -> tuple[str, tuple[int, ...]]:
     """(what it was read from, the global ranks of this node's tasks by SLURM_LOCALID).
 
@@ -152,7 +185,7 @@ def node_tasks(env: Mapping[str, str], counts: list[int], node_rank: int) -> tup
         raw = env["SLURM_GTIDS"].strip()
         if not re.fullmatch(r"[0-9]+(,[0-9]+)*", raw):
             raise UserError(f"SLURM_GTIDS={raw!r} must be the comma-separated task ids of this node, like '0,2,4'")
-        return "SLURM_GTIDS", tuple(int(t) for t in raw.split(","))
+        return f"SLURM_GTIDS={raw!r}", tuple(int(t) for t in raw.split(","))
     raw = env.get("SLURM_DISTRIBUTION", "").strip()
     method = re.split(r"[:,]", raw)[0] if raw else "block"  # node level: before ':' (cores) or ',pack'
     if method == "block":
@@ -164,7 +197,9 @@ def node_tasks(env: Mapping[str, str], counts: list[int], node_rank: int) -> tup
     else:
         raise UserError(f"SLURM_GTIDS is not set, and SLURM_DISTRIBUTION={raw!r} does not say which tasks "
                         "share a node: keep SLURM_GTIDS (srun sets it) in the tasks' environment")
-    source = f"SLURM_DISTRIBUTION={raw or 'block (default)'} over {step_variable(env, 'tasks_per_node')}"
+    counts_var = step_variable(env, "tasks_per_node")
+    layout = f"SLURM_DISTRIBUTION={raw!r}" if raw else "SLURM_DISTRIBUTION unset: block"
+    source = f"the layout inferred from {layout} over {counts_var}={env[counts_var]!r}"
     return source, dealt(counts, chunk)[node_rank]
 
 
