@@ -17,6 +17,7 @@ MIXED_NODE = ("inventory.simulate=[{name:V100,memory_mb:16384},{name:H100,memory
               "{name:T4,memory_mb:15360},{name:A100,memory_mb:40960}]")
 
 
+@pytest.mark.slow
 def test_single_rank_trains_and_writes_result(tmp_path):
     run = expgpu(["task=a", "task.max_steps=60", "gpu_map=ranked"], tmp_path / "run")
     assert run.returncode == 0, run.stderr
@@ -31,6 +32,7 @@ def test_single_rank_trains_and_writes_result(tmp_path):
     assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
 
 
+@pytest.mark.slow
 def test_without_a_terminal_progress_is_a_line_every_few_seconds_and_the_last_row(tmp_path):
     # A row every step in metrics.jsonl, but not a log line per row: the first, then one every
     # PROGRESS_EVERY_S, and the last.
@@ -42,6 +44,7 @@ def test_without_a_terminal_progress_is_a_line_every_few_seconds_and_the_last_ro
     assert "step 1  loss" in lines[0] and "step 120  loss" in lines[-1], lines
 
 
+@pytest.mark.slow
 def test_two_local_ranks_hold_identical_parameters(tmp_path):
     run = expgpu(["task=b", "task.max_steps=40", "launch.nproc_per_node=2"], tmp_path / "run")
     assert run.returncode == 0, run.stderr
@@ -55,6 +58,7 @@ def test_two_local_ranks_hold_identical_parameters(tmp_path):
     assert {r["rank"] for r in res["plan"]} == {0, 1}
 
 
+@pytest.mark.slow
 def test_digits_reaches_test_accuracy(tmp_path):
     run = expgpu(["task=digits"], tmp_path / "run")
     assert run.returncode == 0, run.stderr
@@ -66,6 +70,7 @@ def _descendants_alive(pid_file_pattern: str) -> list:
             if p.info["cmdline"] and pid_file_pattern in " ".join(p.info["cmdline"])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["exception", "kill"])
 def test_a_crashing_rank_ends_the_group_quickly(tmp_path, kind):
     run_dir = tmp_path / f"crash-{kind}"
@@ -84,6 +89,7 @@ def test_a_crashing_rank_ends_the_group_quickly(tmp_path, kind):
     assert not _descendants_alive(str(run_dir)), "workers outlived the run"
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -95,6 +101,7 @@ def test_torchrun_two_processes(tmp_path):
     assert res["rank_checksums"][0] == res["rank_checksums"][1]
 
 
+@pytest.mark.slow
 def test_two_processes_given_slurm_variables(tmp_path):
     """What srun -n2 gives each task (the test plays srun); both share one run dir."""
     procs, port = [], str(_free_port())
@@ -148,6 +155,7 @@ def test_dry_run_never_imports_torch(tmp_path):
     assert proc.stdout.strip().endswith("NOTORCH")
 
 
+@pytest.mark.slow
 def test_user_task_from_own_config_dir(tmp_path):
     env = clean_env(PYTHONPATH=str(REPO / "examples"))
     run = expgpu(["--config-dir", str(REPO / "examples" / "conf"), "task=linreg"], tmp_path / "run", env=env)
@@ -179,6 +187,7 @@ def test_user_task_from_own_config_dir(tmp_path):
     (["checkpoint.poll_every=0"], "checkpoint.poll_every=0 is not allowed: auto or an integer >= 1"),
     (["checkpoint.poll_every=often"], "checkpoint.poll_every='often' is not allowed: auto or an integer >= 1"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     run = expgpu(args, tmp_path / "run")
     assert run.returncode == 2, (run.returncode, run.stderr)
@@ -187,6 +196,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     assert len(lines) == 1 and needle in lines[0], run.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("var, value", [("SLURM_PROCID", "x"), ("SLURM_NTASKS", "-2"), ("SLURM_PROCID", "7")])
 def test_bad_environment_is_one_line_and_exit_2(tmp_path, var, value):
     env = clean_env(SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0",

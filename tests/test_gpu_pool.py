@@ -244,6 +244,7 @@ def test_thread_budget_shares_the_cores_among_the_jobs_that_run_at_once():
 # ---------------------------------------------------------------------------------------------
 # Sweeps
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_cpu_slots_run_six_jobs_two_at_a_time(tmp_path):
     sweep = Sweep(tmp_path)
@@ -264,6 +265,7 @@ def test_cpu_slots_run_six_jobs_two_at_a_time(tmp_path):
     assert [j["state"] for j in sweep.pool()["jobs"]] == ["finished"] * 6
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_each_job_sees_exactly_its_leased_gpus_and_sizes_mix(tmp_path):
     sweep = Sweep(tmp_path)
@@ -287,6 +289,7 @@ def test_each_job_sees_exactly_its_leased_gpus_and_sizes_mix(tmp_path):
     _all_leases_free(sweep, 3)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_sweeps_at_once_never_share_a_gpu(tmp_path):
     one = Sweep(tmp_path, "one")
@@ -305,6 +308,7 @@ def test_two_sweeps_at_once_never_share_a_gpu(tmp_path):
     assert most_at_once(jobs) <= 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_failing_job_is_reported_frees_its_gpu_and_the_sweep_goes_on(tmp_path):
     sweep = Sweep(tmp_path)
@@ -329,6 +333,7 @@ def test_a_failing_job_is_reported_frees_its_gpu_and_the_sweep_goes_on(tmp_path)
                               ("2", "finished", "GPU 0 (sim)")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ctrl_c_stops_every_job_and_leaves_no_process_and_no_lease(tmp_path):
     sweep = Sweep(tmp_path)
@@ -352,6 +357,7 @@ def test_ctrl_c_stops_every_job_and_leaves_no_process_and_no_lease(tmp_path):
     assert sorted(status for _, status, _ in _report(sweep)) == ["not_started", "not_started", "stopped", "stopped"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_killed_launcher_takes_its_jobs_and_leases_with_it(tmp_path):
     sweep = Sweep(tmp_path)
@@ -365,6 +371,7 @@ def test_a_killed_launcher_takes_its_jobs_and_leases_with_it(tmp_path):
     _all_leases_free(sweep, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_jobs_wait_for_a_gpu_leased_by_someone_else(tmp_path):
     sweep = Sweep(tmp_path)
@@ -392,6 +399,7 @@ def test_jobs_wait_for_a_gpu_leased_by_someone_else(tmp_path):
     assert [j["state"] for j in later.pool()["jobs"]] == ["finished", "finished"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_real_training_jobs_on_a_simulated_pool(tmp_path):
     sweep = Sweep(tmp_path)
@@ -409,6 +417,7 @@ def test_real_training_jobs_on_a_simulated_pool(tmp_path):
     assert seen == ["a", "b"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_log_never_shows_more_jobs_running_than_slots(tmp_path):
     sweep = Sweep(tmp_path)
@@ -421,6 +430,7 @@ def test_the_log_never_shows_more_jobs_running_than_slots(tmp_path):
     assert "done 6/6, running 0, queued 0" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_each_job_gets_its_share_of_the_cores_unless_the_user_chose(tmp_path):
     cores = len(os.sched_getaffinity(0))
@@ -452,6 +462,7 @@ def test_each_job_gets_its_share_of_the_cores_unless_the_user_chose(tmp_path):
     assert {(r["omp"], r["blas"], r["torch_threads"]) for r in blas.records()} == {(str(share), "7", share)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_task_module_is_imported_once_per_sweep_ahead_of_the_jobs_without_starting_cuda(tmp_path):
     sweep = Sweep(tmp_path)
@@ -469,6 +480,7 @@ def test_the_task_module_is_imported_once_per_sweep_ahead_of_the_jobs_without_st
     assert {j["cvd"] for j in jobs} <= {"0", "1"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_without_the_fork_server_jobs_still_run_in_processes_started_one_by_one(tmp_path):
     # A task module that starts a thread when imported: the fork server (which imports it ahead on
@@ -485,6 +497,7 @@ def test_without_the_fork_server_jobs_still_run_in_processes_started_one_by_one(
     assert sorted(r["tag"] for r in sweep.records()) == [0, 1, 2, 3]
     assert "not forking" in (sweep.dir / ".expgpu" / "pool-spares.log").read_text()
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_jobs_atexit_handlers_run_in_every_job(tmp_path):
     sweep = Sweep(tmp_path)
@@ -494,6 +507,7 @@ def test_the_jobs_atexit_handlers_run_in_every_job(tmp_path):
     assert sorted(r["tag"] for r in sweep.records("atexit")) == list(range(6)), "atexit ran in 6 of 6 jobs"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_hanging_atexit_handler_is_cut_after_the_grace_and_named(tmp_path):
     sweep = Sweep(tmp_path, EXPGPU_ATEXIT_GRACE_S="1")
@@ -508,6 +522,7 @@ def test_a_hanging_atexit_handler_is_cut_after_the_grace_and_named(tmp_path):
         assert "did not return within 1s (EXPGPU_ATEXIT_GRACE_S); exiting without it" in console
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool", [True, False], ids=["gpu_pool", "nproc_per_node"])
 def test_a_bad_atexit_grace_is_one_line_before_anything_starts(tmp_path, pool):
     sweep = Sweep(tmp_path, EXPGPU_ATEXIT_GRACE_S="ten")
@@ -535,6 +550,7 @@ class SeeStart(Callback):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_jobs_after_the_first_wave_are_primed_and_get_their_gpus_env_set_and_config(tmp_path):
     # A primed spare did Hydra's set-up of its job (run_job up to the task function) while the first
@@ -557,6 +573,7 @@ def test_jobs_after_the_first_wave_are_primed_and_get_their_gpus_env_set_and_con
     _all_leases_free(sweep, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_users_on_job_start_callback_turns_priming_off(tmp_path):
     # Its on_job_start must see the job as started: its own job number and GPUs, not a spare's.
@@ -573,6 +590,7 @@ def test_a_users_on_job_start_callback_turns_priming_off(tmp_path):
         assert r["cvd"] == ",".join(map(str, pool[r["job"]]["gpus"])), r
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_pool_json_keeps_every_launch_batch_in_order(tmp_path):
     # Optuna with n_jobs=1 calls launch() once per trial: 3 batches of 1 job each.
@@ -589,6 +607,7 @@ def test_pool_json_keeps_every_launch_batch_in_order(tmp_path):
     assert [row[1] for row in _report(sweep)] == ["finished"] * 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_optimizing_sweep_warms_one_fork_server_for_all_its_batches(tmp_path):
     # Optuna with n_jobs=1: one launch() per trial. The task's module (and torch) is imported once,
@@ -612,6 +631,7 @@ def test_an_optimizing_sweep_warms_one_fork_server_for_all_its_batches(tmp_path)
     ("hydra.launcher.gpus_per_job=-1", "hydra.launcher.gpus_per_job=-1 is not allowed: an integer >= 0 or null"),
     ("hydra.launcher.threads_per_job=0", "hydra.launcher.threads_per_job=0 is not allowed: an integer >= 1 or null"),
 ])
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_bad_launcher_settings_are_one_line_errors(tmp_path, override, message):
     sweep = Sweep(tmp_path)

@@ -20,6 +20,7 @@ def _cli(args: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=200)
 
 
+@pytest.mark.slow
 def test_rerun_into_a_finished_run_dir_keeps_its_result(tmp_path):
     first = expgpu(["task=a", "task.max_steps=5"], tmp_path / "run")
     assert first.returncode == 0, first.stderr
@@ -35,6 +36,7 @@ def test_rerun_into_a_finished_run_dir_keeps_its_result(tmp_path):
     assert fresh.returncode == 0 and fresh.result["resumed_from_step"] is None
 
 
+@pytest.mark.slow
 def test_rerun_of_a_fixed_sweep_dir_keeps_every_jobs_result(tmp_path):
     args = ["-m", "task=a,b", "task.max_steps=5", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     assert _cli(args).returncode == 0
@@ -50,6 +52,7 @@ def test_rerun_of_a_fixed_sweep_dir_keeps_every_jobs_result(tmp_path):
     ("stdout", "[rank 1] rank 1/2 on"),
     ("disabled", None),
 ])
+@pytest.mark.slow
 def test_spawned_workers_log_as_hydra_job_logging_says(tmp_path, logging_choice, shows):
     run = expgpu(["task=a", "task.max_steps=10", "launch.nproc_per_node=2", f"hydra/job_logging={logging_choice}"],
                  tmp_path / "run")
@@ -61,6 +64,7 @@ def test_spawned_workers_log_as_hydra_job_logging_says(tmp_path, logging_choice,
     assert "rank 1/2 on" in (tmp_path / "run" / "logs" / "rank1.log").read_text()   # also in the run dir
 
 
+@pytest.mark.slow
 def test_a_custom_job_logging_format_reaches_the_workers(tmp_path):
     run = expgpu(["task=a", "task.max_steps=10", "launch.nproc_per_node=2",
                   "hydra.job_logging.formatters.simple.format='CUSTOM %(levelname)s %(message)s'"], tmp_path / "run")
@@ -68,6 +72,7 @@ def test_a_custom_job_logging_format_reaches_the_workers(tmp_path):
     assert "CUSTOM INFO [rank 1] rank 1/2 on" in run.output, run.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--cfg", "all", "--resolve"], ["--cfg", "job"], ["--info", "config"], ["--help"]])
 def test_printing_creates_no_directory(tmp_path, flags):
     proc = _cli(flags, cwd=tmp_path)
@@ -81,6 +86,7 @@ def test_multirun_with_cfg_is_one_line(tmp_path):
     assert proc.stderr.strip().startswith("expgpu: error: --cfg prints one config, not a sweep's")
 
 
+@pytest.mark.slow
 def test_slurm_site_defaults_are_read_by_slurm_sweeps_only(tmp_path):
     site = tmp_path / "site" / "hydra" / "launcher" / "slurm_site"
     site.mkdir(parents=True)
@@ -102,6 +108,7 @@ def test_site_launcher_settings_in_local_default_say_where_they_belong(tmp_path)
     assert "SLURM site settings belong in hydra/launcher/slurm_site/default.yaml" in run.stderr
 
 
+@pytest.mark.slow
 def test_experiment_needs_no_plus(tmp_path):
     (tmp_path / "conf" / "experiment").mkdir(parents=True)
     (tmp_path / "conf" / "experiment" / "quick.yaml").write_text("# @package _global_\ntask:\n  max_steps: 4\n")

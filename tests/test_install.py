@@ -7,7 +7,11 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 from conftest import REPO, clean_env
+
+pytestmark = pytest.mark.slow
 
 
 def test_wheel_ships_conf_and_runs_outside_the_checkout(tmp_path):

@@ -54,11 +54,13 @@ def test_a_busy_gpu_is_measured_but_not_cached_and_a_corrupt_cache_is_rewritten(
     assert list(saved) == [measure.cache_key("GPU-b", "d", "t", "float32")]
 
 
+@pytest.mark.slow
 def test_the_benchmark_child_reports_tflops_on_the_cpu():
     tflops = measure.measure_in_child(None, "float32", clean_env(), timeout_s=120, device="cpu")
     assert 0 < tflops < 100
 
 
+@pytest.mark.slow
 def test_a_benchmark_that_cannot_run_names_the_gpu():
     # a CUDA benchmark where CUDA has no such device (always true on a CPU machine; on a GPU
     # machine the UUID names no GPU): one line naming GPU 7, no traceback

@@ -13,7 +13,7 @@ import yaml
 
 from conftest import REPO, clean_env, expgpu
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 STUDY = ["hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=0",
          "task.optimizer.lr=interval(0.001,0.1)", "task=b", "task.max_steps=20"]

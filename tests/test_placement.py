@@ -107,6 +107,7 @@ def table_ranks(stdout: str) -> list[int]:
     return [int(line.split()[0]) for line in lines[start + 1:] if line[:1].isdigit()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env, args, ranks", LABELS.values(), ids=LABELS.keys())
 def test_dry_run_labels_each_gpu_with_the_rank_that_runs_there(tmp_path, env, args, ranks):
     run = expgpu(["dry_run=true", "gpu_map=sequential", SIM4, *args], tmp_path / "run", env=clean_env(**env))
@@ -123,6 +124,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_real_torchrun_with_2_and_1_workers_labels_both_nodes(tmp_path):
     # Two torchrun agents on this machine stand for two nodes; torch assigns the ranks itself.

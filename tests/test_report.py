@@ -125,6 +125,7 @@ def test_the_report_line_names_the_metric_it_chose_and_why(tmp_path):
     assert "chosen: a held-out loss" in (sweep / "report.html").read_text()
 
 
+@pytest.mark.slow
 def test_one_row_per_job_best_first_csv_html_and_curves(basic_sweep, tmp_path):
     sweep = tmp_path / "sweep"
     shutil.copytree(basic_sweep, sweep)
@@ -161,6 +162,7 @@ def test_one_row_per_job_best_first_csv_html_and_curves(basic_sweep, tmp_path):
     assert "<tr class='best'>" in page and "<img src='loss_curves.png'" in page and "task=b" in page
 
 
+@pytest.mark.slow
 def test_the_objective_ranks_the_jobs_and_the_curves_show_eval_metrics(tmp_path):
     sweep = tmp_path / "sweep"
     done = sweep_of(sweep, "task=b", "task.max_steps=20", "task.eval_every=10", "task.optimizer.lr=0.001,0.1,0.03",
@@ -191,6 +193,7 @@ def test_the_objective_ranks_the_jobs_and_the_curves_show_eval_metrics(tmp_path)
     assert panels(rows, rank(rows)) == ["accuracy", "loss", "eval_loss", "lr"]
 
 
+@pytest.mark.slow
 def test_a_failed_job_shows_its_one_line_reason(tmp_path):
     sweep = tmp_path / "sweep"
     done = sweep_of(sweep, "task=a", "task.max_steps=20", "faults.crash_rank=0", "faults.crash_step=5,1000")
@@ -205,6 +208,7 @@ def test_a_failed_job_shows_its_one_line_reason(tmp_path):
     assert reason in (sweep / "report.html").read_text()
 
 
+@pytest.mark.slow
 def test_broken_and_missing_job_dirs_are_listed_not_fatal(basic_sweep, tmp_path):
     sweep = tmp_path / "sweep"
     shutil.copytree(basic_sweep, sweep)
@@ -229,6 +233,7 @@ def test_broken_and_missing_job_dirs_are_listed_not_fatal(basic_sweep, tmp_path)
     assert (sweep / "loss_curves.png").exists()   # the broken job's curve is still drawn
 
 
+@pytest.mark.slow
 def test_at_42_jobs_the_legend_names_the_best_ten_beside_the_plot(basic_sweep, tmp_path):
     """42 copies of a real job dir, each with its own learning rate and final loss."""
     sweep = tmp_path / "sweep"

@@ -67,6 +67,7 @@ def test_few_metrics_are_all_drawn_ranking_first_with_no_note(tmp_path, monkeypa
     assert labels == ["#1 task.lr=1", "#0 task.lr=0"]   # best first
 
 
+@pytest.mark.slow
 def test_a_job_has_the_same_colour_in_every_panel(tmp_path, monkeypatch):
     # Task a logs loss only, task b also eval_loss and accuracy: the eval panels hold job 1 alone,
     # which matplotlib's colour cycle drew in the colour the loss panel (and its legend) gives job 0.

@@ -41,6 +41,7 @@ def error_line(run: Run) -> str:
 
 # -- parameters --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_parameters_are_converted_to_the_functions_annotations(tmp_path):
     # task.steps and task.flag are not in the task file: the function's defaults are
     run = probe(["task=probe_typed", "task.steps=3", "task.flag=true"], tmp_path / "run")
@@ -50,6 +51,7 @@ def test_parameters_are_converted_to_the_functions_annotations(tmp_path):
     assert run.result["function"] == "run_probe.typed" and run.result["task"] == "probe_typed"
 
 
+@pytest.mark.slow
 def test_lists_tuples_dicts_and_choices_are_converted_element_by_element(tmp_path):
     run = probe(["task=probe_containers", "task.layers=[64,32]", "task.betas=[1,0.5]", "+task.sizes={a:1,b:2}",
                  "task.mode=b", "task.opt=SGD"], tmp_path / "run")
@@ -67,6 +69,7 @@ def test_lists_tuples_dicts_and_choices_are_converted_element_by_element(tmp_pat
     (["task.mode=c"], "task.mode='c' is not allowed: one of a, b"),
     (["task.opt=lbfgs"], "task.opt='lbfgs' is not allowed: one of ADAM, SGD"),
 ])
+@pytest.mark.slow
 def test_bad_container_and_choice_values_are_one_line_and_exit_2(tmp_path, args, says):
     assert says in error_line(probe(["task=probe_containers", *args], tmp_path / "run"))
 
@@ -84,10 +87,12 @@ def test_bad_container_and_choice_values_are_one_line_and_exit_2(tmp_path, args,
     (["task.precision=8"], "task.precision=8 is not allowed: 32, 16 or bf16"),
     (["task.log_reduce=median"], "task.log_reduce='median' is not allowed: last or mean"),
 ])
+@pytest.mark.slow
 def test_bad_task_parameters_are_one_line_and_exit_2(tmp_path, args, says):
     assert says in error_line(probe(["task=probe_typed", *args], tmp_path / "run"))
 
 
+@pytest.mark.slow
 def test_log_reduce_is_the_runs_key_for_the_built_in_loop_too(tmp_path):
     bad = expgpu(["task=a", "task.log_reduce=max"], tmp_path / "bad")
     assert "task.log_reduce='max' is not allowed: last or mean" in error_line(bad)
@@ -108,10 +113,12 @@ def test_log_reduce_is_the_runs_key_for_the_built_in_loop_too(tmp_path):
      "run.all_reduce: rank 1 reduces the keys array, extra, float, ints, number, numpy, tensor, rank 0 array, float, "
      "ints, number, numpy, tensor; every rank must reduce the same keys"),
 ])
+@pytest.mark.slow
 def test_misuse_of_the_api_is_one_line_and_exit_2(tmp_path, task, args, says):
     assert says in error_line(probe([f"task={task}", *args], tmp_path / "run"))
 
 
+@pytest.mark.slow
 def test_a_function_that_raises_on_one_rank_ends_the_group_naming_it(tmp_path):
     run = probe(["task=probe_raises", "launch.nproc_per_node=2", "backend.timeout_s=30"], tmp_path / "run")
     assert run.returncode == 1, run.stderr[-3000:]
@@ -119,6 +126,7 @@ def test_a_function_that_raises_on_one_rank_ends_the_group_naming_it(tmp_path):
         "expgpu: rank 1 failed: ValueError: probe failure on rank 1 at step 3", run.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_tracks_other_names_is_refused(tmp_path):
     first = probe(["task=probe_tracks"], tmp_path / "run", env={**PROBE_ENV, "PROBE_TRACK": "model"})
     assert first.returncode == 0, first.stderr
@@ -126,6 +134,7 @@ def test_a_checkpoint_that_tracks_other_names_is_refused(tmp_path):
     assert "checkpoint.pt tracks model, this run tracks net (run.track)" in error_line(again)
 
 
+@pytest.mark.slow
 def test_a_loop_that_breaks_early_saves_the_steps_it_did(tmp_path):
     """A break after step 40's body: 40 steps done, the same checkpoint as max_steps=40, and a
     rerun with more steps trains on as the uninterrupted run does."""
@@ -147,6 +156,7 @@ def test_a_loop_that_breaks_early_saves_the_steps_it_did(tmp_path):
     assert on[0].result["param_checksum"] == on[1].result["param_checksum"] == straight.result["param_checksum"]
 
 
+@pytest.mark.slow
 def test_a_tracked_dict_is_restored_in_place(tmp_path):
     stopped = probe(["task=probe_keeps_best", "task.max_steps=12"], tmp_path / "run")   # best so far: step 10
     resumed = probe(["task=probe_keeps_best"], tmp_path / "run")                        # steps 12..19 are worse
@@ -156,6 +166,7 @@ def test_a_tracked_dict_is_restored_in_place(tmp_path):
     assert resumed.result["metrics"] == {"loss": 0.5, "step": 10, "mean": 0.5}
 
 
+@pytest.mark.slow
 def test_tracked_state_a_resume_could_not_load_is_refused_before_training(tmp_path):
     line = error_line(probe(["task=probe_tracks_numpy", "launch.nproc_per_node=2"], tmp_path / "run"))
     assert line.startswith("expgpu: error: run.track(counts=...): its state_dict() holds what a resume cannot "
@@ -186,6 +197,7 @@ def _reduced(run_dir: Path, rank: int) -> dict:
               "array": [0.5, 1.0]}),
     ("max", {"tensor": [2.0, 4.0], "ints": [1, 10], "number": 2, "float": 1.0, "numpy": 2.0, "array": [1, 1]}),
 ])
+@pytest.mark.slow
 def test_all_reduce_combines_every_ranks_values_and_barrier_waits(tmp_path, op, want):
     run = probe(["task=probe_reduces", "launch.nproc_per_node=2", f"task.op={op}"], tmp_path / "run")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -199,6 +211,7 @@ def test_all_reduce_combines_every_ranks_values_and_barrier_waits(tmp_path, op, 
     assert run.result["metrics"]["total"] == {"sum": 3.0, "mean": 1.5, "max": 2.0}[op]
 
 
+@pytest.mark.slow
 def test_all_reduce_on_one_rank_is_the_value(tmp_path):
     run = probe(["task=probe_reduces", "task.op=mean"], tmp_path / "run")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -212,6 +225,7 @@ def _draws(run_dir: Path, rank: int):
     return json.loads((run_dir / f"draws{rank}.json").read_text())
 
 
+@pytest.mark.slow
 def test_ranks_draw_their_own_random_numbers_unless_seed_per_rank_is_false(tmp_path):
     own = probe(["task=probe_draws", "launch.nproc_per_node=2"], tmp_path / "own")
     same = probe(["task=probe_draws", "launch.nproc_per_node=2", "task.seed_per_rank=false"], tmp_path / "same")
@@ -222,6 +236,7 @@ def test_ranks_draw_their_own_random_numbers_unless_seed_per_rank_is_false(tmp_p
     assert _draws(tmp_path / "same", 0) == _draws(tmp_path / "same", 1)
 
 
+@pytest.mark.slow
 def test_log_is_read_back_at_log_steps_and_keeps_odd_steps(tmp_path):
     run = probe(["task=probe_logs", "task.log_every=5"], tmp_path / "run")
     assert run.returncode == 0, run.stderr
@@ -233,6 +248,7 @@ def test_log_is_read_back_at_log_steps_and_keeps_odd_steps(tmp_path):
     assert run.result["metrics"] == {"steps_seen": 12, "batches_none": 1, "first": 0}
 
 
+@pytest.mark.slow
 def test_log_reduce_mean_writes_each_windows_mean_and_odd_steps_as_logged(tmp_path):
     run = probe(["task=probe_logs", "task.log_every=5", "task.log_reduce=mean"], tmp_path / "run")
     assert run.returncode == 0, run.stderr
@@ -259,6 +275,7 @@ def _window_means(max_steps: int, every: int) -> list[dict]:
     return [{"step": s, **rows[s]} for s in sorted(rows)]
 
 
+@pytest.mark.slow
 def test_log_reduce_mean_stopped_mid_window_resumes_to_the_uninterrupted_rows(tmp_path):
     """2 ranks, gloo, through the CLI: a SIGTERM in the middle of a log_every window; the checkpoint
     holds each name's sum and count, so the resumed run writes the window's mean over all of it."""
@@ -294,6 +311,7 @@ RETURNS = {"gan": {"loss_d", "loss_g", "modes_covered", "high_quality"},
            "digits_f1": {"accuracy", "macro_f1", "final_loss"}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 @pytest.mark.parametrize("task", ["gan", "charlm", "digits_f1"])
 def test_example_trains_on_one_and_two_ranks_with_identical_parameters(tmp_path, task, nproc):
@@ -306,6 +324,7 @@ def test_example_trains_on_one_and_two_ranks_with_identical_parameters(tmp_path,
     assert res["rank_checksums"][0] is not None
 
 
+@pytest.mark.slow
 def test_example_metrics_are_the_whole_test_sets(tmp_path):
     """digits_f1 all-reduces its confusion matrix: 2 ranks score all 359 test digits, not half."""
     run = example(["task=digits_f1", "launch.nproc_per_node=2", "task.max_steps=300"], tmp_path / "run")
@@ -313,6 +332,7 @@ def test_example_metrics_are_the_whole_test_sets(tmp_path):
     assert run.result["metrics"]["accuracy"] > 0.9 and run.result["metrics"]["macro_f1"] > 0.9
 
 
+@pytest.mark.slow
 def test_augmentation_in_dataloader_workers_resumes_exactly(tmp_path):
     """Noise drawn in the loader's workers is seeded per batch: a run stopped mid-epoch and rerun
     ends with the uninterrupted parameters, and the worker count does not change them."""
@@ -337,6 +357,7 @@ def test_augmentation_in_dataloader_workers_resumes_exactly(tmp_path):
     # dropout: the resumed run must draw the same masks (RNG restored, no draw by the loader)
     ("digits_f1", ["task.max_steps=3000", "task.eval_every=1000", "task.log_every=20"]),
 ])
+@pytest.mark.slow
 def test_example_stopped_and_rerun_ends_with_the_uninterrupted_parameters(tmp_path, task, args):
     args = [f"task={task}", "launch.nproc_per_node=2", *args]
     straight = example(args, tmp_path / "straight")

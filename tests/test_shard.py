@@ -164,6 +164,7 @@ def _close(a, b):
     return all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_24_plus_8_reaches_the_parameters_of_16_plus_16_on_gloo(tmp_path):
     even, weighted, measuring, even_sum, weighted_sum = _params_after_one_step(tmp_path)
@@ -185,6 +186,7 @@ def _model(run_dir):
     return torch.load(run_dir / "checkpoint.pt", weights_only=True)["tracked"]["model"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_cli_proportional_24_8_matches_uniform_16_16_and_one_rank_of_32(tmp_path):
     two = ["launch.nproc_per_node=2"]
@@ -205,6 +207,7 @@ def test_cli_proportional_24_8_matches_uniform_16_16_and_one_rank_of_32(tmp_path
     assert not _close(_model(tmp_path / "unweighted"), _model(tmp_path / "uniform"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cli_accumulating_with_unequal_batches_matches_uniform(tmp_path):
     # 2 optimizer steps of 2 micro-batches, each micro-batch a global batch of 32: split 24 + 8,
@@ -229,6 +232,7 @@ def test_cli_accumulating_with_unequal_batches_matches_uniform(tmp_path):
     assert not _close(_model(tmp_path / "one"), _model(tmp_path / "uniform"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_cli_auto_with_accumulation_measures_data_auto_steps_optimizer_steps(tmp_path):
     run = expgpu(["task=a", "task.max_steps=6", "task.batch_size=16", "task.accumulate=2", "launch.nproc_per_node=2",
@@ -242,6 +246,7 @@ def test_cli_auto_with_accumulation_measures_data_auto_steps_optimizer_steps(tmp
     assert run.result["rank_checksums"][0] == run.result["rank_checksums"][1]
 
 
+@pytest.mark.slow
 def test_cli_proportional_splits_by_simulated_gpu_scores(tmp_path):
     sim = "inventory.simulate=[{name:A100,memory_mb:40960,score:3},{name:V100,memory_mb:16384,score:1}]"
     run = expgpu(["task=a", "task.max_steps=5", "task.batch_size=16", "launch.nproc_per_node=2",
@@ -251,6 +256,7 @@ def test_cli_proportional_splits_by_simulated_gpu_scores(tmp_path):
     assert run.result["rank_checksums"][0] == run.result["rank_checksums"][1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_cli_auto_rebalances_a_slow_rank_and_still_covers_each_example_once_per_epoch(tmp_path):
     logs = tmp_path / "fetched"
@@ -280,6 +286,7 @@ def test_cli_auto_rebalances_a_slow_rank_and_still_covers_each_example_once_per_
         assert sorted(seen) == list(range(256)) and set(seen.values()) == {1}, epoch
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_cli_a_resumed_run_keeps_the_checkpoints_split(tmp_path):
     base = ["task=a", "task.batch_size=16", "launch.nproc_per_node=2", "data.shard=proportional"]
@@ -304,6 +311,7 @@ def test_cli_a_resumed_run_keeps_the_checkpoints_split(tmp_path):
     (["faults.slow_rank=1", "faults.slow_factor=0.5"], "faults.slow_factor=0.5 is not allowed"),
     (["faults.device_ms_per_example=-1"], "faults.device_ms_per_example=-1.0 is not allowed"),
 ])
+@pytest.mark.slow
 def test_cli_bad_shard_settings_are_one_line_and_exit_2(tmp_path, args, says):
     run = expgpu(["task=a", "task.max_steps=5", "launch.nproc_per_node=2"] + args, tmp_path / "run")
     assert run.returncode == 2, run.output
@@ -312,6 +320,7 @@ def test_cli_bad_shard_settings_are_one_line_and_exit_2(tmp_path, args, says):
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.slow
 def test_data_shard_is_a_no_op_on_one_rank_and_resumes(tmp_path):
     run = expgpu(["task=a", "task.max_steps=5", "data.shard=auto"], tmp_path / "run")
     assert run.returncode == 0, run.stderr

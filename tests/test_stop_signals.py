@@ -13,7 +13,7 @@ import pytest
 from conftest import finish, start
 from test_run_api import PROBE_ENV, TESTS
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def _at(run_dir: Path) -> int:

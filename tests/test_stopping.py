@@ -13,6 +13,8 @@ import pytest
 
 from expgpu import stopping
 
+pytestmark = pytest.mark.slow
+
 
 def _loop(rank: int, store: str, out: str, pace: list, signal_at: int, max_steps: int) -> None:
     """`max_steps` steps paced by `pace` ([[first step, seconds], ...]); rank 1 sends itself SIGTERM

@@ -11,7 +11,7 @@ import torch
 
 from conftest import expgpu, finish, start, wait_for_progress
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 SGD_A = ["task=a", "task.optimizer._target_=torch.optim.SGD", "task.optimizer.lr=0.1"]
 STEP_LR = "task.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_size:5,gamma:0.5}"
