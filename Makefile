@@ -1,16 +1,23 @@
 # make run   -> set up .venv on first use, then: python -m expgpu task=a gpu_map=ranked
-# make test  -> set up .venv on first use, then: the test suite
+# make test  -> set up .venv on first use, then: the whole test suite (.ci/run runs this)
+# make check -> the fast tier: every module's logic in this process, no ranks, sweeps or SLURM
 # Extra arguments: make run ARGS="launch.nproc_per_node=2"   make test ARGS="-k ranks"
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.expgpu-setup
+# The suite's tests in this many processes (pytest-xdist): most of a test's time is its
+# subprocesses importing torch or waiting on SLURM, so two share 2 cores well. TEST_WORKERS=0: one.
+TEST_WORKERS ?= 2
 
-.PHONY: run test setup bench slurm-up slurm-down
+.PHONY: run test check setup bench slurm-up slurm-down
 run: $(STAMP)
 	$(PY) -m expgpu task=a gpu_map=ranked $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
+
+check: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not slurm and not gpu" $(ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/bench_ddp_overhead.py $(ARGS)

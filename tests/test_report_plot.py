@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, clean_env, write_job
 
 # What a task of one's own logs, in the order it first logs them.

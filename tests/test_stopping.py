@@ -1,5 +1,6 @@
-"""The stop poll on a real 2-rank gloo group: same steps on every rank, an adaptive interval, and a
-stop that lands within max(2 steps, ~0.4 s) of the signal for fast and slow steps alike."""
+"""Stop requests: in this process (which signal wins, a second Ctrl-C, a stop at a step), then the stop
+poll on a real 2-rank gloo group: same steps on every rank, an adaptive interval, and a stop that
+lands within max(2 steps, ~0.4 s) of the signal for fast and slow steps alike."""
 
 from __future__ import annotations
 
@@ -13,7 +14,40 @@ import pytest
 
 from expgpu import stopping
 
-pytestmark = pytest.mark.slow
+
+@pytest.mark.parametrize("signals, agreed", [
+    (["SIGUSR2", "SIGTERM"], "SIGTERM"),   # SLURM ending the job decides over expgpu's own requeue request
+    (["SIGTERM", "SIGUSR2"], "SIGTERM"),
+    (["SIGINT", "SIGUSR2"], "SIGUSR2"),
+    (["SIGINT"], "SIGINT"),
+])
+def test_one_rank_stops_after_the_step_it_was_asked_in_on_the_strongest_signal(signals, agreed):
+    stopper = stopping.Stopper()   # not installed: its handler is called as the signal would call it
+    assert stopper.begin(0, 100) is False and stopper.should_stop(1) is False
+    for name in signals:
+        stopper._on_signal(signal.Signals[name], None)
+    assert stopper.should_stop(2) is True and stopper.agreed == agreed
+    assert stopper.exit_code == 128 + signal.Signals[agreed]
+
+
+def test_a_second_ctrl_c_aborts_unless_it_is_the_same_press_arriving_twice(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(stopping.time, "monotonic", lambda: now[0])
+    stopper = stopping.Stopper()
+    stopper._on_signal(signal.SIGINT, None)
+    now[0] += stopping.SAME_CTRL_C_S / 2      # the launcher passed it on, and the terminal sent it too
+    stopper._on_signal(signal.SIGINT, None)
+    assert stopper.received == "SIGINT"
+    now[0] += stopping.SAME_CTRL_C_S * 2      # a person pressing again: stop now, unsaved
+    with pytest.raises(KeyboardInterrupt):
+        stopper._on_signal(signal.SIGINT, None)
+
+
+def test_a_stop_asked_for_at_a_step_is_a_sigterm_there():
+    stopper = stopping.Stopper()   # checkpoint.verify stops its copy so, on every rank at once
+    stopper.stop_at = 5
+    assert [stopper.should_stop(s) for s in (3, 4, 5)] == [False, False, True]
+    assert stopper.agreed == "SIGTERM"
 
 
 def _loop(rank: int, store: str, out: str, pace: list, signal_at: int, max_steps: int) -> None:
@@ -74,6 +108,7 @@ SLOW_STEPS, SLOW_S, FAST_S = 60, 0.010, 0.001   # 10 ms steps, then 1 ms steps
 SIGNAL_AT, MAX_STEPS = 1500, 6000
 
 
+@pytest.mark.slow
 def test_the_ranks_poll_at_the_same_steps_every_0_2_s_and_stop_together(tmp_path):
     ran = _run(tmp_path, [[1, SLOW_S], [SLOW_STEPS, FAST_S]], SIGNAL_AT, MAX_STEPS)
     polls, stopped_at = ran["polls"], ran["stopped_at"]
@@ -89,6 +124,7 @@ def test_the_ranks_poll_at_the_same_steps_every_0_2_s_and_stop_together(tmp_path
     assert SIGNAL_AT < stopped_at <= SIGNAL_AT + 2 * max(fast) + 1, (stopped_at, polls[-3:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pace,signal_at,max_steps,stop_by", [
     ([[1, 0.3]], 2, 12, 3),                 # slow steps (0.3 s > the 0.2 s poll period): every step polls
     ([[1, 1.0], [2, FAST_S]], 1, 4000, 2),  # a first step of unknown length, then fast ones
