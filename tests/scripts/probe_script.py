@@ -4,8 +4,8 @@
                            [--on-term default|save|ignore] [--resume] [--lr X] [--data PATH]
 
 It writes into its working directory (the run dir): started-rank<R>.json (its torchrun variables,
-CUDA_VISIBLE_DEVICES, argv, cwd), at-rank<R> (the step it is at), ckpt.txt (on SIGTERM with
---on-term save), done-rank<R>.json at the end. No torch: the tests stay fast.
+CUDA_VISIBLE_DEVICES, argv, cwd), at-rank<R> (the step it is at), ckpt.txt (on SIGTERM or
+SIGUSR2 with --on-term save), done-rank<R>.json at the end. No torch: the tests stay fast.
 """
 
 import argparse
@@ -45,8 +45,9 @@ write(f"started-rank{rank}.json", {"env": {k: os.environ.get(k) for k in VARS}, 
                                    "cwd": os.getcwd(), "pid": os.getpid(),
                                    "data_exists": args.data is not None and os.path.exists(args.data)})
 stop = []
-if args.on_term == "save":
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+if args.on_term == "save":   # SLURM's warning before a time limit (SIGUSR2) too
+    signal.signal(signal.SIGTERM, lambda signum, _: stop.append(signum))
+    signal.signal(signal.SIGUSR2, lambda signum, _: stop.append(signum))
 elif args.on_term == "ignore":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
@@ -70,8 +71,8 @@ for step in range(first, args.steps):
     if stop:
         with open("ckpt.txt", "w") as f:
             f.write(str(step + 1))
-        print(f"rank {rank}: SIGTERM, saved step {step + 1}", flush=True)
-        sys.exit(143)
+        print(f"rank {rank}: {signal.Signals(stop[0]).name}, saved step {step + 1}", flush=True)
+        sys.exit(128 + stop[0])
 if args.log:
     import expgpu
 
