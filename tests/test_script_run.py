@@ -117,7 +117,8 @@ def _start(args: list[str], run_dir: Path) -> subprocess.Popen:
 
 def test_sigterm_to_the_launcher_stops_every_script_and_a_rerun_adds_resume_args(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*CONF, "task=script_probe_resume", "launch.nproc_per_node=2"]
+    args = [*CONF, "task=script_probe_resume", "launch.nproc_per_node=2", "task.args.log=true",
+            "logger=[csv,tensorboard]"]
     proc = _start(args, run_dir)
     _wait_for_step(proc, run_dir, 3)
     t0 = time.monotonic()
@@ -138,6 +139,13 @@ def test_sigterm_to_the_launcher_stops_every_script_and_a_rerun_adds_resume_args
         assert started(run_dir, rank)["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
         assert json.loads((run_dir / f"done-rank{rank}.json").read_text()) == {"steps": 8, "first": saved}
     assert again.result["resumed"] is True and again.result["status"] == "finished"
+    # expgpu.log's history goes on where the resumed script goes on: every step once, in the loggers too
+    assert [r["step"] for r in again.metrics() if "loss" in r] == list(range(1, 9))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 9))
 
     kept = expgpu(args + ["task.args.steps=8"], run_dir)   # finished: kept, the script does not run again
     assert kept.returncode == 0 and "already holds this task's finished run" in kept.stderr

@@ -216,3 +216,41 @@ def test_child_env_sets_what_the_script_needs_and_keeps_the_users(tmp_path):
     assert (env["PYTHONUNBUFFERED"], env["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) == ("0", "3")
     assert env["EXPGPU_SCRIPT_RUN_DIR"] == str(tmp_path) and env["EXPGPU_SCRIPT_RESUMED"] == "1"
     assert env["RANK"] == "1" and env["MASTER_PORT"] == "29600"
+
+
+# -- expgpu.log in the script's process ---------------------------------------------------------------
+
+def _rows(run_dir: Path) -> list[tuple]:
+    import json
+
+    return [(r["step"], r.get("loss"), r["epoch"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def _attempt(run_dir: Path, resumed: bool, steps: list, epoch=None) -> None:
+    from expgpu.script.log import _ScriptLog
+
+    sink = _ScriptLog(run_dir, resumed)
+    for step in steps:
+        sink.log(step, {"loss": float(step if step is not None else -1), **({"epoch": epoch} if epoch else {})})
+    sink.close()
+
+
+def test_expgpu_log_history_follows_the_script_across_attempts(tmp_path):
+    _attempt(tmp_path, False, [1, 2, 3, 4, 5, 6])
+    # resumed from its checkpoint at step 4: the rows it logged after it (5, 6) are logged again
+    _attempt(tmp_path, True, [5, 6, 7], epoch=2)
+    assert _rows(tmp_path) == [(1, 1.0, 0), (2, 2.0, 0), (3, 3.0, 0), (4, 4.0, 0), (5, 5.0, 2), (6, 6.0, 2),
+                               (7, 7.0, 2)]
+    _attempt(tmp_path, True, [None, None])          # no step=: on after the last row
+    assert [r[0] for r in _rows(tmp_path)] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    _attempt(tmp_path, False, [None, None])         # started afresh: so is its history
+    assert [r[0] for r in _rows(tmp_path)] == [0, 1]
+
+
+def test_expgpu_log_refuses_a_rows_own_keys(tmp_path):
+    from expgpu.script.log import _ScriptLog
+
+    with pytest.raises(ValueError, match=r"expgpu\.log\(time=\.\.\.\): a row's own key"):
+        _ScriptLog(tmp_path, False).log(None, {"time": 1.0})
+    with pytest.raises(ValueError, match=r"expgpu\.log\(step=1\.5\): an integer"):
+        _ScriptLog(tmp_path, False).log(1.5, {"loss": 1.0})

@@ -103,10 +103,6 @@ def script_record(run_dir: Path, rank: int) -> Path:
     return state_dir(run_dir) / f"script-rank{rank}.json"
 
 
-def script_records(run_dir: Path) -> list[Path]:
-    return sorted(state_dir(run_dir).glob("script-rank*.json"))
-
-
 def script_log_marker(run_dir: Path) -> Path:
     return state_dir(run_dir) / "script-log.json"
 

@@ -73,4 +73,5 @@ class LoggerFeed:
             if status != "finished":
                 return   # as a function task: no logger run for a run that logged nothing and did not finish
             self.loggers = loggers.build(self.cfg, self.run_dir)
-        self.loggers.finish(status, metrics, steps or 0, self.last_row)
+        # every value in `metrics` is a logged row's already: no second point for any of them
+        self.loggers.finish(status, metrics, steps or 0, {**(self.last_row or {}), **metrics})
