@@ -120,7 +120,7 @@ def dry_run(cfg: dict, node: NodePlan, labels, run_dir: Path) -> str:
     resumed = _resumes(spec, cfg, run_dir, result.previous(run_dir))
     isolation = _isolation(cfg)
     command = shlex.join(spec.argv(resumed))
-    lines = [f"script{' (with resume_args: a rerun)' if resumed else ''}, in {run_dir}:"]
+    lines = [f"each rank runs, in {run_dir}{' (a rerun: with resume_args)' if resumed else ''}:"]
     for local_rank, rank in enumerate(labels):
         gpus = environ.visible_gpus(node, local_rank, isolation)
         mask = gpu_env(gpus, os.environ.get("CUDA_DEVICE_ORDER"))["CUDA_VISIBLE_DEVICES"]
