@@ -65,6 +65,7 @@ def visible_gpus(node: NodePlan, local_rank: int, isolation: str) -> tuple:
 
 def child_env(base: Mapping[str, str], info: RankInfo, node: NodePlan, isolation: str, *, run_dir: Path,
               launch_dir: str, module: bool, run_id: str, restarts: int, resumed: bool) -> dict[str, str]:
+    """`base` (this rank's environment) with torchrun's variables, the GPU mask and what expgpu.log reads."""
     env = {k: v for k, v in base.items() if k not in _NOT_PASSED}
     env.update(torchrun_variables(info, run_id, restarts))
     if env.keys() & {"WORLD_SIZE", "RANK"}:

@@ -45,7 +45,7 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: float
     argv = spec.argv(resumed)
     mine = node.gpus_of(info.local_rank)
     log.info("rank %d/%d on %s: %s (CUDA_VISIBLE_DEVICES=%s%s)%s", info.rank, info.world_size, socket.gethostname(),
-             " ".join(argv[1:]), env.get("CUDA_VISIBLE_DEVICES"),
+             shlex.join(argv[1:]), env.get("CUDA_VISIBLE_DEVICES") or "(none)",
              f"; its GPU {','.join(str(g.index) for g in mine)}: {mine[0].name}" if mine else "",
              " with resume_args" if resumed else "")
     feed = None
