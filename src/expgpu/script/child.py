@@ -80,6 +80,10 @@ def run(argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, stopper
             procs.kill_group(proc.pid)   # whatever it left behind, or all of it on a second Ctrl-C
             proc.wait()
             outcome.returncode, outcome.ended = proc.returncode, time.time()
+    if outcome.stopped_by is None and -outcome.returncode in _STOPS:
+        # a stop signal sent to the script itself (SLURM signals every process of a step; under submitit,
+        # whose SIGTERM this process leaves alone, the script still gets one): a stop, not a crash
+        outcome.stopped_by = signal.Signals(-outcome.returncode).name
     return outcome
 
 

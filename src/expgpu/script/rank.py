@@ -88,7 +88,8 @@ def attempt_id(info: RankInfo) -> str:
     """What the ranks of this launch share and a later launch does not: their records are matched by it."""
     launch = placement.launch_id(os.environ)
     if launch is not None and launch.startswith("torchrun-none-"):
-        # torchrun without --rdzv-id names every launch "none": its agent (every local worker's parent) does not
+        # torchrun without --rdzv-id gives every launch the run id "none"; its agent, the parent of all
+        # its local workers, tells launches apart
         import psutil
 
         parent = psutil.Process(os.getppid())
@@ -111,7 +112,6 @@ def _link_inputs(spec: ScriptSpec, run_dir: Path) -> None:
         tmp.unlink(missing_ok=True)
         os.symlink(source, tmp)
         os.replace(tmp, link)
-
 
 
 def dry_run(cfg: dict, node: NodePlan, labels, run_dir: Path) -> str:
