@@ -120,4 +120,4 @@ def test_nanogpt_ddp_on_two_gpus_lands_each_rank_on_its_planned_gpu(nanogpt_chec
     assert res["exit_codes"] == [0, 0] and (run.run_dir / "out" / "ckpt.pt").is_file()
     planned = [p["gpus"][0] for p in res["plan"]]
     mask = ",".join(map(str, planned))
-    assert f"CUDA_VISIBLE_DEVICES={mask}" in run.stderr   # rank r's planned GPU at position r: cuda:LOCAL_RANK
+    assert f"CUDA_VISIBLE_DEVICES={mask};" in run.output   # rank r's planned GPU at position r: cuda:LOCAL_RANK
