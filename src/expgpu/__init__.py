@@ -6,7 +6,7 @@ knows which GPU it owns (CUDA_VISIBLE_DEVICES is set before CUDA starts).
 
 __version__ = "0.1.0"
 
-__all__ = ["Run", "StopTraining", "__version__"]
+__all__ = ["Run", "StopTraining", "log", "__version__"]
 
 
 def __getattr__(name: str):
@@ -15,4 +15,8 @@ def __getattr__(name: str):
         from expgpu import run
 
         return getattr(run, name)
+    if name == "log":   # a script task's metrics (expgpu/script/log.py); no torch, no Run
+        from expgpu.script.log import log
+
+        return log
     raise AttributeError(f"module 'expgpu' has no attribute {name!r}")

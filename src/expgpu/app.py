@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from expgpu import config, loggers, placement, rank_process, ranks, requeue, rundir, spawn, stopping, verify
+from expgpu import config, loggers, placement, rank_process, ranks, requeue, rundir, script, spawn, stopping, verify
 from expgpu.errors import Stopped, UserError, WorkerFailed, first_line
 from expgpu.rundir import atomic_write_bytes
 
@@ -37,6 +38,16 @@ def _job_logging() -> dict | None:
 
     chosen = OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True)
     return chosen or None
+
+
+def _launch_dir() -> str:
+    """Where the user launched from (Hydra's original cwd; the same in a SLURM job or a pool's job)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return str(HydraConfig.get().runtime.cwd)
+    except ValueError:   # no Hydra job: called directly
+        return os.getcwd()
 
 
 def _write_plan(run_dir: Path, node, info: ranks.RankInfo, extra: dict | None = None) -> list[dict]:
@@ -72,6 +83,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
         loggers.check(plain)   # a logger's package missing: one line now, not a traceback in rank 0
     if not plain["task"].get("name"):
         plain["task"]["name"] = _task_name(plain)
+    script.prepare(plain, _launch_dir())   # a script task: its keys checked, its command made (plain["script"])
     info = ranks.detect()
     nproc = plain["launch"]["nproc_per_node"]
     if nproc > 1 and info.local_world_size > 1:
@@ -85,8 +97,10 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
         if info.rank == 0:
             keys = earlier.get("length_keys", ["max_steps"])   # an older result.json: the built-in loop's
             longer = (f", a larger {' or '.join(f'task.{k}' for k in keys)} trains on" if keys else
-                      "; its loop's length is no task parameter, so it cannot be trained on")
-            print(f"expgpu: {run_dir} already holds this task's finished run ({earlier['steps']} steps); "
+                      "; other task.args run the script again there, with its resume_args" if "command" in earlier
+                      else "; its loop's length is no task parameter, so it cannot be trained on")
+            done = "its script exited 0" if "command" in earlier else f"{earlier['steps']} steps"
+            print(f"expgpu: {run_dir} already holds this task's finished run ({done}); "
                   f"kept its result.json. checkpoint.resume=false trains it again from scratch{longer}",
                   file=sys.stderr, flush=True)
         return earlier if info.rank == 0 else None
@@ -96,6 +110,10 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
         if info.local_rank == 0:
             rows = _write_plan(run_dir, node, info)
             print(placement.table(rows, node.strategy), flush=True)
+            if plain.get("script") is not None:
+                from expgpu.script import rank as script_rank
+
+                print(script_rank.dry_run(plain, node, [r["rank"] for r in rows], run_dir), flush=True)
             print(f"plan written to {run_dir / rundir.PLAN} (dry run: nothing trained)", flush=True)
             return {"status": "dry_run", "plan": rows}
         return None
@@ -121,9 +139,15 @@ def _train(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int) -> dict
     atomic_write_bytes(rundir.config_file(run_dir), json.dumps(plain).encode())
     atomic_write_bytes(rundir.logging_file(run_dir), json.dumps(_job_logging()).encode())
     multi_node = info.world_size > 1  # one supervisor per node (e.g. srun --ntasks-per-node=1)
+    script_task = plain.get("script")
+    # A script creates its process group itself, from MASTER_PORT: chosen here, before its ranks start
+    # (a function task's rank 0 binds one and publishes it, expgpu.dist)
+    port = info.master_port if multi_node else spawn.free_port() if script_task else 0
+    # a stopped rank's script has its grace period; then its rank writes how it ended
+    grace = script_task["grace_s"] + spawn.GRACE_S if script_task else spawn.GRACE_S
     failure = spawn.run(nproc, run_dir, node_rank=info.rank, nnodes=info.world_size,
-                        master_addr=info.master_addr if multi_node else "127.0.0.1",
-                        master_port=info.master_port if multi_node else 0)
+                        master_addr=info.master_addr if multi_node else "127.0.0.1", master_port=port,
+                        grace_s=grace)
     if failure is not None:
         if failure.user_error:
             raise UserError(failure.message)
@@ -161,8 +185,11 @@ def _finished(result: dict | None, info: ranks.RankInfo, run_dir: Path) -> dict 
     if result is None:
         return None
     devices = sorted({r["device"] for r in result["plan"]})
-    log.info("done: task %s, %d steps on %d rank(s) (%s, %s): %s -> %s", result["task"], result["steps"],
-             result["world_size"], ",".join(devices), result["backend"] or "no process group",
+    steps = f"{result['steps']} steps" if "command" not in result else "its script exited 0"
+    log.info("done: task %s, %s on %d rank(s) (%s, %s): %s -> %s", result["task"], steps,
+             result["world_size"], ",".join(devices),
+             result["backend"] or ("the script's process group" if "command" in result and result["world_size"] > 1
+                                   else "no process group"),
              describe(result["metrics"]), Path(result["run_dir"]) / rundir.RESULT)
     return result
 

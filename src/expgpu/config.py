@@ -44,6 +44,7 @@ class Backend(enum.Enum):
 
 
 class Isolation(enum.Enum):
+    auto = "auto"                          # visible_devices for a function task; a script task: below
     visible_devices = "visible_devices"
     set_device = "set_device"
 
@@ -93,7 +94,10 @@ class BackendConfig:
 @dataclass
 class LaunchConfig:
     nproc_per_node: int = 1                       # >1: expgpu starts this many local workers
-    isolation: Isolation = Isolation.visible_devices
+    # auto: a function task's rank sees only its GPU(s) (visible_devices); a script task's ranks
+    # see the node's planned GPUs in local-rank order, so cuda:LOCAL_RANK is each one's own
+    # (expgpu/script/environ.py). visible_devices: only its own; set_device: all, then set_device
+    isolation: Isolation = Isolation.auto
     wrap: Wrap = Wrap.ddp                         # dp: DataParallel over a rank's GPUs (1 rank only)
 
 

@@ -67,9 +67,16 @@ class Stopped(_Outcome):
 
     def __init__(self, result: dict, exit_code: int = 143, next_step: str = ""):
         sig = result.get("stop_signal") or "a signal"
-        next_step = next_step or (f"Resume with the same overrides plus hydra.run.dir={result['run_dir']}")
-        of = f" of {result['max_steps']}" if result.get("max_steps") is not None else ""
-        super().__init__(f"stopped at step {result['steps']}{of} by {sig}; checkpoint saved. {next_step}")
+        if "command" in result:   # a script task: its checkpoints, if any, are its own
+            next_step = next_step or (f"Rerun with the same overrides plus hydra.run.dir={result['run_dir']}: "
+                                      "the script starts again there, with task.resume_args where they apply")
+            codes = ",".join("?" if c is None else str(c) for c in result["exit_codes"])
+            super().__init__(f"the script stopped on {sig} (exit code{'s' if len(result['exit_codes']) > 1 else ''} "
+                             f"{codes}). {next_step}")
+        else:
+            next_step = next_step or (f"Resume with the same overrides plus hydra.run.dir={result['run_dir']}")
+            of = f" of {result['max_steps']}" if result.get("max_steps") is not None else ""
+            super().__init__(f"stopped at step {result['steps']}{of} by {sig}; checkpoint saved. {next_step}")
         self.result = result
         self.exit_code = exit_code  # 128 + the signal: 130 Ctrl-C, 143 SIGTERM, 140 SIGUSR2
 

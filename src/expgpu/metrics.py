@@ -65,6 +65,23 @@ def trim(path: Path, step: int) -> int:
     return max((s for s in steps if s is not None), default=-1)
 
 
+def read_rows(path: Path) -> list[dict]:
+    """metrics.jsonl's rows, in file order; a line torn by a kill mid-write, or none, is skipped."""
+    rows = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            row = json.loads(line)
+            int(row["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        rows.append(row)
+    return rows
+
+
 # What every row holds besides the logged names: a name of these would overwrite or be overwritten.
 ROW_KEYS = frozenset({"step", "epoch", "time"})
 

@@ -3,6 +3,9 @@
     ranks.detect() -> placement (inventory + strategy) -> gpus.apply -> task.resolve
         -> dist.process_group -> Run -> fn(run, **params) -> result.json (rank 0)
 
+A script task (task.script / task.module) leaves the line after placement: its rank starts the
+script in a child process with the plan's GPU mask, and supervises it (expgpu.script.rank).
+
 Started in-process by `python -m expgpu` (single process, torchrun, srun, mpirun), or
 as `python -m expgpu.rank_process RUN_DIR` by expgpu's own spawn, which hands down the
 resolved config and the node plan in RUN_DIR/.expgpu/.
@@ -37,11 +40,15 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
     timeout = cfg["backend"]["timeout_s"]
     if node is None:
         node = placement.shared(cfg, info, run_dir, timeout)
+    if cfg.get("script") is not None:   # no torch in this process: the script's child imports it
+        from expgpu.script import rank as script_rank
+
+        return script_rank.run(cfg, info, run_dir, node, t_start)
     simulated = cfg["inventory"]["simulate"] is not None
     my_gpus = node.gpus_of(info.local_rank)
     # Before anything imports torch.cuda: this process must only ever see its GPU(s).
     # Simulated GPUs are planned and masked (what the pool tests observe), never used.
-    isolation = "visible_devices" if simulated else cfg["launch"]["isolation"]
+    isolation = "visible_devices" if simulated or cfg["launch"]["isolation"] == "auto" else cfg["launch"]["isolation"]
     device = apply(node, info.local_rank, isolation)
     import torch
 
@@ -188,7 +195,7 @@ def main() -> None:
     # in every thread, instead of only the supervisor's "killed by SIGABRT".
     faulthandler.enable(all_threads=True)
 
-    from expgpu.errors import EXIT_USER_ERROR, UserError
+    from expgpu.errors import EXIT_USER_ERROR, UserError, WorkerFailed
 
     run_dir = Path(sys.argv[1])
     rank = int(os.environ.get("EXPGPU_RANK", "0"))
@@ -206,6 +213,9 @@ def main() -> None:
     except KeyboardInterrupt as e:
         _record_failure(run_dir, rank, e)
         sys.exit(130)
+    except WorkerFailed as e:   # a script task's rank: its message names the script's exit, no traceback
+        _record_failure(run_dir, rank, e)
+        sys.exit(1)
     except BaseException as e:
         _record_failure(run_dir, rank, e)
         raise
@@ -219,13 +229,15 @@ def main() -> None:
 
 def _record_failure(run_dir: Path, rank: int, e: BaseException) -> None:
     """This rank's failure, for the supervisor, once: the first record is the time it failed."""
-    from expgpu.errors import UserError
+    from expgpu.errors import UserError, WorkerFailed
     from expgpu.spawn import write_failure
 
     if rundir.failure_file(run_dir, rank).exists():
         return
     if isinstance(e, UserError):
         write_failure(run_dir, rank, str(e), user_error=True)
+    elif isinstance(e, WorkerFailed):   # rank 0 of a script task also reports a peer's failure: says whose
+        write_failure(run_dir, rank, e.failure.message if e.failure.rank == rank else str(e))
     elif isinstance(e, KeyboardInterrupt):
         write_failure(run_dir, rank, "interrupted (second Ctrl-C)")
     else:

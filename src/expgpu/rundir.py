@@ -15,6 +15,7 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
     RUN_DIR/checkpoint.pt                   rank 0, every checkpoint.every_steps and at a stop
     RUN_DIR/plan.json                       the node plan (dry run and spawn)
     RUN_DIR/logs/rank<N>.log                each spawned rank's log
+    RUN_DIR/logs/rank<N>.script.log         a script task's output on rank N (stdout and stderr, every attempt)
     RUN_DIR/metrics.csv, tensorboard/,      rank 0, the chosen loggers (expgpu.loggers)
         wandb/, mlflow.db (a single run)
     RUN_DIR/.expgpu/                        expgpu's hand-over files between its own processes:
@@ -24,6 +25,8 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
         loggers.json                        the job's sweep and overrides, the loggers' run ids (resume)
         plan-<host>-<launch>.json           local rank 0's GPU plan, for the node's other ranks
         store-<launch>.port                 rank 0's TCPStore port, for spawned ranks
+        script-rank<N>.json                 how rank N's script ended (exit code, stop), for rank 0's result
+        script-log.json                     where this attempt's expgpu.log rows begin, for the loggers
 
 and, under hydra/launcher=gpu_pool:
 
@@ -90,6 +93,18 @@ def store_port_file(run_dir: Path, launch: str) -> Path:
 
 def rank_log(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / "logs" / f"rank{rank}.log"
+
+
+def script_log(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / "logs" / f"rank{rank}.script.log"
+
+
+def script_record(run_dir: Path, rank: int) -> Path:
+    return state_dir(run_dir) / f"script-rank{rank}.json"
+
+
+def script_log_marker(run_dir: Path) -> Path:
+    return state_dir(run_dir) / "script-log.json"
 
 
 def fsync_dir(path: Path) -> None:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -67,11 +68,11 @@ def _describe(run_dir: Path, rank: int, code: int) -> Failure:
         return Failure(rank, f"exited with code {code}", False, code)
 
 
-def _stop(workers: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
+def _stop(workers: list[subprocess.Popen], sig: int = signal.SIGTERM, grace_s: float = GRACE_S) -> None:
     for p in workers:
         if p.poll() is None:
             p.send_signal(sig)
-    deadline = time.monotonic() + GRACE_S
+    deadline = time.monotonic() + grace_s
     for p in workers:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -97,8 +98,9 @@ def _threads_per_worker(nproc: int) -> dict[str, str]:
 
 def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
         node_rank: int = 0, nnodes: int = 1, master_addr: str = "127.0.0.1",
-        master_port: int = 0) -> Failure | None:
-    """Start nproc workers and wait; None when all succeeded, else the first failure."""
+        master_port: int = 0, grace_s: float = GRACE_S) -> Failure | None:
+    """Start nproc workers and wait; None when all succeeded, else the first failure. When one fails,
+    the others get SIGTERM and grace_s to exit."""
     launch = uuid.uuid4().hex[:12]
     world = nproc * nnodes
     procs.atexit_grace_s()   # a bad EXPGPU_ATEXIT_GRACE_S: one line now, not at every rank's exit
@@ -148,7 +150,7 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
                 # tearing its group down) when its echo has already ended: it counts too.
                 bad += [(r, 1) for r, c in enumerate(codes) if c is None and failure_file(run_dir, r).exists()]
                 rank, code = min(bad, key=lambda rc: _mtime(failure_file(run_dir, rc[0])))
-                _stop(workers)
+                _stop(workers, grace_s=grace_s)
                 return _describe(run_dir, rank, code)
             if all(c == 0 for c in codes):
                 return None
@@ -157,6 +159,14 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
         _stop(workers, signal.SIGKILL)  # nothing outlives the parent, whatever happened
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free now, for ranks that bind it themselves a moment later (torchrun's
+    get_free_port does the same; another process may take it in between, as there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _mtime(path: Path) -> float:

@@ -24,6 +24,7 @@ from typing import Any
 
 from expgpu.errors import UserError, first_line
 from expgpu.loggers.state import JobInfo, LoggerState, record_job
+from expgpu.metrics import read_rows
 
 log = logging.getLogger("expgpu")
 
@@ -89,7 +90,7 @@ class Loggers:
             except Exception as e:
                 raise UserError(f"logger {lg.name} could not start: {type(e).__name__}: {first_line(e)}") from None
         behind = [lg for lg in self.loggers if self.held[lg.name] < step]
-        history = _rows(jsonl) if behind else []   # already trimmed to `step`
+        history = read_rows(jsonl) if behind else []   # already trimmed to `step`
         for lg in behind:
             rows = [r for r in history if self.held[lg.name] < r["step"] <= step]
             if rows:
@@ -122,22 +123,6 @@ class Loggers:
                 lg.finish(status, metrics, step, last_row or {})
             except Exception as e:
                 log.warning("logger %s could not finish: %s: %s", lg.name, type(e).__name__, first_line(e))
-
-
-def _rows(jsonl: Path) -> list[dict]:
-    rows = []
-    try:
-        lines = jsonl.read_text().splitlines()
-    except OSError:
-        return rows
-    for line in lines:
-        try:
-            row = json.loads(line)
-            int(row["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-        rows.append(row)
-    return rows
 
 
 def values(row: dict) -> dict[str, Any]:

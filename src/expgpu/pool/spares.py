@@ -17,6 +17,7 @@ from typing import Sequence
 
 from expgpu import procs
 from expgpu.pool.forkserver import ForkedProc, ForkServer, start_child
+from expgpu.script import is_script
 
 from expgpu.rundir import SPARES_LOG  # noqa: F401  (the pool's modules name it from here)
 
@@ -140,6 +141,8 @@ def task_modules(cfg, own_code: bool) -> list[str]:
     task = OmegaConf.select(cfg, "task", default=None)
     if task is None or OmegaConf.select(cfg, "launch", default=None) is None:
         return []
+    if is_script(task):   # the job only supervises the script's own process, which imports torch itself
+        return ["expgpu.rank_process", "expgpu.script.rank"]
     # torch._dynamo: the first torch.optim optimizer built in a process imports it (2 s on 2 cores)
     found: list[str] = ["torch", "torch.optim", "torch._dynamo", "expgpu.rank_process", "expgpu.run",
                         "expgpu.dist", "expgpu.task", "expgpu.tasks.supervised"]

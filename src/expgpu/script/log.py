@@ -1,0 +1,98 @@
+"""expgpu.log(**scalars): the one line a script task may add for metrics; no Run needed.
+
+    import expgpu
+    expgpu.log(loss=loss.item(), lr=lr, step=iter_num)      # step= optional: else 0, 1, 2, ...
+
+In a script expgpu runs (EXPGPU_SCRIPT_RUN_DIR, set by expgpu.script.environ), on rank 0 (RANK 0 or
+unset), it appends a row to the run dir's metrics.jsonl through expgpu.metrics.MetricsLog, the writer
+run.log uses: the same row format ({"step", names..., "epoch", "time"}), handed to the OS at most once
+a second and at the script's exit; rank 0's supervisor gives the rows to the chosen loggers. `epoch=`
+sets the row's epoch (kept for later rows). Anywhere else (another rank, plain python or torchrun) it
+does nothing, after one look at the environment.
+
+A rerun that resumed the script (resume_args added) continues the history: without step=, at the
+step after the last row; with step=, the rows from its first step on are dropped first (logged after
+the checkpoint the script resumed from, about to be logged again). A rerun that starts the script
+afresh starts metrics.jsonl afresh.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+from pathlib import Path
+
+from expgpu.metrics import ROW_KEYS, MetricsLog, trim
+from expgpu.rundir import METRICS, atomic_write_bytes, script_log_marker
+from expgpu.stopping import NEVER
+
+# Set by expgpu.script.environ in the script's environment
+ENV_RUN_DIR = "EXPGPU_SCRIPT_RUN_DIR"
+ENV_RESUMED = "EXPGPU_SCRIPT_RESUMED"
+_sink = None   # None: not looked yet; False: logging nowhere
+
+
+def log(step: int | None = None, **scalars) -> None:
+    """Record numbers (or one-element tensors) for a step; see the module's docstring."""
+    global _sink
+    if _sink is None:
+        _sink = _ScriptLog.from_env(os.environ) or False
+    if _sink:
+        _sink.log(step, scalars)
+
+
+class _ScriptLog:
+    @staticmethod
+    def from_env(env) -> _ScriptLog | None:
+        run_dir = env.get(ENV_RUN_DIR)
+        if not run_dir or env.get("RANK", "0").strip() not in ("0", ""):
+            return None
+        return _ScriptLog(Path(run_dir), env.get(ENV_RESUMED) == "1")
+
+    def __init__(self, run_dir: Path, resumed: bool):
+        self.run_dir, self.resumed = run_dir, resumed
+        self.metrics = MetricsLog(run_dir)
+        self.next_step: int | None = None
+        self.epoch = 0
+        self.lock = threading.Lock()
+        atexit.register(self.close)
+
+    def log(self, step: int | None, values: dict) -> None:
+        if "epoch" in values:
+            self.epoch = values.pop("epoch")
+        taken = ROW_KEYS & values.keys()
+        if taken:
+            raise ValueError(f"expgpu.log({next(iter(taken))}=...): a row's own key; log it under another name")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise ValueError(f"expgpu.log(step={step!r}): an integer, or leave it out (then 0, 1, 2, ...)")
+        with self.lock:
+            if self.metrics.file is None:
+                self._begin(step)
+            step = self.next_step if step is None else step
+            self.metrics.log(step, values)
+            self.metrics.flush(self.epoch)
+            self.next_step = step + 1
+
+    def _begin(self, first: int | None) -> None:
+        """Trim what this attempt redoes, open metrics.jsonl, and say where its rows begin (expgpu.script.feed)."""
+        path = self.run_dir / METRICS
+        held = trim(path, NEVER)   # the last step an earlier attempt logged; nothing dropped
+        if not self.resumed:
+            kept = -1
+        else:
+            kept = held if first is None else first - 1
+        self.metrics.open(kept, None, resumed=self.resumed)
+        self.next_step = kept + 1
+        self.metrics.write_out()
+        begun = {"resumed": self.resumed, "step": max(kept, 0), "flushed_before": held,
+                 "offset": path.stat().st_size}
+        marker = script_log_marker(self.run_dir)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(marker, json.dumps(begun).encode())
+
+    def close(self) -> None:
+        with self.lock:
+            if self.metrics.file is not None:
+                self.metrics.close(self.epoch)

@@ -1,0 +1,115 @@
+"""How a script task ended: each rank's record, and rank 0's result.json from all of them.
+
+Every rank writes RUN_DIR/.expgpu/script-rank<N>.json when its script ends (exit code, the stop signal
+passed to it, its GPUs, the last lines of its stderr). Rank 0 reads the others' (the same launch's;
+they end together, in destroy_process_group, but waits at most RECORD_WAIT_S) and writes result.json:
+
+    status      failed: a rank's script exited non-zero (or died) without a stop passed to it;
+                stopped: a stop signal was passed on (the script may have exited 0 on it);
+                finished: every known rank exited 0
+    exit_codes  by rank, as a shell reports them (143: killed by SIGTERM); null: not known
+    metrics     the last value of each name in metrics.jsonl (expgpu.log), so objective= and the
+                sweep report work as for a function's returned metrics
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from pathlib import Path
+
+from expgpu import rundir
+from expgpu.gpus import NodePlan
+from expgpu.metrics import ROW_KEYS, read_rows
+from expgpu.ranks import RankInfo
+from expgpu.rundir import atomic_write_bytes
+from expgpu.spawn import Failure
+
+RECORD_WAIT_S = 10.0
+
+
+def previous(run_dir: Path) -> dict | None:
+    """An earlier attempt's result.json of a script task in this run dir, if any."""
+    doc = read_json(Path(run_dir) / rundir.RESULT)
+    return doc if doc is not None and "exit_codes" in doc else None
+
+
+def write_record(run_dir: Path, info: RankInfo, launch: str, outcome, gpus: list, names: list, device: str) -> dict:
+    record = {"rank": info.rank, "launch": launch, "host": socket.gethostname(), "device": device, "gpus": gpus,
+              "names": names, "exit_code": outcome.exit_code, "stopped_by": outcome.stopped_by,
+              "signal": signal.Signals(-outcome.returncode).name if (outcome.returncode or 0) < 0 else None,
+              "killed_after_grace": outcome.killed, "stderr_tail": outcome.tail[-10:], "ended": outcome.ended}
+    path = rundir.script_record(run_dir, info.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps(record).encode())
+    return record
+
+
+def collect(run_dir: Path, world_size: int, launch: str, own: dict) -> list[dict | None]:
+    """Every rank's record of this launch, by rank (None: not there within RECORD_WAIT_S)."""
+    records: list[dict | None] = [own] + [None] * (world_size - 1)
+    deadline = time.monotonic() + RECORD_WAIT_S
+    while True:
+        for rank in range(1, world_size):
+            if records[rank] is None:
+                doc = read_json(rundir.script_record(run_dir, rank))
+                records[rank] = doc if doc is not None and doc.get("launch") == launch else None
+        if all(r is not None for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
+def failed(record: dict) -> bool:
+    return record["exit_code"] not in (0, None) and not record["stopped_by"]
+
+
+def first_failure(records: list[dict | None]) -> dict | None:
+    """The rank that failed first: the cause; the others' failures are its echo."""
+    bad = [r for r in records if r is not None and failed(r)]
+    return min(bad, key=lambda r: r["ended"]) if bad else None
+
+
+def failure(record: dict, run_dir: Path) -> Failure:
+    code = record["exit_code"]
+    how = f"was killed by {record['signal']}" if record.get("signal") else f"exited with code {code}"
+    tail = " | ".join(line.strip() for line in record["stderr_tail"][-5:] if line.strip())
+    told = f"; the last lines of its stderr: {tail[-600:]}" if tail else "; it wrote nothing to stderr"
+    where = rundir.script_log(run_dir, record["rank"])
+    return Failure(record["rank"], f"its script {how}{told} (all its output: {where})", False, code)
+
+
+def write(cfg: dict, info: RankInfo, node: NodePlan, run_dir: Path, spec, records: list[dict | None],
+          argv: list[str], resumed: bool, attempt: int, t_start: float, outcome) -> dict:
+    stops = [r["stopped_by"] for r in records if r is not None and r["stopped_by"]]
+    status = "failed" if first_failure(records) else "stopped" if stops else "finished"
+    rows = read_rows(Path(run_dir) / rundir.METRICS)
+    metrics = {k: v for row in rows for k, v in row.items() if k not in ROW_KEYS}
+    doc = {
+        "status": status, "task": spec.name, "function": None, "command": argv, "task_config": cfg["task"],
+        "source": info.source, "world_size": info.world_size, "backend": None, "strategy": node.strategy,
+        "plan": [_plan_row(r, rank) for rank, r in enumerate(records)],
+        "metrics": metrics, "steps": rows[-1]["step"] if rows else None, "max_steps": None, "length_keys": [],
+        "exit_codes": [r["exit_code"] if r is not None else None for r in records],
+        "stop_signal": ((records[0] or {}).get("stopped_by") or stops[0]) if status == "stopped" else None,
+        "resumed": resumed, "attempt": attempt,
+        "timing": {"startup_s": round(outcome.started - t_start, 3), "train_s": round(outcome.ended - outcome.started, 3)},
+        "run_dir": str(run_dir),
+    }
+    atomic_write_bytes(Path(run_dir) / rundir.RESULT, (json.dumps(doc, indent=2) + "\n").encode())
+    return doc
+
+
+def _plan_row(record: dict | None, rank: int) -> dict:
+    if record is None:
+        return {"rank": rank, "host": None, "device": "?", "gpus": [], "names": [], "exit_code": None}
+    return {k: record[k] for k in ("rank", "host", "device", "gpus", "names", "exit_code")}
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
