@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.expgpu-setup
 # The suite's tests in this many processes (pytest-xdist): most of a test's time is its
 # subprocesses importing torch or waiting on SLURM, so two share 2 cores well. TEST_WORKERS=0: one.
+# loadgroup: the tests of a module marked xdist_group share one worker, and so its expensive
+# module-scoped fixture (an uninterrupted reference run, a real sweep).
 TEST_WORKERS ?= 2
 
 .PHONY: run test check setup bench slurm-up slurm-down
@@ -14,7 +16,7 @@ run: $(STAMP)
 	$(PY) -m expgpu task=a gpu_map=ranked $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 check: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not slurm and not gpu" $(ARGS)

@@ -23,7 +23,7 @@ import pytest
 
 from conftest import REPO, clean_env, expgpu, finish, start, wait_for_progress
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.xdist_group("test_loggers")]
 
 # As tests/test_resume.py: long enough that a signal after the first row lands mid-training.
 STEPS = 1200

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, clean_env, write_job
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("test_report")]
 
 
 def report(path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -263,6 +263,7 @@ def test_at_42_jobs_the_legend_names_the_best_ten_beside_the_plot(basic_sweep, t
         "objective= or --metric choose another); best: job 20 (task.optimizer.lr=0.02), final_loss 0.5")
 
 
+@pytest.mark.slow
 def test_a_single_run_dir_and_bad_arguments(basic_sweep, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(basic_sweep / "0", run)

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import Run, expgpu, finish, start, wait_for_progress
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.xdist_group("test_resume")]
 
 # Task a sized so that, at full speed on one core, a run still trains for a few seconds
 # after its first metrics row: the signal lands mid-training, not after the end.

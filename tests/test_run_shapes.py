@@ -15,7 +15,7 @@ import pytest
 from conftest import finish, start
 from test_run_api import PROBE_ENV, TESTS, error_line, probe
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.xdist_group("test_run_shapes")]
 
 RNN = ["task=probe_rnnlm", "launch.nproc_per_node=2"]
 

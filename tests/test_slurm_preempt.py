@@ -26,7 +26,7 @@ import pytest
 from conftest import REPO, expgpu
 from slurm_cluster import slurm_cluster  # noqa: F401
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("test_slurm_preempt")]
 
 STEPS = 3000  # a few seconds of training for 2 CPU ranks: a requeue lands mid-way
 ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "backend.timeout_s=60"]
