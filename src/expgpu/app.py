@@ -147,7 +147,7 @@ def _train(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int) -> dict
     grace = script_task["grace_s"] + spawn.GRACE_S if script_task else spawn.GRACE_S
     failure = spawn.run(nproc, run_dir, node_rank=info.rank, nnodes=info.world_size,
                         master_addr=info.master_addr if multi_node else "127.0.0.1", master_port=port,
-                        grace_s=grace)
+                        grace_s=grace, warm=not script_task)
     if failure is not None:
         if failure.user_error:
             raise UserError(failure.message)

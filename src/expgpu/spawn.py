@@ -68,15 +68,18 @@ def _describe(run_dir: Path, rank: int, code: int) -> Failure:
         return Failure(rank, f"exited with code {code}", False, code)
 
 
-def _stop(workers: list[subprocess.Popen], sig: int = signal.SIGTERM, grace_s: float = GRACE_S) -> None:
+def _stop(workers: list, sig: int = signal.SIGTERM, grace_s: float = GRACE_S) -> None:
+    """Signal the workers still running, then SIGKILL those left after grace_s (Popen or ForkedProc)."""
     for p in workers:
         if p.poll() is None:
             p.send_signal(sig)
     deadline = time.monotonic() + grace_s
     for p in workers:
         try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            code = p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            code = None
+        if code is None:
             p.kill()
             p.wait()
 
@@ -98,9 +101,10 @@ def _threads_per_worker(nproc: int) -> dict[str, str]:
 
 def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
         node_rank: int = 0, nnodes: int = 1, master_addr: str = "127.0.0.1",
-        master_port: int = 0, grace_s: float = GRACE_S) -> Failure | None:
+        master_port: int = 0, grace_s: float = GRACE_S, warm: bool = True) -> Failure | None:
     """Start nproc workers and wait; None when all succeeded, else the first failure. When one fails,
-    the others get SIGTERM and grace_s to exit."""
+    the others get SIGTERM and grace_s to exit. `warm`: fork them from one process that imported
+    torch (expgpu.warm_ranks); a script task's ranks, which never import it, are started fresh."""
     launch = uuid.uuid4().hex[:12]
     world = nproc * nnodes
     procs.atexit_grace_s()   # a bad EXPGPU_ATEXIT_GRACE_S: one line now, not at every rank's exit
@@ -109,7 +113,8 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
     stopper = stopping.current()
     early = stopper.received if stopper else None  # a signal while Hydra composed: pass it on
     threads = _threads_per_worker(nproc)
-    workers: list[subprocess.Popen] = []
+    server = _warm_server(warm and nproc > 1)
+    workers: list = []
     for local_rank in range(nproc):
         env = dict(os.environ, **(env_extra or {}), **threads)
         env.update({
@@ -124,13 +129,11 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
         # A session of its own, as torchrun's workers: a terminal's Ctrl-C reaches this supervisor
         # only, which passes it on once, as it does a signal sent to its pid alone (a scheduler,
         # `kill -INT`). Sent to both, a Ctrl-C would arrive twice and read as "abort unsaved".
-        workers.append(subprocess.Popen([sys.executable, "-m", "expgpu.rank_process", str(run_dir)], env=env,
-                                        preexec_fn=_child_setup, start_new_session=True))
+        workers.append(_start(server, env, run_dir))
 
     def forward(signum, frame):
-        for p in workers:
-            if p.poll() is None:
-                p.send_signal(signum)
+        for p in workers:   # send_signal skips one that has exited (and reads no pipe or socket)
+            p.send_signal(signum)
 
     passed_on = [s for s in stopping.STOP_SIGNALS if stopper is None or s.name in stopper.owned]
     old = {s: signal.signal(s, forward) for s in passed_on}
@@ -157,8 +160,35 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
             time.sleep(0.05)
     finally:
         _stop(workers, signal.SIGKILL)  # nothing outlives the parent, whatever happened
+        if server is not None:
+            server.close()
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _warm_server(wanted: bool):
+    """expgpu.warm_ranks' server for this launch, or None (not wanted, EXPGPU_WARM_RANKS=0, or it
+    did not start): the ranks are then started one by one."""
+    if not wanted or os.environ.get("EXPGPU_WARM_RANKS", "1") == "0":
+        return None
+    from expgpu.warm_ranks import WarmRanks
+
+    try:
+        return WarmRanks(dict(os.environ))
+    except OSError as e:
+        log.warning("ranks start one by one: the warm process did not start (%s)", e)
+        return None
+
+
+def _start(server, env: dict[str, str], run_dir: Path):
+    """One rank: forked from the warm server, else `python -m expgpu.rank_process RUN_DIR`."""
+    argv = [sys.executable, "-m", "expgpu.rank_process", str(run_dir)]
+    if server is not None:
+        try:
+            return server.start(env, ["expgpu.rank_process", str(run_dir)])
+        except OSError as e:   # it could not fork (a thread started at import), or is gone
+            log.warning("rank started fresh: the warm process could not fork it (%s)", e)
+    return subprocess.Popen(argv, env=env, preexec_fn=_child_setup, start_new_session=True)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

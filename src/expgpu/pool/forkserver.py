@@ -19,6 +19,7 @@ leaves when the launcher closes the socket; its children die with it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -36,8 +37,12 @@ REPLY_TIMEOUT_S = 120.0   # for a fork, the server may first finish importing to
 
 
 class ForkServer:
-    def __init__(self, log: Path, env: dict[str, str], warm: Sequence[str]):
-        self.proc, self.sock = start_child(["--forkserver"], env, log)
+    """`log`: where the server's and its children's output goes (None: this process's stdout and
+    stderr); `module`: the server's entry (the pool's jobs, or expgpu.warm_ranks' ranks)."""
+
+    def __init__(self, log: Path | None, env: dict[str, str], warm: Sequence[str], module: str = "expgpu.pool.child",
+                 args: Sequence[str] = ("--forkserver",)):
+        self.proc, self.sock = start_child(list(args), env, log, module)
         self.pids: dict[int, int] = {}    # fork request -> pid
         self.codes: dict[int, int] = {}   # pid -> exit code
         self._next = 0
@@ -88,16 +93,17 @@ class ForkServer:
         self.proc.wait()
 
 
-def start_child(args: list[str], env: dict[str, str], log: Path) -> tuple[subprocess.Popen, socket.socket]:
-    """`python -m expgpu.pool.child ARGS FD` in a session of its own, output to `log`, and the
-    launcher's end of its socket."""
+def start_child(args: list[str], env: dict[str, str], log: Path | None,
+                module: str = "expgpu.pool.child") -> tuple[subprocess.Popen, socket.socket]:
+    """`python -m MODULE ARGS FD` in a session of its own, output to `log` (None: this process's),
+    and the launcher's end of its socket."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        with open(log, "ab") as out:
+        with (open(log, "ab") if log is not None else contextlib.nullcontext()) as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "expgpu.pool.child", *args, str(theirs.fileno())], env=env,
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                pass_fds=[theirs.fileno()])
+                [sys.executable, "-m", module, *args, str(theirs.fileno())], env=env,
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None,
+                start_new_session=True, pass_fds=[theirs.fileno()])
     except BaseException:
         ours.close()
         raise
@@ -139,6 +145,19 @@ class ForkedProc:
         while (code := self.poll()) is None and time.monotonic() < deadline:
             self.server.pump(0.05)
         return code
+
+    def send_signal(self, sig: int) -> None:
+        """As Popen's: not to a process known to have exited. Reads nothing from the server (it may
+        run in a signal handler, between the launcher's select and its read of the same socket)."""
+        pid = self.server.pids.get(self.request)
+        if pid is not None and pid not in self.server.codes:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------

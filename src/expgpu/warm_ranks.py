@@ -1,0 +1,107 @@
+"""Local ranks forked from one warm process: torch imported once per launch, not once per rank.
+
+A rank's start-up is mostly importing torch and torch._dynamo (which the first optimizer step
+pulls in): 2-3 CPU-seconds, paid by every rank of `launch.nproc_per_node=N` at once, on the cores
+the ranks then train on. expgpu.spawn instead starts one server (`python -m expgpu.warm_ranks FD`)
+that imports them, then forks each rank from it: the ranks share its memory copy-on-write and
+start warm. The pool's fork server does this for sweep jobs (expgpu.pool.forkserver: its protocol,
+reaping and exit codes serve here too).
+
+Forking is safe because the server starts no Python thread, no OpenMP pool and no CUDA (CUDA
+reads CUDA_VISIBLE_DEVICES when it initializes, in the rank, after its mask is set). What a fresh
+process reads at start-up is set in the rank: its environment (os.environ, which also sets the C
+environment CUDA and NCCL read later), its argv, its RNGs' seeds from the OS, and torch's CPU
+threads (OpenMP read OMP_NUM_THREADS when the server loaded it). Stop signals are blocked from the
+server's start, so a rank holds one that arrives before its handler is in (as spawn's
+block_in_child does for a started rank).
+
+Each rank is a fork of the server, in a session of its own, and dies with it (PR_SET_PDEATHSIG);
+the server dies with the supervisor. A server that cannot fork (a thread started at import) or
+does not start leaves spawn to start the ranks one by one, as before; so does EXPGPU_WARM_RANKS=0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import traceback
+
+from expgpu import procs, stopping
+from expgpu.pool.forkserver import ForkedProc, ForkServer
+
+# What every rank of a function task imports before its task's own code: torch, the optimizer's
+# torch._dynamo, and expgpu's line (rank_process -> run, dist, the built-in loop).
+WARM = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "expgpu.rank_process", "expgpu.run",
+        "expgpu.dist", "expgpu.tasks.supervised", "hydra.utils"]
+
+
+class WarmRanks:
+    """The supervisor's side: one server per launch, a forked rank per call."""
+
+    def __init__(self, env: dict[str, str]):
+        self.server = ForkServer(None, {**env, "EXPGPU_WARM_PARENT": str(os.getpid())}, WARM,
+                                 module="expgpu.warm_ranks")
+
+    def start(self, env: dict[str, str], argv: list[str]) -> ForkedProc:
+        """A rank with this environment and sys.argv, forked from the server (raises OSError if it cannot)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            proc = self.server.fork(theirs)
+            ours.sendall(json.dumps({"env": env, "argv": argv}).encode())
+            proc.pid   # waits for the fork: an OSError now, while spawn can still start it by hand
+        finally:
+            ours.close()
+            theirs.close()
+        return proc
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def rank(sock: socket.socket) -> None:
+    """A forked rank (the server's `spare`): take its environment and argv, then run as
+    `python -m expgpu.rank_process RUN_DIR` would."""
+    msg = sock.recv(1 << 22)
+    sock.close()
+    if not msg:
+        os._exit(0)   # the supervisor hung up before this rank got its job
+    job = json.loads(msg)
+    os.environ.clear()
+    os.environ.update(job["env"])
+    sys.argv = job["argv"]
+    import random
+
+    random.seed()   # seeded from the OS, as a fresh process; the server's state is every fork's
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    from expgpu import rank_process
+
+    try:
+        rank_process.main()   # ends in procs.fast_exit
+    except SystemExit as e:   # as the interpreter would end a fresh process: not the fork's os._exit(1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        procs.fast_exit(e.code if isinstance(e.code, int) else int(e.code is not None))
+    except BaseException:
+        traceback.print_exc()
+        procs.fast_exit(1)
+
+
+def main() -> None:
+    stopping.block_in_child()   # the ranks inherit it: a stop signal waits for its handler
+    parent = os.environ.pop("EXPGPU_WARM_PARENT", None)
+    procs.die_with_parent(int(parent) if parent else None)
+    from expgpu.pool import forkserver
+    from expgpu.pool.child import warm_up   # imports, a CUDA check, gc.freeze: as for the pool's jobs
+
+    forkserver.serve(socket.socket(fileno=int(sys.argv[-1])), warm_up, rank)
+
+
+if __name__ == "__main__":
+    main()
+
