@@ -2,8 +2,9 @@
 
 checkpoint.pt (in the run dir) holds the objects given to `run.track` (their state_dict(), from
 rank 0: DDP keeps the ranks' copies equal), the step, and for every rank its RNG states, its
-position in the data and its own tracked dicts (an RNN's carried hidden state, a per-rank sum:
-each rank gets its own back); rank 0's metrics rows not yet written out ride along. `Tracked` makes that
+position in the data and its own tracked dicts and kept loop variables (an RNN's carried hidden
+state, a per-rank sum: each rank gets its own back); rank 0's metrics rows not yet written out ride
+along. `Tracked` makes that
 state (a collective `save`, every rank at the same step) and restores it (`resume`, before the
 first step). checkpoint.py is the file underneath: atomic, tensors-only loading, shape checks.
 """
@@ -21,6 +22,8 @@ from expgpu.errors import UserError, first_line
 from expgpu.wrap import unwrapped
 
 log = logging.getLogger("expgpu")
+# The tracked names of the loop variables run.steps / run.epochs keep (keep=), after this prefix.
+KEPT = "keep:"
 
 
 class Tracked:
@@ -61,7 +64,9 @@ class Tracked:
         if not self.path.exists():
             return None
         state = checkpoint.load(self.path, self.expect(), self._spec.identity, may_differ=lengths)
-        saved, mine = sorted(state["tracked"]), sorted(self.objects)
+        # the variables an epoch's run.steps keeps are named when it starts, after this check
+        saved = sorted(n for n in state["tracked"] if not n.startswith(KEPT))
+        mine = sorted(n for n in self.objects if not n.startswith(KEPT))
         if saved != mine:
             raise UserError(f"checkpoint {self.path} tracks {', '.join(saved) or 'nothing'}, this run tracks "
                             f"{', '.join(mine) or 'nothing'} (run.track); resume with the same code or use a new run dir")
@@ -78,6 +83,9 @@ class Tracked:
         mine = state["ranks"][self._rank]
         own = mine.get("tracked", {})   # this rank's own dicts, not rank 0's
         for name, obj in self.objects.items():
+            if name not in state["tracked"]:   # kept loop variables (the rest was checked by load)
+                raise UserError(f"checkpoint {self.path} keeps no {name[len(KEPT):]} variables; this run does "
+                                "(keep=): resume with the same code or use a new run dir")
             try:
                 obj.load_state_dict(own[name] if name in own else state["tracked"][name])
             except UserError:
@@ -94,7 +102,7 @@ class Tracked:
         rank 0 (the one with `metrics`) writes."""
         mine = {"rng": rng.capture(self._device), "epoch": where[0], "position": where[1],
                 "tracked": {name: _on_cpu(obj.state_dict()) for name, obj in self.objects.items()
-                            if isinstance(obj, _DictState)}}
+                            if getattr(obj, "per_rank", False)}}
         ranks = dist.gather_objects(mine, self._world_size)
         if metrics is None:
             return
@@ -127,6 +135,8 @@ class _DictState:
     """A plain dict tracked in place (the best metric so far, counters): its items are saved, and
     a resume puts the saved ones back into the same dict object the loop holds."""
 
+    per_rank = True   # each rank's own, restored on that rank
+
     def __init__(self, d: dict):
         self.d = d
 
@@ -138,19 +148,19 @@ class _DictState:
     def load_state_dict(self, state: dict) -> None:
         # A checkpoint's tensors come back on the CPU: each goes where the value it replaces was
         # (a hidden state on the rank's GPU), so the loop's next step finds it where it left it.
-        placed = {k: _placed_like(v, self.d[k]) if k in self.d else v for k, v in state.items()}
+        placed = {k: placed_like(v, self.d[k]) if k in self.d else v for k, v in state.items()}
         self.d.clear()
         self.d.update(placed)
 
 
-def _placed_like(loaded: Any, current: Any) -> Any:
+def placed_like(loaded: Any, current: Any) -> Any:
     """`loaded` with each tensor on the device of its counterpart in `current` (nested alike)."""
     if hasattr(loaded, "to") and hasattr(current, "device"):
         return loaded.to(current.device)
     if isinstance(loaded, dict) and isinstance(current, dict):
-        return {k: _placed_like(v, current[k]) if k in current else v for k, v in loaded.items()}
+        return {k: placed_like(v, current[k]) if k in current else v for k, v in loaded.items()}
     if isinstance(loaded, (list, tuple)) and isinstance(current, (list, tuple)) and len(loaded) == len(current):
-        return _rebuilt(loaded, [_placed_like(a, b) for a, b in zip(loaded, current)])
+        return _rebuilt(loaded, [placed_like(a, b) for a, b in zip(loaded, current)])
     return loaded
 
 
