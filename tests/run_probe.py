@@ -362,6 +362,12 @@ def rnnlm_locals(run: Run, epochs: int = 4, lr: float = 0.5):
     return {"best": best, "lr": lr}
 
 
+def torchrun_env(run: Run):
+    """Code written for torchrun: who this process is, from torchrun's variables."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    (run.run_dir / f"env{run.rank}.json").write_text(json.dumps({n: os.environ.get(n) for n in names}))
+
+
 def keeps_unknown(run: Run):
     """keep= names a variable its function does not have."""
     hidden = None

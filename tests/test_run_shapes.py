@@ -97,6 +97,16 @@ def test_keep_naming_no_variable_of_the_function_says_which_it_has(tmp_path):
     assert "run.steps: keep names hiden, which keeps_unknown() has no local variable of; it has hidden, run" in line
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_code_written_for_torchrun_finds_its_rank_in_torchruns_variables(tmp_path, nproc):
+    run = probe(["task=probe_torchrun_env", f"launch.nproc_per_node={nproc}"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in range(nproc):
+        seen = json.loads((tmp_path / "run" / f"env{rank}.json").read_text())
+        assert seen == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                        "LOCAL_WORLD_SIZE": str(nproc)}
+
+
 def test_a_finished_epoch_loop_is_trained_on_by_its_epochs_key(tmp_path, rnn_reference):
     run_dir = tmp_path / "run"
     assert probe([*RNN, "task.epochs=3"], run_dir).returncode == 0
