@@ -353,7 +353,7 @@ def rnnlm_locals(run: Run, epochs: int = 4, lr: float = 0.5):
             opt.step()
             total += loss.item()
             run.log(loss=loss, total=total, lr=lr)
-            seen.append([run.step, i, epoch])
+            seen.append([run.step, i, epoch, x.tolist()])
         if best is None or total < best:
             best = total
         else:

@@ -87,9 +87,15 @@ def test_a_scripts_own_loader_and_loop_variables_kept_by_name_resume_exactly(tmp
     assert resumed.result["param_checksum"] == straight.result["param_checksum"]
     assert resumed.result["metrics"] == straight.result["metrics"]
     assert _rows(run_dir) == _rows(tmp_path / "straight")
-    for rank in (0, 1):   # (step, its index in the epoch of 8, the epoch numbered from 1)
-        assert json.loads((run_dir / f"seen{rank}.json").read_text()) == [[s, s % 8, s // 8 + 1]
-                                                                          for s in range(at, 32)]
+    seen = [json.loads((run_dir / f"seen{rank}.json").read_text()) for rank in (0, 1)]
+    whole = [json.loads((tmp_path / "straight" / f"seen{rank}.json").read_text()) for rank in (0, 1)]
+    for rank in (0, 1):   # (step, its index in the epoch of 8, the epoch numbered from 1, the batch)
+        assert [row[:3] for row in seen[rank]] == [[s, s % 8, s // 8 + 1] for s in range(at, 32)]
+        assert seen[rank] == whole[rank][at:]   # the same batches as the run never stopped
+    # each rank its own share of every epoch: 8 batches of 4 chunks each, the 64 chunks all seen once
+    for epoch in (1, 2, 3, 4):
+        chunks = {tuple(chunk) for rank in (0, 1) for row in whole[rank] if row[2] == epoch for chunk in row[3]}
+        assert len(chunks) == 64
 
 
 def test_keep_naming_no_variable_of_the_function_says_which_it_has(tmp_path):
