@@ -368,6 +368,11 @@ def torchrun_env(run: Run):
     (run.run_dir / f"env{run.rank}.json").write_text(json.dumps({n: os.environ.get(n) for n in names}))
 
 
+def prints(run: Run):
+    """A script's print(), on every rank."""
+    print(f"printed by rank {run.rank}")
+
+
 def keeps_unknown(run: Run):
     """keep= names a variable its function does not have."""
     hidden = None

@@ -113,6 +113,15 @@ def test_code_written_for_torchrun_finds_its_rank_in_torchruns_variables(tmp_pat
                         "LOCAL_WORLD_SIZE": str(nproc)}
 
 
+def test_launch_stdout_rank0_shows_what_rank_0_prints_and_keeps_the_others_in_their_logs(tmp_path):
+    every = probe(["task=probe_prints", "launch.nproc_per_node=2"], tmp_path / "every")
+    assert "printed by rank 0" in every.stdout and "printed by rank 1" in every.stdout
+    once = probe(["task=probe_prints", "launch.nproc_per_node=2", "launch.stdout=rank0"], tmp_path / "once")
+    assert once.returncode == 0, once.stderr[-3000:]
+    assert "printed by rank 0" in once.stdout and "printed by rank 1" not in once.output
+    assert (tmp_path / "once" / "logs" / "rank1.out").read_text() == "printed by rank 1\n"
+
+
 def test_a_finished_epoch_loop_is_trained_on_by_its_epochs_key(tmp_path, rnn_reference):
     run_dir = tmp_path / "run"
     assert probe([*RNN, "task.epochs=3"], run_dir).returncode == 0

@@ -54,6 +54,11 @@ class Wrap(enum.Enum):
     none = "none"
 
 
+class Stdout(enum.Enum):
+    all = "all"
+    rank0 = "rank0"
+
+
 class Shard(enum.Enum):
     uniform = "uniform"
     proportional = "proportional"
@@ -95,6 +100,8 @@ class LaunchConfig:
     nproc_per_node: int = 1                       # >1: expgpu starts this many local workers
     isolation: Isolation = Isolation.visible_devices
     wrap: Wrap = Wrap.ddp                         # dp: DataParallel over a rank's GPUs (1 rank only)
+    # what the task prints: every rank's on the console, or rank0's only (the others' in logs/rank<N>.out)
+    stdout: Stdout = Stdout.all
 
 
 @dataclass

@@ -119,7 +119,7 @@ def _call(run, spec) -> tuple[str, dict]:
     params = tasks.build_params(spec)
     finished = False
     try:
-        with _torchrun_variables(run):
+        with _torchrun_variables(run), _stdout_of(run):
             returned = spec.fn(run, **params)
         finished = True
     except StopTraining:
@@ -127,6 +127,19 @@ def _call(run, spec) -> tuple[str, dict]:
     finally:
         run._close(finished)
     return "finished", _metrics(returned, spec.target)
+
+
+@contextlib.contextmanager
+def _stdout_of(run):
+    """launch.stdout=rank0: what ranks other than 0 print goes to logs/rank<N>.out, so that a script
+    that printed once on one process prints once on several (print() stays as it is)."""
+    if run.is_main or run.cfg.launch.stdout != "rank0":
+        yield
+        return
+    path = rundir.rank_stdout(run.run_dir, run.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as out, contextlib.redirect_stdout(out):
+        yield
 
 
 @contextlib.contextmanager

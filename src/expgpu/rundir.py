@@ -15,6 +15,7 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
     RUN_DIR/checkpoint.pt                   rank 0, every checkpoint.every_steps and at a stop
     RUN_DIR/plan.json                       the node plan (dry run and spawn)
     RUN_DIR/logs/rank<N>.log                each spawned rank's log
+    RUN_DIR/logs/rank<N>.out                what rank N > 0 printed, under launch.stdout=rank0
     RUN_DIR/metrics.csv, tensorboard/,      rank 0, the chosen loggers (expgpu.loggers)
         wandb/, mlflow.db (a single run)
     RUN_DIR/.expgpu/                        expgpu's hand-over files between its own processes:
@@ -90,6 +91,11 @@ def store_port_file(run_dir: Path, launch: str) -> Path:
 
 def rank_log(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / "logs" / f"rank{rank}.log"
+
+
+def rank_stdout(run_dir: Path, rank: int) -> Path:
+    """What a rank other than 0 printed, under launch.stdout=rank0."""
+    return Path(run_dir) / "logs" / f"rank{rank}.out"
 
 
 def fsync_dir(path: Path) -> None:
