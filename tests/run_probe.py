@@ -328,7 +328,7 @@ def rnnlm(run: Run, epochs: int = 4, lr: float = 0.5):
 def rnnlm_locals(run: Run, epochs: int = 4, lr: float = 0.5):
     """word_language_model's shape as the script has it: a DataLoader it builds itself (shuffled),
     epochs numbered from 1, and what its loops carry in plain variables (a hidden state and a running
-    sum each step, a learning rate halved and the best sum kept at each epoch's end), kept by name."""
+    sum each step, a learning rate annealed and the best sum kept at each epoch's end), kept by name."""
     import time
 
     step_s = float(os.environ.get("PROBE_STEP_S", "0"))
@@ -336,8 +336,9 @@ def rnnlm_locals(run: Run, epochs: int = 4, lr: float = 0.5):
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     loader = torch.utils.data.DataLoader(TokenChunks(), batch_size=4, shuffle=True)
     run.track(model=model, opt=opt)
-    seen, best = [], None
+    seen, starts, best = [], [], None
     for epoch in run.epochs(1, epochs + 1, keep=("lr", "best")):
+        starts.append([epoch, lr])   # the epoch's own code reads what the last one left
         hidden, total = model.init_hidden(4), 0.0
         for i, (x, y) in run.steps(loader, keep="hidden total"):
             if run.is_main:
@@ -354,11 +355,10 @@ def rnnlm_locals(run: Run, epochs: int = 4, lr: float = 0.5):
             total += loss.item()
             run.log(loss=loss, total=total, lr=lr)
             seen.append([run.step, i, epoch, x.tolist()])
-        if best is None or total < best:
-            best = total
-        else:
-            lr /= 2
+        best = total if best is None else min(best, total)
+        lr *= 0.8
     (run.run_dir / f"seen{run.rank}.json").write_text(json.dumps(seen))
+    (run.run_dir / f"starts{run.rank}.json").write_text(json.dumps(starts))
     return {"best": best, "lr": lr}
 
 

@@ -92,6 +92,9 @@ def test_a_scripts_own_loader_and_loop_variables_kept_by_name_resume_exactly(tmp
     for rank in (0, 1):   # (step, its index in the epoch of 8, the epoch numbered from 1, the batch)
         assert [row[:3] for row in seen[rank]] == [[s, s % 8, s // 8 + 1] for s in range(at, 32)]
         assert seen[rank] == whole[rank][at:]   # the same batches as the run never stopped
+        # the resumed epoch's own code, before its steps, found the annealed lr of the run never stopped
+        resumed_starts = json.loads((run_dir / f"starts{rank}.json").read_text())
+        assert resumed_starts == json.loads((tmp_path / "straight" / f"starts{rank}.json").read_text())[1:]
     # each rank its own share of every epoch: 8 batches of 4 chunks each, the 64 chunks all seen once
     for epoch in (1, 2, 3, 4):
         chunks = {tuple(chunk) for rank in (0, 1) for row in whole[rank] if row[2] == epoch for chunk in row[3]}

@@ -159,7 +159,7 @@ class Run:
 
         sampler = getattr(loader, "sampler", None)
         plain = type(sampler) is SequentialSampler or (type(sampler) is RandomSampler and not sampler.replacement
-                                                       and sampler._num_samples is None)
+                                                       and sampler.num_samples == len(sampler.data_source))
         if type(loader) is not DataLoader or not plain or loader.batch_size is None:
             return loader
         if self._rebuilt.get(id(loader), (None,))[0] is not loader:   # once per loader, not every epoch
@@ -242,7 +242,9 @@ class Run:
         if not keep:
             return
         names = names_of(keep, where)
-        kept = self._state.objects.setdefault(KEPT + where, CarriedLocals(names, where))
+        kept = self._state.objects.get(KEPT + where)
+        if kept is None:
+            kept = self._state.objects[KEPT + where] = CarriedLocals(names, where)
         if kept.names != names:
             raise UserError(f"{where}: keep={names} this time, keep={kept.names} before; keep the same names")
         kept.bind(frame)
@@ -309,6 +311,8 @@ class Run:
         epoch, position = Tracked.where(self._pending, self.rank)
         if self._epochs is not None and self._epoch < self._epoch_end and (epoch != self._epoch or
                                                                            (feed is None) != (position == 0)):
+            if feed is None and epoch == self._epoch:   # saved mid-epoch: the rest when its run.steps begins,
+                self._state.restore_one(KEPT + "run.epochs", self._pending)   # the epochs' variables now
             return
         self._state.restore(self._pending)
         if feed is not None:

@@ -81,21 +81,28 @@ class Tracked:
     def restore(self, state: dict) -> None:
         """The tracked objects (rank 0's; this rank's own dicts) and this rank's RNG, as saved."""
         mine = state["ranks"][self._rank]
-        own = mine.get("tracked", {})   # this rank's own dicts, not rank 0's
-        for name, obj in self.objects.items():
-            if name not in state["tracked"]:   # kept loop variables (the rest was checked by load)
-                raise UserError(f"checkpoint {self.path} keeps no {name[len(KEPT):]} variables; this run does "
-                                "(keep=): resume with the same code or use a new run dir")
-            try:
-                obj.load_state_dict(own[name] if name in own else state["tracked"][name])
-            except UserError:
-                raise
-            except Exception as e:  # same settings, other code
-                raise UserError(f"checkpoint {self.path}: {name} does not fit what this run tracks as {name} "
-                                f"({type(e).__name__}: {first_line(e)}); use a new run dir") from None
+        for name in self.objects:
+            self.restore_one(name, state)
         rng.restore(mine["rng"], self._device)
         epoch, position = self.where(state, self._rank)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", self.path, state["step"], epoch, position)
+
+    def restore_one(self, name: str, state: dict) -> None:
+        """One tracked object as saved: this rank's own state (a dict, kept variables), else rank 0's."""
+        obj = self.objects.get(name)
+        if obj is None:
+            return
+        if name not in state["tracked"]:   # kept loop variables (the rest was checked by load)
+            raise UserError(f"checkpoint {self.path} keeps no {name[len(KEPT):]} variables; this run does "
+                            "(keep=): resume with the same code or use a new run dir")
+        own = state["ranks"][self._rank].get("tracked", {})   # this rank's own, not rank 0's
+        try:
+            obj.load_state_dict(own[name] if name in own else state["tracked"][name])
+        except UserError:
+            raise
+        except Exception as e:  # same settings, other code
+            raise UserError(f"checkpoint {self.path}: {name} does not fit what this run tracks as {name} "
+                            f"({type(e).__name__}: {first_line(e)}); use a new run dir") from None
 
     def save(self, step: int, where: tuple[int, int], metrics, reason: str) -> None:
         """Collective: every rank calls it at the same step, `where` its (epoch, batch position);
