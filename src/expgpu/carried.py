@@ -47,8 +47,9 @@ class CarriedLocals:
         variables = set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
         missing = [n for n in self.names if n not in variables]
         if missing:
+            has = ", ".join(sorted(v for v in variables if not v.startswith("_"))) or "none"
             raise UserError(f"{self.where}: keep names {', '.join(missing)}, which {code.co_name}() has no "
-                            f"local variable of; it has {', '.join(sorted(v for v in variables if not v.startswith('_'))) or 'none'}")
+                            f"local variable of; it has {has}")
         self.frame = frame
 
     def state_dict(self) -> dict[str, Any]:
