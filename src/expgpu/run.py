@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from expgpu import dist, loggers, rng
-from expgpu.carried import CarriedLocals, names_of
+from expgpu.carried import names_of
 from expgpu.errors import UserError
-from expgpu.feed import END_OF_EPOCH, Feed, RankSampler, SeededFetch
+from expgpu.feed import END_OF_EPOCH, Feed, rank_loader, rebuild_args
 from expgpu.metrics import ROW_KEYS, MetricsLog, WindowMeanLog
 from expgpu.stopping import NEVER
 from expgpu.tracked import KEPT, Tracked
@@ -137,43 +137,25 @@ class Run:
         return self._rank_loader(dataset, batch_size, shuffle, drop_last, drop_last, **kwargs)
 
     def _rank_loader(self, dataset, batch_size: int, shuffle: bool, equal_shares: bool, drop_last: bool, **kwargs):
-        """This rank's DataLoader: `equal_shares` cuts each epoch to a multiple of the world size
-        (RankSampler's drop_last), `drop_last` drops a last short batch (the DataLoader's)."""
-        from torch.utils.data import DataLoader
-
-        sampler = RankSampler(len(dataset), self.world_size, self.rank, shuffle, self._spec.seed, equal_shares,
-                              batch_size)
         kwargs.setdefault("num_workers", self.cfg.data.num_workers)
         kwargs.setdefault("pin_memory", self.device.type == "cuda")
-        if kwargs["num_workers"]:   # workers' random draws (augmentation) seeded per batch: exact resume
-            dataset, sampler.keyed = SeededFetch(dataset, self._spec.seed), True
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
-                          generator=sampler.generator, **kwargs)
+        return rank_loader(dataset, batch_size, self.world_size, self.rank, self._spec.seed, shuffle, equal_shares,
+                           drop_last, **kwargs)
 
     def _shared_out(self, loader):
-        """A DataLoader the script built itself, shuffled or in order and with no sampler of its own,
-        rebuilt as run.loader builds one: on several ranks each takes its share of every epoch (as
-        given, every rank would train on all of it), and a resumed epoch starts at its place (a
-        RandomSampler would draw another order from the global RNG). Anything else as it is."""
-        from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
-
-        sampler = getattr(loader, "sampler", None)
-        plain = type(sampler) is SequentialSampler or (type(sampler) is RandomSampler and not sampler.replacement
-                                                       and sampler.num_samples == len(sampler.data_source))
-        if type(loader) is not DataLoader or not plain or loader.batch_size is None:
+        """A DataLoader the script built itself (shuffled or in order, no sampler of its own) as
+        run.loader builds one: each rank its share of every epoch, a resume at its place."""
+        given, rebuilt = self._rebuilt.get(id(loader), (None, None))
+        if given is loader and rebuilt is not None:   # once per loader, not every epoch
+            return rebuilt
+        how = rebuild_args(loader)
+        if how is None:
             return loader
-        if self._rebuilt.get(id(loader), (None,))[0] is not loader:   # once per loader, not every epoch
-            kwargs = {k: getattr(loader, k) for k in ("num_workers", "collate_fn", "pin_memory", "timeout",
-                                                      "worker_init_fn")}
-            if loader.num_workers:
-                kwargs.update({k: getattr(loader, k) for k in ("prefetch_factor", "persistent_workers",
-                                                               "multiprocessing_context")})
-            rebuilt = self._rank_loader(loader.dataset, loader.batch_size, type(sampler) is RandomSampler, True,
-                                        loader.drop_last, **kwargs)
-            self._rebuilt[id(loader)] = (loader, rebuilt)
-            log.info("run.steps: the DataLoader given is shared out between the %d rank(s) as run.loader's "
-                     "(%d batches an epoch on this rank)", self.world_size, len(rebuilt))
-        return self._rebuilt[id(loader)][1]
+        rebuilt = self._rank_loader(**how)
+        self._rebuilt[id(loader)] = (loader, rebuilt)
+        log.info("run.steps: the DataLoader given is shared out between the %d rank(s) as run.loader's "
+                 "(%d batches an epoch on this rank)", self.world_size, len(rebuilt))
+        return rebuilt
 
     def track(self, **objects) -> None:
         """Objects whose state_dict() is checkpointed and restored on a resume: modules (wrapped or
@@ -237,17 +219,9 @@ class Run:
         return self._epoch_loop(self._epochs)
 
     def _keep(self, keep, where: str, frame) -> None:
-        """keep=: the variables of the function that called run.steps / run.epochs, a rank's own
-        tracked state (the same names each time: run.steps is called again every epoch)."""
-        if not keep:
-            return
-        names = names_of(keep, where)
-        kept = self._state.objects.get(KEPT + where)
-        if kept is None:
-            kept = self._state.objects[KEPT + where] = CarriedLocals(names, where)
-        if kept.names != names:
-            raise UserError(f"{where}: keep={names} this time, keep={kept.names} before; keep the same names")
-        kept.bind(frame)
+        """keep=: the variables of the function that called run.steps / run.epochs (expgpu.carried)."""
+        if keep:
+            self._state.carried(where, names_of(keep, where)).bind(frame)
 
     def _loop(self, max_steps: int) -> Iterator[tuple[int, Any]]:
         self._begin(max_steps, last_poll=max_steps - 1)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from expgpu import checkpoint, dist, rng, rundir
+from expgpu.carried import CarriedLocals
 from expgpu.errors import UserError, first_line
 from expgpu.wrap import unwrapped
 
@@ -42,6 +43,16 @@ class Tracked:
                             "load_state_dict(); track modules, optimizers, schedulers, a GradScaler, "
                             "a dict of numbers, or objects of your own that have both")
         self.objects[name] = unwrapped(obj)
+
+    def carried(self, where: str, names: tuple[str, ...]) -> CarriedLocals:
+        """The loop variables run.steps or run.epochs (`where`) keeps: the same names each time (run.steps
+        is called again every epoch), each rank's own values."""
+        kept = self.objects.get(KEPT + where)
+        if kept is None:
+            kept = self.objects[KEPT + where] = CarriedLocals(names, where)
+        if kept.names != names:
+            raise UserError(f"{where}: keep={names} this time, keep={kept.names} before; keep the same names")
+        return kept
 
     def expect(self) -> dict:
         """The run shape a checkpoint must match to be resumed here."""
