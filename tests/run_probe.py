@@ -307,9 +307,9 @@ def rnnlm(run: Run, epochs: int = 4, lr: float = 0.5):
     seen = []
     for epoch in run.epochs(epochs):
         carry["hidden"] = model.init_hidden(4)   # as word_language_model does at each epoch's start
-        for step, (x, y) in run.steps(loader):
+        for i, (x, y) in run.steps(loader):   # i: the batch's index in the epoch, as enumerate's
             if run.is_main:
-                (run.run_dir / "at").write_text(str(step))
+                (run.run_dir / "at").write_text(str(run.step))
             time.sleep(step_s)
             out, h = model(x, carry["hidden"])
             carry["hidden"] = h.detach()
@@ -318,11 +318,67 @@ def rnnlm(run: Run, epochs: int = 4, lr: float = 0.5):
             loss.backward()
             opt.step()
             run.log(loss=loss)
-            seen.append(step)
+            seen.append([run.step, i])
         run.log(epoch_end=float(epoch))   # the epoch's own code, after its steps
     (run.run_dir / f"seen{run.rank}.json").write_text(json.dumps(seen))
     return {"wrapped_is_raw": int(getattr(model, "module", model) is raw),
             "plain_names": int([n for n, _ in model.named_parameters()][0] == "emb.weight")}
+
+
+def rnnlm_locals(run: Run, epochs: int = 4, lr: float = 0.5):
+    """word_language_model's shape as the script has it: a DataLoader it builds itself (shuffled),
+    epochs numbered from 1, and what its loops carry in plain variables (a hidden state and a running
+    sum each step, a learning rate annealed and the best sum kept at each epoch's end), kept by name."""
+    import time
+
+    step_s = float(os.environ.get("PROBE_STEP_S", "0"))
+    model = run.wrap(TinyRNN())
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loader = torch.utils.data.DataLoader(TokenChunks(), batch_size=4, shuffle=True)
+    run.track(model=model, opt=opt)
+    seen, starts, best = [], [], None
+    for epoch in run.epochs(1, epochs + 1, keep=("lr", "best")):
+        starts.append([epoch, lr])   # the epoch's own code reads what the last one left
+        hidden, total = model.init_hidden(4), 0.0
+        for i, (x, y) in run.steps(loader, keep="hidden total"):
+            if run.is_main:
+                (run.run_dir / "at").write_text(str(run.step))
+            time.sleep(step_s)
+            out, hidden = model(x, hidden)
+            hidden = hidden.detach()
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+            total += loss.item()
+            run.log(loss=loss, total=total, lr=lr)
+            seen.append([run.step, i, epoch, x.tolist()])
+        best = total if best is None else min(best, total)
+        lr *= 0.8
+    (run.run_dir / f"seen{run.rank}.json").write_text(json.dumps(seen))
+    (run.run_dir / f"starts{run.rank}.json").write_text(json.dumps(starts))
+    return {"best": best, "lr": lr}
+
+
+def torchrun_env(run: Run):
+    """Code written for torchrun: who this process is, from torchrun's variables."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    (run.run_dir / f"env{run.rank}.json").write_text(json.dumps({n: os.environ.get(n) for n in names}))
+
+
+def prints(run: Run):
+    """A script's print(), on every rank."""
+    print(f"printed by rank {run.rank}")
+
+
+def keeps_unknown(run: Run):
+    """keep= names a variable its function does not have."""
+    hidden = None
+    for _ in run.steps(None, 2, keep=("hiden",)):
+        hidden = 1
+    return {"hidden": hidden}
 
 
 def lengthy(run: Run, max_iters: int = 6, twice: int = 0):

@@ -43,15 +43,7 @@ def _at(run_dir: Path) -> int:
 def test_an_epoch_loop_stopped_mid_epoch_resumes_exactly_with_each_ranks_carried_state(tmp_path, rnn_reference):
     run_dir = tmp_path / "run"
     # Steps of 0.25 s (a poll after each): the signal during step 10 stops at step 11 or 12, mid-epoch 1.
-    proc = start(["--config-dir", str(TESTS / "conf"), *RNN], run_dir, env={**PROBE_ENV, "PROBE_STEP_S": "0.25"})
-    deadline = time.monotonic() + 90
-    while _at(run_dir) < 10 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    stopped = finish(proc, run_dir)
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
-    at = stopped.result["steps"]
-    assert 10 < at < 16, f"stopped at {at}: not in the middle of epoch 1"
+    at = _stop_mid_epoch_1(RNN, run_dir)
     resumed = probe(RNN, run_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     res, ref = resumed.result, rnn_reference.result
@@ -60,8 +52,77 @@ def test_an_epoch_loop_stopped_mid_epoch_resumes_exactly_with_each_ranks_carried
     # epoch-start reset did not clobber the restored one, and the data continued where it stopped.
     assert res["param_checksum"] == ref["param_checksum"] and len(set(res["rank_checksums"])) == 1
     assert _rows(run_dir) == _rows(rnn_reference.run_dir)
-    for rank in (0, 1):
-        assert json.loads((run_dir / f"seen{rank}.json").read_text()) == list(range(at, 32))
+    for rank in (0, 1):   # (the step, the batch's index in its epoch of 8), from the stop on
+        assert json.loads((run_dir / f"seen{rank}.json").read_text()) == [[s, s % 8] for s in range(at, 32)]
+
+
+LOCALS = ["task=probe_rnnlm_locals", "launch.nproc_per_node=2"]
+
+
+def _stop_mid_epoch_1(args: list[str], run_dir: Path) -> int:
+    """Start a run of 0.25 s steps, SIGTERM it during step 10, return the step it stopped at."""
+    proc = start(["--config-dir", str(TESTS / "conf"), *args], run_dir, env={**PROBE_ENV, "PROBE_STEP_S": "0.25"})
+    deadline = time.monotonic() + 90
+    while _at(run_dir) < 10 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    stopped = finish(proc, run_dir)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    at = stopped.result["steps"]
+    assert 10 < at < 16, f"stopped at {at}: not in the middle of epoch 1"
+    return at
+
+
+def test_a_scripts_own_loader_and_loop_variables_kept_by_name_resume_exactly(tmp_path):
+    straight = probe(LOCALS, tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    at = _stop_mid_epoch_1(LOCALS, run_dir)
+    resumed = probe(LOCALS, run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # The hidden state and the running sum (keep= of run.steps), the annealed learning rate and the
+    # best sum (keep= of run.epochs) came back into the plain variables: every logged value and every
+    # parameter as in the run never stopped, on both ranks; the shuffled DataLoader the function
+    # built itself was shared out between the ranks and resumed at its place.
+    assert resumed.result["param_checksum"] == straight.result["param_checksum"]
+    assert resumed.result["metrics"] == straight.result["metrics"]
+    assert _rows(run_dir) == _rows(tmp_path / "straight")
+    seen = [json.loads((run_dir / f"seen{rank}.json").read_text()) for rank in (0, 1)]
+    whole = [json.loads((tmp_path / "straight" / f"seen{rank}.json").read_text()) for rank in (0, 1)]
+    for rank in (0, 1):   # (step, its index in the epoch of 8, the epoch numbered from 1, the batch)
+        assert [row[:3] for row in seen[rank]] == [[s, s % 8, s // 8 + 1] for s in range(at, 32)]
+        assert seen[rank] == whole[rank][at:]   # the same batches as the run never stopped
+        # the resumed epoch's own code, before its steps, found the annealed lr of the run never stopped
+        resumed_starts = json.loads((run_dir / f"starts{rank}.json").read_text())
+        assert resumed_starts == json.loads((tmp_path / "straight" / f"starts{rank}.json").read_text())[1:]
+    # each rank its own share of every epoch: 8 batches of 4 chunks each, the 64 chunks all seen once
+    for epoch in (1, 2, 3, 4):
+        chunks = {tuple(chunk) for rank in (0, 1) for row in whole[rank] if row[2] == epoch for chunk in row[3]}
+        assert len(chunks) == 64
+
+
+def test_keep_naming_no_variable_of_the_function_says_which_it_has(tmp_path):
+    line = error_line(probe(["task=probe_keeps_unknown"], tmp_path / "run"))
+    assert "run.steps: keep names hiden, which keeps_unknown() has no local variable of; it has hidden, run" in line
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_code_written_for_torchrun_finds_its_rank_in_torchruns_variables(tmp_path, nproc):
+    run = probe(["task=probe_torchrun_env", f"launch.nproc_per_node={nproc}"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in range(nproc):
+        seen = json.loads((tmp_path / "run" / f"env{rank}.json").read_text())
+        assert seen == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                        "LOCAL_WORLD_SIZE": str(nproc)}
+
+
+def test_launch_stdout_rank0_shows_what_rank_0_prints_and_keeps_the_others_in_their_logs(tmp_path):
+    every = probe(["task=probe_prints", "launch.nproc_per_node=2"], tmp_path / "every")
+    assert "printed by rank 0" in every.stdout and "printed by rank 1" in every.stdout
+    once = probe(["task=probe_prints", "launch.nproc_per_node=2", "launch.stdout=rank0"], tmp_path / "once")
+    assert once.returncode == 0, once.stderr[-3000:]
+    assert "printed by rank 0" in once.stdout and "printed by rank 1" not in once.output
+    assert (tmp_path / "once" / "logs" / "rank1.out").read_text() == "printed by rank 1\n"
 
 
 def test_a_finished_epoch_loop_is_trained_on_by_its_epochs_key(tmp_path, rnn_reference):
@@ -71,7 +132,7 @@ def test_a_finished_epoch_loop_is_trained_on_by_its_epochs_key(tmp_path, rnn_ref
     assert more.returncode == 0, more.stderr[-3000:]
     assert more.result["resumed_from_step"] == 24 and more.result["steps"] == 32
     assert more.result["param_checksum"] == rnn_reference.result["param_checksum"]
-    assert json.loads((run_dir / "seen0.json").read_text()) == list(range(24, 32))
+    assert json.loads((run_dir / "seen0.json").read_text()) == [[s, s % 8] for s in range(24, 32)]
 
 
 def test_a_finished_run_is_trained_on_by_its_own_length_key_and_the_message_names_it(tmp_path):

@@ -55,6 +55,11 @@ class Wrap(enum.Enum):
     none = "none"
 
 
+class Stdout(enum.Enum):
+    all = "all"
+    rank0 = "rank0"
+
+
 class Shard(enum.Enum):
     uniform = "uniform"
     proportional = "proportional"
@@ -99,6 +104,8 @@ class LaunchConfig:
     # (expgpu/script/environ.py). visible_devices: only its own; set_device: all, then set_device
     isolation: Isolation = Isolation.auto
     wrap: Wrap = Wrap.ddp                         # dp: DataParallel over a rank's GPUs (1 rank only)
+    # what the task prints: every rank's on the console, or rank0's only (the others' in logs/rank<N>.out)
+    stdout: Stdout = Stdout.all
 
 
 @dataclass

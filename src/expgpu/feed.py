@@ -117,6 +117,39 @@ class SeededFetch:
         return getattr(self.dataset, name)
 
 
+def rank_loader(dataset: Any, batch_size: int, world_size: int, rank: int, seed: int, shuffle: bool,
+                equal_shares: bool, drop_last: bool, **kwargs):
+    """Rank `rank`'s DataLoader over `dataset` (run.loader's): `equal_shares` cuts each epoch to a
+    multiple of the world size (RankSampler's drop_last), `drop_last` drops a last short batch."""
+    from torch.utils.data import DataLoader
+
+    sampler = RankSampler(len(dataset), world_size, rank, shuffle, seed, equal_shares, batch_size)
+    if kwargs.get("num_workers"):   # workers' random draws (augmentation) seeded per batch: exact resume
+        dataset, sampler.keyed = SeededFetch(dataset, seed), True
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+                      generator=sampler.generator, **kwargs)
+
+
+def rebuild_args(loader: Any) -> dict | None:
+    """rank_loader's arguments for a DataLoader a script built itself, shuffled or in order and with
+    no sampler of its own (None for anything else): as given, every rank would train on all of it,
+    and a shuffled one resumed mid-epoch would draw another order from the global RNG. Its share is
+    cut equal (DDP needs as many steps on every rank); its own drop_last decides its last batch."""
+    from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+
+    sampler = getattr(loader, "sampler", None)
+    plain = type(sampler) is SequentialSampler or (type(sampler) is RandomSampler and not sampler.replacement
+                                                   and sampler.num_samples == len(sampler.data_source))
+    if type(loader) is not DataLoader or not plain or loader.batch_size is None:
+        return None
+    kwargs = {k: getattr(loader, k) for k in ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn")}
+    if loader.num_workers:
+        kwargs.update({k: getattr(loader, k) for k in ("prefetch_factor", "persistent_workers",
+                                                       "multiprocessing_context")})
+    return dict(dataset=loader.dataset, batch_size=loader.batch_size, shuffle=type(sampler) is RandomSampler,
+                equal_shares=True, drop_last=loader.drop_last, **kwargs)
+
+
 def positioner(loader: Any):
     """The sampler of `loader` that can start an epoch at a batch position, if it has one."""
     for attr in ("batch_sampler", "sampler"):

@@ -13,6 +13,7 @@ resolved config and the node plan in RUN_DIR/.expgpu/.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -125,13 +126,50 @@ def _call(run, spec) -> tuple[str, dict]:
     params = tasks.build_params(spec)
     finished = False
     try:
-        returned = spec.fn(run, **params)
+        with _torchrun_variables(run), _stdout_of(run):
+            returned = spec.fn(run, **params)
         finished = True
     except StopTraining:
         return "stopped", {}
     finally:
         run._close(finished)
     return "finished", _metrics(returned, spec.target)
+
+
+@contextlib.contextmanager
+def _stdout_of(run):
+    """launch.stdout=rank0: what ranks other than 0 print goes to logs/rank<N>.out, so that a script
+    that printed once on one process prints once on several (print() stays as it is)."""
+    if run.is_main or run.cfg.launch.stdout != "rank0":
+        yield
+        return
+    path = rundir.rank_stdout(run.run_dir, run.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as out, contextlib.redirect_stdout(out):
+        yield
+
+
+@contextlib.contextmanager
+def _torchrun_variables(run):
+    """RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE, as torchrun sets them, while the task runs,
+    whoever started this rank (expgpu's spawn, srun, mpirun, one process): code written for torchrun
+    reads them (nanoGPT's `ddp = int(os.environ.get('RANK', -1)) != -1`). Put back as they were after."""
+    mine = {"RANK": run.rank, "LOCAL_RANK": run.local_rank, "WORLD_SIZE": run.world_size,
+            "LOCAL_WORLD_SIZE": run.local_world_size}
+    before = {name: os.environ.get(name) for name in mine}
+    for name, value in mine.items():
+        if before[name] not in (None, str(value)):
+            log.warning("%s=%s in the environment, but this process is rank %s of %s: %s=%s while the task runs",
+                        name, before[name], run.rank, run.world_size, name, value)
+        os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _metrics(returned, target: str) -> dict:

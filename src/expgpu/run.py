@@ -30,16 +30,18 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from expgpu import dist, loggers, rng
+from expgpu.carried import names_of
 from expgpu.errors import UserError
-from expgpu.feed import END_OF_EPOCH, Feed, RankSampler, SeededFetch
+from expgpu.feed import END_OF_EPOCH, Feed, rank_loader, rebuild_args
 from expgpu.metrics import ROW_KEYS, MetricsLog, WindowMeanLog
 from expgpu.stopping import NEVER
-from expgpu.tracked import Tracked
+from expgpu.tracked import KEPT, Tracked
 from expgpu.wrap import wrap
 
 log = logging.getLogger("expgpu")
@@ -61,6 +63,7 @@ class Run:
 
         self.rank: int = info.rank
         self.local_rank: int = info.local_rank
+        self.local_world_size: int = info.local_world_size
         self.world_size: int = info.world_size
         self.is_main: bool = info.rank == 0
         self.device = device
@@ -76,7 +79,9 @@ class Run:
         self._spec, self._stopper, self._wrap, self._n_gpus = spec, stopper, wrap, n_gpus
         self._state = Tracked(self.run_dir, spec, self.rank, self.world_size, device)
         self._feed: Feed | None = None
-        self._epochs: int | None = None    # run.epochs(n)'s n
+        self._rebuilt: dict[int, tuple] = {}   # id(a DataLoader of the script's) -> (it, its rank's rebuild)
+        self._epochs: int | None = None    # how many epochs run.epochs loops over
+        self._first_epoch = 0              # and the number of its first (run.epochs(start, stop))
         self._epoch = 0                    # under run.epochs: the epoch now (its steps, or its own code)
         self._pending: dict | None = None  # the checkpoint read, until the loop reaches where it resumes
         self._in_step = False
@@ -118,7 +123,7 @@ class Run:
 
         drop_last=False shares out every example exactly once (ranks may differ by one batch):
         the choice for evaluation."""
-        from torch.utils.data import DataLoader, IterableDataset
+        from torch.utils.data import IterableDataset
 
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise UserError(f"run.loader: a {type(dataset).__name__} has no length to share out between ranks; "
@@ -129,14 +134,28 @@ class Run:
                                 "DataLoader if you need your own sampler, and pass it to run.steps")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UserError(f"run.loader: batch_size={batch_size!r} is not allowed: an integer >= 1")
-        sampler = RankSampler(len(dataset), self.world_size, self.rank, shuffle, self._spec.seed, drop_last,
-                              batch_size)
+        return self._rank_loader(dataset, batch_size, shuffle, drop_last, drop_last, **kwargs)
+
+    def _rank_loader(self, dataset, batch_size: int, shuffle: bool, equal_shares: bool, drop_last: bool, **kwargs):
         kwargs.setdefault("num_workers", self.cfg.data.num_workers)
         kwargs.setdefault("pin_memory", self.device.type == "cuda")
-        if kwargs["num_workers"]:   # workers' random draws (augmentation) seeded per batch: exact resume
-            dataset, sampler.keyed = SeededFetch(dataset, self._spec.seed), True
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
-                          generator=sampler.generator, **kwargs)
+        return rank_loader(dataset, batch_size, self.world_size, self.rank, self._spec.seed, shuffle, equal_shares,
+                           drop_last, **kwargs)
+
+    def _shared_out(self, loader):
+        """A DataLoader the script built itself (shuffled or in order, no sampler of its own) as
+        run.loader builds one: each rank its share of every epoch, a resume at its place."""
+        given, rebuilt = self._rebuilt.get(id(loader), (None, None))
+        if given is loader and rebuilt is not None:   # once per loader, not every epoch
+            return rebuilt
+        how = rebuild_args(loader)
+        if how is None:
+            return loader
+        rebuilt = self._rank_loader(**how)
+        self._rebuilt[id(loader)] = (loader, rebuilt)
+        log.info("run.steps: the DataLoader given is shared out between the %d rank(s) as run.loader's "
+                 "(%d batches an epoch on this rank)", self.world_size, len(rebuilt))
+        return rebuilt
 
     def track(self, **objects) -> None:
         """Objects whose state_dict() is checkpointed and restored on a resume: modules (wrapped or
@@ -150,20 +169,25 @@ class Run:
 
     # -- the loop --------------------------------------------------------------------------------
 
-    def steps(self, loader, max_steps: int | None = None, accumulate: int = 1) -> Iterator[tuple[int, Any]]:
+    def steps(self, loader, max_steps: int | None = None, accumulate: int = 1,
+              keep: str | Iterable[str] = ()) -> Iterator[tuple[int, Any]]:
         """(step, batch) for step = the steps done so far .. max_steps - 1, batches on run.device;
-        inside `for epoch in run.epochs(n)`, run.steps(loader) is that epoch's batches instead.
+        inside `for epoch in run.epochs(n)`, run.steps(loader) is that epoch's batches instead,
+        (i, batch) with i the batch's index in the epoch, as enumerate(loader) gives it.
 
-        `loader`: from run.loader (resumes exactly), any iterable (a resumed epoch skips the batches
+        `loader`: from run.loader (resumes exactly), a DataLoader of your own without a sampler of
+        its own (rebuilt as run.loader builds one), any iterable (a resumed epoch skips the batches
         seen), or None (batch is None: loops that draw their own data). `accumulate` > 1: batch
-        is a list of that many batches (micro-batches of one optimizer step)."""
+        is a list of that many batches (micro-batches of one optimizer step). `keep`: the names of
+        the calling function's variables the loop carries across steps (expgpu.carried)."""
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise UserError(f"run.steps: accumulate={accumulate!r} is not allowed: an integer >= 1")
         if self._epochs is not None:
             if max_steps is not None:
                 raise UserError("run.steps(loader, max_steps): inside run.epochs, run.steps(loader) is one epoch, "
                                 "as long as the loader; leave max_steps out (or break out of the loop)")
-            return self._epoch_steps(Feed(loader, self.device, accumulate, one_epoch=True))
+            self._keep(keep, "run.steps", sys._getframe(1))
+            return self._epoch_steps(Feed(self._shared_out(loader), self.device, accumulate, one_epoch=True))
         if self._feed is not None:
             raise UserError("run.steps: called a second time; a run has one training loop (for a loop over "
                             "epochs: for epoch in run.epochs(n): for step, batch in run.steps(loader): ...)")
@@ -172,21 +196,32 @@ class Run:
                             "run.steps(loader) inside `for epoch in run.epochs(n)` for one epoch at a time")
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0:
             raise UserError(f"run.steps: max_steps={max_steps!r} is not allowed: an integer >= 0")
+        self._keep(keep, "run.steps", sys._getframe(1))
         self.max_steps = max_steps
-        self._feed = Feed(loader, self.device, accumulate)
+        self._feed = Feed(self._shared_out(loader), self.device, accumulate)
         return self._loop(max_steps)
 
-    def epochs(self, n: int) -> Iterator[int]:
-        """`for epoch in run.epochs(n): ... for step, batch in run.steps(loader): ...`: a loop over
+    def epochs(self, n: int, stop: int | None = None, keep: str | Iterable[str] = ()) -> Iterator[int]:
+        """`for epoch in run.epochs(n): ... for i, batch in run.steps(loader): ...`: a loop over
         epochs with the code of its own around each epoch's steps (evaluation, a scheduler stepped
-        per epoch). Steps count on across epochs; a stop mid-epoch resumes at that step of that
-        epoch (what the epoch's start did to tracked objects is restored as it was at the stop)."""
+        per epoch). The epochs are numbered as range(n) or, with `stop`, range(n, stop) (a script's
+        `range(1, epochs + 1)`). Steps count on across epochs; a stop mid-epoch resumes at that step
+        of that epoch (what the epoch's start did to tracked objects is restored as it was at the stop).
+        `keep`: the names of the calling function's variables the epochs carry (expgpu.carried)."""
         if self._feed is not None or self._epochs is not None:
             raise UserError("run.epochs: the run's training loop has begun already; a run has one")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise UserError(f"run.epochs: n={n!r} is not allowed: an integer >= 0")
-        self._epochs = n
-        return self._epoch_loop(n)
+        start, stop = (0, n) if stop is None else (n, stop)
+        for name, value in (("start", start), ("stop", stop)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UserError(f"run.epochs: {name}={value!r} is not allowed: an integer >= 0")
+        self._keep(keep, "run.epochs", sys._getframe(1))
+        self._epochs, self._first_epoch = max(0, stop - start), start
+        return self._epoch_loop(self._epochs)
+
+    def _keep(self, keep, where: str, frame) -> None:
+        """keep=: the variables of the function that called run.steps / run.epochs (expgpu.carried)."""
+        if keep:
+            self._state.carried(where, names_of(keep, where)).bind(frame)
 
     def _loop(self, max_steps: int) -> Iterator[tuple[int, Any]]:
         self._begin(max_steps, last_poll=max_steps - 1)
@@ -194,10 +229,15 @@ class Run:
         yield from self._run_steps(self._feed, max_steps)
         self._end()
 
+    @property
+    def _epoch_end(self) -> int:
+        """The number after run.epochs' last epoch."""
+        return self._first_epoch + self._epochs
+
     def _epoch_loop(self, n: int) -> Iterator[int]:
         self._begin(n)
-        first = Tracked.where(self._pending, self.rank)[0] if self._pending is not None else 0
-        for epoch in range(first, n):
+        first = Tracked.where(self._pending, self.rank)[0] if self._pending is not None else self._first_epoch
+        for epoch in range(first, self._epoch_end):
             self._epoch = epoch
             self._resume_into(None)   # saved between epochs: as it was before this one's own code
             yield epoch
@@ -212,10 +252,11 @@ class Run:
         feed.resume(self._epoch, 0)
         self._feed = feed
         self._resume_into(feed)   # the epoch the checkpoint is in: its position, objects, RNG
-        if self._epoch == self._epochs - 1:   # the run's last step polls too
+        if self._epoch == self._epoch_end - 1:   # the run's last step polls too
             left = feed.batches_left()
             self._stopper.set_last(None if left is None else self.step + left - 1)
-        yield from self._run_steps(feed, NEVER)
+        # like enumerate(loader): the batch's index in the epoch (from where a resumed epoch stood)
+        yield from self._run_steps(feed, NEVER, index=feed.position // feed.accumulate)
 
     def _begin(self, length: int, last_poll: int | None = None) -> None:
         """Before the first step: tracked state checked, the checkpoint read (restored by
@@ -242,8 +283,10 @@ class Run:
         if self._pending is None:
             return
         epoch, position = Tracked.where(self._pending, self.rank)
-        if self._epochs is not None and self._epoch < self._epochs and (epoch != self._epoch or
-                                                                         (feed is None) != (position == 0)):
+        if self._epochs is not None and self._epoch < self._epoch_end and (epoch != self._epoch or
+                                                                           (feed is None) != (position == 0)):
+            if feed is None and epoch == self._epoch:   # saved mid-epoch: the rest when its run.steps begins,
+                self._state.restore_one(KEPT + "run.epochs", self._pending)   # the epochs' variables now
             return
         self._state.restore(self._pending)
         if feed is not None:
@@ -255,7 +298,8 @@ class Run:
         return {k: v for k, v in self._spec.params.items()
                 if v == length and isinstance(v, int) and not isinstance(v, bool)}
 
-    def _run_steps(self, feed: Feed, max_steps: int) -> Iterator[tuple[int, Any]]:
+    def _run_steps(self, feed: Feed, max_steps: int, index: int | None = None) -> Iterator[tuple[int, Any]]:
+        """(the step, or with `index` the batch's index in its epoch counted from it, batch)."""
         every, log_every = self.cfg.checkpoint.every_steps, self._spec.log_every
         should_stop, metrics, start = self._stopper.should_stop, self._metrics, self._start_step
         crash_step = self._faults.get("crash_step")
@@ -266,7 +310,11 @@ class Run:
             if crash_step == self.step:
                 _inject_fault(self._faults, self.rank, self.step)
             self._in_step = True
-            yield self.step, batch
+            if index is None:
+                yield self.step, batch
+            else:
+                yield index, batch
+                index += 1
             self._in_step = False
             self.step = step = self.step + 1
             if step - start == 10:

@@ -16,6 +16,7 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
     RUN_DIR/plan.json                       the node plan (dry run and spawn)
     RUN_DIR/logs/rank<N>.log                each spawned rank's log
     RUN_DIR/logs/rank<N>.script.log         a script task's output on rank N (stdout and stderr, every attempt)
+    RUN_DIR/logs/rank<N>.out                what rank N > 0 printed, under launch.stdout=rank0
     RUN_DIR/metrics.csv, tensorboard/,      rank 0, the chosen loggers (expgpu.loggers)
         wandb/, mlflow.db (a single run)
     RUN_DIR/.expgpu/                        expgpu's hand-over files between its own processes:
@@ -105,6 +106,11 @@ def script_record(run_dir: Path, rank: int) -> Path:
 
 def script_log_marker(run_dir: Path) -> Path:
     return state_dir(run_dir) / "script-log.json"
+
+
+def rank_stdout(run_dir: Path, rank: int) -> Path:
+    """What a rank other than 0 printed, under launch.stdout=rank0."""
+    return Path(run_dir) / "logs" / f"rank{rank}.out"
 
 
 def fsync_dir(path: Path) -> None:

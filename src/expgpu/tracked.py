@@ -2,8 +2,9 @@
 
 checkpoint.pt (in the run dir) holds the objects given to `run.track` (their state_dict(), from
 rank 0: DDP keeps the ranks' copies equal), the step, and for every rank its RNG states, its
-position in the data and its own tracked dicts (an RNN's carried hidden state, a per-rank sum:
-each rank gets its own back); rank 0's metrics rows not yet written out ride along. `Tracked` makes that
+position in the data and its own tracked dicts and kept loop variables (an RNN's carried hidden
+state, a per-rank sum: each rank gets its own back); rank 0's metrics rows not yet written out ride
+along. `Tracked` makes that
 state (a collective `save`, every rank at the same step) and restores it (`resume`, before the
 first step). checkpoint.py is the file underneath: atomic, tensors-only loading, shape checks.
 """
@@ -17,10 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from expgpu import checkpoint, dist, rng, rundir
+from expgpu.carried import CarriedLocals
 from expgpu.errors import UserError, first_line
 from expgpu.wrap import unwrapped
 
 log = logging.getLogger("expgpu")
+# The tracked names of the loop variables run.steps / run.epochs keep (keep=), after this prefix.
+KEPT = "keep:"
 
 
 class Tracked:
@@ -39,6 +43,16 @@ class Tracked:
                             "load_state_dict(); track modules, optimizers, schedulers, a GradScaler, "
                             "a dict of numbers, or objects of your own that have both")
         self.objects[name] = unwrapped(obj)
+
+    def carried(self, where: str, names: tuple[str, ...]) -> CarriedLocals:
+        """The loop variables run.steps or run.epochs (`where`) keeps: the same names each time (run.steps
+        is called again every epoch), each rank's own values."""
+        kept = self.objects.get(KEPT + where)
+        if kept is None:
+            kept = self.objects[KEPT + where] = CarriedLocals(names, where)
+        if kept.names != names:
+            raise UserError(f"{where}: keep={names} this time, keep={kept.names} before; keep the same names")
+        return kept
 
     def expect(self) -> dict:
         """The run shape a checkpoint must match to be resumed here."""
@@ -61,7 +75,9 @@ class Tracked:
         if not self.path.exists():
             return None
         state = checkpoint.load(self.path, self.expect(), self._spec.identity, may_differ=lengths)
-        saved, mine = sorted(state["tracked"]), sorted(self.objects)
+        # the variables an epoch's run.steps keeps are named when it starts, after this check
+        saved = sorted(n for n in state["tracked"] if not n.startswith(KEPT))
+        mine = sorted(n for n in self.objects if not n.startswith(KEPT))
         if saved != mine:
             raise UserError(f"checkpoint {self.path} tracks {', '.join(saved) or 'nothing'}, this run tracks "
                             f"{', '.join(mine) or 'nothing'} (run.track); resume with the same code or use a new run dir")
@@ -76,25 +92,35 @@ class Tracked:
     def restore(self, state: dict) -> None:
         """The tracked objects (rank 0's; this rank's own dicts) and this rank's RNG, as saved."""
         mine = state["ranks"][self._rank]
-        own = mine.get("tracked", {})   # this rank's own dicts, not rank 0's
-        for name, obj in self.objects.items():
-            try:
-                obj.load_state_dict(own[name] if name in own else state["tracked"][name])
-            except UserError:
-                raise
-            except Exception as e:  # same settings, other code
-                raise UserError(f"checkpoint {self.path}: {name} does not fit what this run tracks as {name} "
-                                f"({type(e).__name__}: {first_line(e)}); use a new run dir") from None
+        for name in self.objects:
+            self.restore_one(name, state)
         rng.restore(mine["rng"], self._device)
         epoch, position = self.where(state, self._rank)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", self.path, state["step"], epoch, position)
+
+    def restore_one(self, name: str, state: dict) -> None:
+        """One tracked object as saved: this rank's own state (a dict, kept variables), else rank 0's."""
+        obj = self.objects.get(name)
+        if obj is None:
+            return
+        if name not in state["tracked"]:   # kept loop variables (the rest was checked by load)
+            raise UserError(f"checkpoint {self.path} keeps no {name[len(KEPT):]} variables; this run does "
+                            "(keep=): resume with the same code or use a new run dir")
+        own = state["ranks"][self._rank].get("tracked", {})   # this rank's own, not rank 0's
+        try:
+            obj.load_state_dict(own[name] if name in own else state["tracked"][name])
+        except UserError:
+            raise
+        except Exception as e:  # same settings, other code
+            raise UserError(f"checkpoint {self.path}: {name} does not fit what this run tracks as {name} "
+                            f"({type(e).__name__}: {first_line(e)}); use a new run dir") from None
 
     def save(self, step: int, where: tuple[int, int], metrics, reason: str) -> None:
         """Collective: every rank calls it at the same step, `where` its (epoch, batch position);
         rank 0 (the one with `metrics`) writes."""
         mine = {"rng": rng.capture(self._device), "epoch": where[0], "position": where[1],
                 "tracked": {name: _on_cpu(obj.state_dict()) for name, obj in self.objects.items()
-                            if isinstance(obj, _DictState)}}
+                            if getattr(obj, "per_rank", False)}}
         ranks = dist.gather_objects(mine, self._world_size)
         if metrics is None:
             return
@@ -127,6 +153,8 @@ class _DictState:
     """A plain dict tracked in place (the best metric so far, counters): its items are saved, and
     a resume puts the saved ones back into the same dict object the loop holds."""
 
+    per_rank = True   # each rank's own, restored on that rank
+
     def __init__(self, d: dict):
         self.d = d
 
@@ -138,19 +166,19 @@ class _DictState:
     def load_state_dict(self, state: dict) -> None:
         # A checkpoint's tensors come back on the CPU: each goes where the value it replaces was
         # (a hidden state on the rank's GPU), so the loop's next step finds it where it left it.
-        placed = {k: _placed_like(v, self.d[k]) if k in self.d else v for k, v in state.items()}
+        placed = {k: placed_like(v, self.d[k]) if k in self.d else v for k, v in state.items()}
         self.d.clear()
         self.d.update(placed)
 
 
-def _placed_like(loaded: Any, current: Any) -> Any:
+def placed_like(loaded: Any, current: Any) -> Any:
     """`loaded` with each tensor on the device of its counterpart in `current` (nested alike)."""
     if hasattr(loaded, "to") and hasattr(current, "device"):
         return loaded.to(current.device)
     if isinstance(loaded, dict) and isinstance(current, dict):
-        return {k: _placed_like(v, current[k]) if k in current else v for k, v in loaded.items()}
+        return {k: placed_like(v, current[k]) if k in current else v for k, v in loaded.items()}
     if isinstance(loaded, (list, tuple)) and isinstance(current, (list, tuple)) and len(loaded) == len(current):
-        return _rebuilt(loaded, [_placed_like(a, b) for a, b in zip(loaded, current)])
+        return _rebuilt(loaded, [placed_like(a, b) for a, b in zip(loaded, current)])
     return loaded
 
 

@@ -132,9 +132,9 @@ def _cause(step: int, half: int) -> str:
                 "would differ too: nondeterministic GPU kernels, threads racing)")
     if step == half + 1:
         return ("the first step after the resume: state the loop carries across a step boundary that no "
-                "checkpoint holds, e.g. a batch fetched at the end of a step for the next one (fetch it at "
-                "the top of the step), a hidden state or counter of its own (keep it in a dict passed to "
-                "run.track), an iterator of its own (iterate run.steps(loader))")
+                "checkpoint holds, e.g. a batch fetched at the end of a step for the next one, a hidden state "
+                "or counter in a variable of its own (name them: run.steps(..., keep=('x', 'y', 'hidden'))), "
+                "an iterator of its own (iterate run.steps(loader))")
     return (f"{step - half} steps after the resume: state that acts only now and then (a scheduler, an "
             "optimizer or a module not passed to run.track), or random numbers from a generator of the "
             "task's own (torch.Generator, np.random.default_rng, a dataset's or worker_init_fn's) that no "

@@ -5,7 +5,8 @@ user gets back from DDP is not DDP itself but `Wrapped`, as with Lightning Fabri
 it (the forward, and so the backward) goes through DDP, while every other attribute and method is
 the user's own module's (`model.init_hidden(b)`, `model.config`, `model.generate(...)`), so a
 script's code keeps working unchanged. `model.module` is the user's module too, for code written
-against DDP. Its state_dict has no wrapper prefix.
+against DDP. Its state_dict has no wrapper prefix, and saved whole (torch.save(model)) or copied it
+is the user's module.
 """
 
 from __future__ import annotations
@@ -87,12 +88,26 @@ def _wrapped_class() -> type:
             return getattr(super().__getattr__("_forward_module"), name)
 
         def __setattr__(self, name: str, value) -> None:
-            # Once built, a new attribute (model.temperature = 0.8) lands on the user's module, where
-            # its own methods read it; the wrapper's own attributes stay the wrapper's.
+            # Once built, an attribute of the user's module, or a new one (model.temperature = 0.8),
+            # lands on the user's module, where its own methods read it; one that only DDP has lands
+            # on DDP, which reads it (nanoGPT skips the gradient sync of a micro-step with
+            # `model.require_backward_grad_sync = False`); the wrapper's own stay the wrapper's.
             if self.__dict__.get("_expgpu_wrapped") and name not in self.__dict__:
-                setattr(self._original_module, name, value)
+                original, forward = self._original_module, self._forward_module
+                setattr(forward if not hasattr(original, name) and hasattr(forward, name) else original, name, value)
             else:
                 super().__setattr__(name, value)
+
+        # A transparent proxy, as wrapt's ObjectProxy: isinstance(model, YourModel) holds, and
+        # torch.save(model) or copy.deepcopy(model) give the user's module (pickle checks the class
+        # its reduction names against __class__), so a script that saves its model whole loads it
+        # back as before, with weights_only=True and its own classes allowed.
+        @property
+        def __class__(self):
+            return type(self.__dict__.get("_original_module", self))
+
+        def __reduce_ex__(self, protocol):
+            return self._original_module.__reduce_ex__(protocol)
 
         def __repr__(self) -> str:
             return f"Wrapped(DDP, {self._original_module!r})"
