@@ -51,8 +51,19 @@ def logs_window(run: Run, max_steps: int = 30):
         if step % 3 == 0:
             run.log(y=step / 4)
         if run.is_main and step == stop_at:
-            os.kill(os.getppid(), signal.SIGTERM)
+            os.kill(launcher_pid(), signal.SIGTERM)
             time.sleep(2)   # forwarded to every rank: this one has it before its next stop poll
+
+
+def launcher_pid() -> int:
+    """The `python -m expgpu` that started this rank: its parent, or, for a rank forked from the
+    launch's warm process (expgpu.warm_ranks), that one's parent."""
+    import psutil
+
+    parent = psutil.Process().parent()
+    if "expgpu.warm_ranks" in parent.cmdline():
+        parent = parent.parent()
+    return parent.pid
 
 
 def tracks(run: Run, max_steps: int = 4):
