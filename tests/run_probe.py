@@ -9,6 +9,7 @@ import enum
 import json
 import os
 import signal
+import sys
 import time
 from typing import Literal, Optional
 
@@ -421,3 +422,14 @@ def prefetching(run: Run, max_steps: int = 12):
         loss.backward()
         opt.step()
         run.log(loss=loss)
+
+
+def process(run: Run):
+    """Where this rank's process came from and what it runs with: its threads, its parent."""
+    import psutil
+
+    parent = psutil.Process().parent()
+    (run.run_dir / f"process{run.rank}.json").write_text(json.dumps({
+        "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+        "forked": "expgpu.warm_ranks" in parent.cmdline(), "rank_env": os.environ.get("EXPGPU_RANK"),
+        "argv": sys.argv}))

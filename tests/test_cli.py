@@ -13,6 +13,8 @@ import pytest
 
 from conftest import REPO, clean_env, expgpu
 
+from expgpu import procs
+
 MIXED_NODE = ("inventory.simulate=[{name:V100,memory_mb:16384},{name:H100,memory_mb:81559},"
               "{name:T4,memory_mb:15360},{name:A100,memory_mb:40960}]")
 
@@ -205,3 +207,27 @@ def test_bad_environment_is_one_line_and_exit_2(tmp_path, var, value):
     run = expgpu(["task=a"], tmp_path / "run", env=env)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert var in run.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_ranks_forked_from_the_warm_process_run_as_fresh_ones_do(tmp_path):
+    """launch.nproc_per_node=2 forks its ranks from one process that imported torch: each has its own
+    environment and argv, and torch's threads follow the OMP_NUM_THREADS spawn gave it (OpenMP read
+    the server's at import); EXPGPU_WARM_RANKS=0 starts them fresh, with the same outcome."""
+    tests = REPO / "tests"
+    base = ["--config-dir", str(tests / "conf"), "task=probe_process", "launch.nproc_per_node=2"]
+    seen = {}
+    for warm, omp in (("1", None), ("1", "2"), ("0", None)):
+        env = clean_env(PYTHONPATH=str(tests), EXPGPU_WARM_RANKS=warm)
+        env.pop("OMP_NUM_THREADS")
+        if omp:
+            env["OMP_NUM_THREADS"] = omp
+        run = expgpu(base, tmp_path / f"warm{warm}-{omp}", env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        seen[warm, omp] = [json.loads((run.run_dir / f"process{r}.json").read_text()) for r in (0, 1)]
+    threads = str(max(1, procs.cores() // 2))   # what spawn gives each of 2 workers
+    for (warm, omp), ranks in seen.items():
+        for rank, got in enumerate(ranks):
+            assert got["forked"] == (warm == "1") and got["rank_env"] == str(rank), got
+            assert got["omp"] == (omp or threads) and got["threads"] == int(omp or threads), got
+            assert got["argv"][-1] == str(tmp_path / f"warm{warm}-{omp}"), got
