@@ -1,4 +1,4 @@
-"""Published training scripts run as script tasks with no line changed (tests/scripts/README.md):
+"""Published training scripts run as script tasks with no line changed (examples/ports/README.md):
 nanoGPT's train.py and pytorch/examples' word_language_model, on one rank and in a gpu_pool sweep,
 and examples/scripts/ddp_train.py on 2 ranks (and under plain torchrun). Data from local text.
 On the local SLURM cluster: tests/test_script_slurm.py."""
