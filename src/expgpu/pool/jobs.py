@@ -52,7 +52,7 @@ class Job:
 
     @property
     def label(self) -> str:
-        shown = [o for o in self.overrides if not o.startswith("hydra.")]
+        shown = [o for o in self.overrides if not o.lstrip("+~").startswith("hydra.")]
         return " ".join(shown) or "(no overrides)"
 
     @property

@@ -38,10 +38,11 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
 
 
 def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, first: list[tuple[list[str], int]],
-              max_parallel: int | None = None):
+              max_parallel: int | None = None, planned: int = 0):
     """A Pool with the jobs `first` ((overrides, job number) each) queued, its fork server and the first
     wave's spares warming up, and the shared context written; close_pool() after. max_parallel narrows
-    hydra.launcher.max_parallel (an optimizing sweeper's n_jobs)."""
+    hydra.launcher.max_parallel (an optimizing sweeper's n_jobs); `planned`: the jobs to come in all,
+    like the first (the threads per job are shared out for them)."""
     from hydra.core.utils import configure_log, setup_globals
     from omegaconf import OmegaConf
 
@@ -81,7 +82,7 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
         for spare in spares:
             spare.warm(more)
     warm += more
-    threads, job_env, threads_text = _threads(s, jobs, gpus)
+    threads, job_env, threads_text = _threads(s, [j.need for j in jobs] + [jobs[0].need] * (planned - len(jobs)), gpus)
     if gpus:
         desc = f"GPU {','.join(str(g.index) for g in gpus)}" + (" (simulated)" if simulate is not None else "")
     else:
@@ -110,7 +111,7 @@ def compose_job(ctx, config, overrides: Sequence[str], num: int, s: Settings, gp
     return job
 
 
-def _threads(s: Settings, jobs: list[Job], gpus: list) -> tuple[int | None, dict[str, str], str]:
+def _threads(s: Settings, needs: list[int], gpus: list) -> tuple[int | None, dict[str, str], str]:
     """(threads per job or None to leave them be, the variables each job gets, the start line's words).
 
     Unless the user chose (OMP_NUM_THREADS / MKL_NUM_THREADS, or hydra.launcher.threads_per_job),
@@ -125,7 +126,6 @@ def _threads(s: Settings, jobs: list[Job], gpus: list) -> tuple[int | None, dict
     if user:
         return None, {}, f"threads per job as set ({user})"
     cores = procs.cores()
-    needs = [j.need for j in jobs]
     n = thread_budget(cores, needs, len(gpus), s.cpu_slots, s.max_parallel)
     together = at_once(needs, len(gpus), s.cpu_slots, s.max_parallel)
     return n, procs.threads_env(n), (f"{n} thread{'s' if n > 1 else ''} per job ({cores} cores, {together} "

@@ -22,11 +22,13 @@ log = logging.getLogger("expgpu.pool")
 
 
 class Session:
-    def __init__(self, launcher, first: list[tuple[list[str], int]], max_parallel: int | None = None):
-        """`launcher`: the GpuPoolLauncher Hydra set up (its params, context, task function, config)."""
+    def __init__(self, launcher, first: list[tuple[list[str], int]], max_parallel: int | None = None,
+                 planned: int = 0):
+        """`launcher`: the GpuPoolLauncher Hydra set up (its params, context, task function, config);
+        `planned`: about how many jobs will come in all."""
         self.launcher = launcher
         self.pool = open_pool(launcher.params, launcher.hydra_context, launcher.task_function, launcher.config,
-                              first, max_parallel)
+                              first, max_parallel, planned)
         try:
             self.pool.begin()
         except BaseException:

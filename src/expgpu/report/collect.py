@@ -62,7 +62,7 @@ class Row:
 
 
 def _shown(overrides: list[str]) -> list[str]:
-    return [o for o in overrides if not o.startswith("hydra.")]
+    return [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]
 
 
 def _read_json(path: Path, row: Row) -> dict | None:
