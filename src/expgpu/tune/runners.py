@@ -38,6 +38,10 @@ class Runner:
         stopper = stopping.current()
         return bool(stopper and stopper.received)
 
+    def busy(self) -> bool:
+        """A job submitted and not ended (a queued one that a stop kept from starting has ended)."""
+        raise NotImplementedError
+
     def stop(self) -> None:
         """Ask the running trials to stop and save (the pool does it by itself)."""
 
@@ -78,6 +82,9 @@ class PoolRunner(Runner):
     def stopping(self) -> bool:
         return super().stopping() or (self.session is not None and self.session.stop_signal is not None)
 
+    def busy(self) -> bool:
+        return self.session is not None and self.session.pool.busy()
+
     def close(self) -> None:
         if self.session is not None:
             self.session.close()
@@ -115,6 +122,9 @@ class SubmititRunner(Runner):
                 self.launch.check_lost(list(self.jobs.values()), self.gone_since, self.plan.lost_after_s)
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return [(num, self._return(self.jobs.pop(num))) for num in done]
+
+    def busy(self) -> bool:
+        return bool(self.jobs)
 
     def _return(self, job):
         import submitit
@@ -154,6 +164,9 @@ class BatchRunner(Runner):
         n = params.get("n_jobs", -1) if joblib else 1
         self.capacity = n_jobs or (n if n and n > 0 else os.cpu_count() or 1)
         self.pending: list[tuple[list[str], int]] = []
+
+    def busy(self) -> bool:
+        return bool(self.pending)
 
     def submit(self, overrides: list[str], num: int) -> Path:
         self.pending.append((overrides, num))

@@ -32,6 +32,7 @@ class Sweep:
         self.sweep_dir, self.cfg = Path(sweep_dir), cfg
         self.active: dict[int, object] = {}   # job number -> the trial it runs
         self.warned_unlogged = False
+        self._stop_sent = False
 
     def run(self) -> None:
         from optuna.trial import TrialState
@@ -63,9 +64,12 @@ class Sweep:
                 return
             for num, ret in self.runner.wait(WAIT_S):
                 self._ended(num, ret)
-            if self.runner.stopping() and not getattr(self, "_stop_sent", False):
-                self._stop_sent = True
-                self.runner.stop()
+            if self.runner.stopping():
+                if not self.runner.busy():   # what was queued never started: it stays RUNNING for a rerun
+                    return
+                if not self._stop_sent:
+                    self._stop_sent = True
+                    self.runner.stop()
 
     def _fill(self) -> None:
         """Trials started until every slot is busy (and `ahead` more wait, ready), or n_trials are."""
@@ -128,7 +132,7 @@ class Sweep:
     def _drain(self) -> None:
         """Wait for the stopped trials' jobs to end (they save); they stay RUNNING for a rerun."""
         deadline = time.monotonic() + 120
-        while self.active and time.monotonic() < deadline:
+        while self.active and self.runner.busy() and time.monotonic() < deadline:
             for num, _ in self.runner.wait(WAIT_S):
                 self.active.pop(num, None)
 

@@ -41,7 +41,7 @@ class ExpgpuOptunaConf:
     pruner: Any = None
     # The search space in Hydra's sweep syntax: {key: interval(a,b) | tag(log, interval(a,b)) |
     # choice(...) | range(a,b[,s])}; sweeps on the command line join it.
-    params: Optional[Dict[str, str]] = None
+    params: Dict[str, str] = field(default_factory=dict)
     # The dotted path of fn(cfg, trial) suggesting more parameters (Optuna's define-by-run).
     custom_search_space: Optional[str] = None
     # Kept for Hydra's optuna sweeper's configs; a failed trial is FAILED in the study and the search goes on.
