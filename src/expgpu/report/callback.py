@@ -42,7 +42,7 @@ class SweepReport(Callback):
             return
         try:
             from expgpu.report import HTML_FILE, collect, rank, write
-            from expgpu.report.table import headline
+            from expgpu.report.table import headline, rerun
 
             rows = collect(sweep)
             ranking = rank(rows)
@@ -55,6 +55,8 @@ class SweepReport(Callback):
         if not quiet:
             line += f" ({len(rows)} jobs{f', {failed} unfinished' if failed else ''}); {headline(ranking)}"
             log.info("%s", line)
+            if rerun(rows, ranking):
+                log.info("%s", rerun(rows, ranking))
         else:
             # After a failed sweep: the error stays the one line on stderr; this one says, on
             # stdout, where the whole picture is.
