@@ -1,0 +1,116 @@
+"""A 24-trial hyperparameter search of the built-in `digits` task (scikit-learn's 8x8 digits, test accuracy on
+a held-out 20 %) on 2 CPU slots, four ways, with fixed seeds:
+
+  1. hydra_basic   Hydra's optuna sweeper + the basic launcher (trials one after another, in-process)
+  2. hydra_pool    Hydra's optuna sweeper + gpu_pool (batches of n_jobs=2: a slot waits for its batch)
+  3. expgpu        hydra/sweeper=expgpu_optuna on gpu_pool, no pruning (a trial starts when a slot frees)
+  4. expgpu_prune  the same with a pruner (median of the earlier trials' accuracy at each evaluation)
+
+    python bench/bench_tune.py [--trials 24] [--steps 400] [--only expgpu,expgpu_prune]
+
+Search space (3 parameters): task.optimizer.lr in tag(log, interval(1e-4, 3e-1)), task.model.hidden in
+choice(16,32,64,128,256), task.batch_size in choice(8,16,32,64); objective=accuracy (maximize), evaluated
+every 50 steps (what the pruner judges). Sampler: TPE, seed 0, the same in all four.
+
+Printed per way: wall time (the whole command), best accuracy, trials finished / pruned, idle slot-time
+(1 - the trials' busy time / (2 slots x the span from the first trial's start to the last one's end); a
+trial is busy from its process's hand-over to the end of its training, result.json's timing), and the
+sweeper's overhead: for each trial after the first two, its first step minus the end of the latest trial
+that ended before it (median). Then the ratios the goals are about: (4) against (1) and (2).
+Hydra's optuna sweeper pins optuna<3: it runs from a directory of its own (tests/hydra_optuna.py), put
+first on its commands' PYTHONPATH. Runs once (each way is minutes): on a shared machine the figures are
+noisy; say so when quoting them.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from hydra_optuna import install, with_path  # noqa: E402
+
+SPACE = ["task.optimizer.lr=tag(log, interval(1e-4, 3e-1))", "task.model.hidden=choice(16,32,64,128,256)",
+         "task.batch_size=choice(8,16,32,64)"]
+WAYS = {
+    "hydra_basic": ["hydra/sweeper=optuna", "hydra.sweeper.n_jobs=1"],
+    "hydra_pool": ["hydra/sweeper=optuna", "hydra.sweeper.n_jobs=2", "hydra/launcher=gpu_pool",
+                   "hydra.launcher.cpu_slots=2"],
+    "expgpu": ["hydra/sweeper=expgpu_optuna", "hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2"],
+    "expgpu_prune": ["hydra/sweeper=expgpu_optuna", "hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2",
+                     "hydra/sweeper/pruner=median", "hydra.sweeper.pruner.n_startup_trials=4",
+                     "hydra.sweeper.pruner.n_warmup_steps=100"],
+}
+
+
+def run_way(name: str, trials: int, steps: int, where: Path, hydra_optuna: str) -> dict:
+    sweep = where / name
+    args = [sys.executable, "-m", "expgpu", "-m", *WAYS[name], *SPACE, "task=digits", f"task.max_steps={steps}",
+            "task.eval_every=50", "objective=accuracy", "hydra.sweeper.direction=maximize",
+            f"hydra.sweeper.n_trials={trials}", "hydra.sweeper.sampler.seed=0", f"hydra.sweep.dir={sweep}",
+            "~hydra.callbacks.report"]
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("SLURM_", "EXPGPU_"))}
+    if name.startswith("hydra"):
+        env = with_path(env, hydra_optuna)
+    t0 = time.monotonic()
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        sys.exit(f"{name} failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    return {"wall": wall, **_read(sweep)}
+
+
+def _read(sweep: Path) -> dict:
+    jobs = [json.loads(p.read_text()) for p in sweep.glob("*/result.json")]
+    spans = []
+    for r in jobs:
+        t = r["timing"]
+        spans.append((t["first_step_at"] - t["startup_s"], t["first_step_at"], t["first_step_at"] + t["train_s"]))
+    spans.sort(key=lambda s: s[1])
+    window = max(e for _, _, e in spans) - min(s for s, _, _ in spans)
+    idle = 1 - sum(e - s for s, _, e in spans) / (2 * window)
+    gaps = []
+    for start, first, _ in spans[2:]:
+        before = [e for _, _, e in spans if e <= first]
+        if before:
+            gaps.append(first - max(before))
+    best = max((r["metrics"]["accuracy"] for r in jobs if r["status"] == "finished"), default=float("nan"))
+    return {"best": best, "finished": sum(r["status"] == "finished" for r in jobs),
+            "pruned": sum(r["status"] == "pruned" for r in jobs), "idle": idle,
+            "overhead": statistics.median(gaps) if gaps else float("nan")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trials", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--only", default=",".join(WAYS))
+    a = ap.parse_args()
+    hydra_optuna = str(install())
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="bench_tune_") as tmp:
+        for name in a.only.split(","):
+            out[name] = run_way(name, a.trials, a.steps, Path(tmp), hydra_optuna)
+            r = out[name]
+            print(f"{name:13s} wall {r['wall']:6.1f} s  best accuracy {r['best']:.4f}  finished {r['finished']:2d}  "
+                  f"pruned {r['pruned']:2d}  idle slot-time {100 * r['idle']:5.1f} %  "
+                  f"overhead (trial end -> next first step, median) {r['overhead']:.3f} s", flush=True)
+    if {"hydra_basic", "hydra_pool", "expgpu_prune"} <= out.keys():
+        p, b, h = out["expgpu_prune"], out["hydra_basic"], out["hydra_pool"]
+        print(f"expgpu_prune / hydra_basic wall: {p['wall'] / b['wall']:.2f} (goal <= 0.33); "
+              f"/ hydra_pool wall: {p['wall'] / h['wall']:.2f} (goal <= 0.5); "
+              f"best accuracy {100 * (p['best'] - b['best']):+.2f} points against hydra_basic (goal >= -0.5)")
+    for name in ("expgpu", "expgpu_prune"):
+        if name in out:
+            print(f"{name}: idle {100 * out[name]['idle']:.1f} % (goal < 5 %), overhead "
+                  f"{out[name]['overhead']:.3f} s (goal <= 0.3 s)")
+
+
+if __name__ == "__main__":
+    main()
