@@ -5,13 +5,12 @@ study.json alone: the report never needs Optuna."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from pathlib import Path
 
-from expgpu.report.plot import _grid
-from expgpu.rundir import STUDY, atomic_write_bytes
+from expgpu.report.plot import _grid, save
+from expgpu.rundir import STUDY
 
 PNG = "optimization.png"
 
@@ -45,11 +44,9 @@ def plot(doc: dict, path: Path, title: str) -> bool:
             ax.set_visible(False)
         fig.suptitle(title, fontsize=9)
         fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
+        save(fig, path)
     finally:
         plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
     return True
 
 
