@@ -13,8 +13,8 @@ choice(16,32,64,128,256), task.batch_size in choice(8,16,32,64); objective=accur
 every 50 steps (what the pruner judges). Sampler: TPE, seed 0, the same in all four.
 
 Printed per way: wall time (the whole command), best accuracy, trials finished / pruned, idle slot-time
-(1 - the trials' busy time / (2 slots x the span from the first trial's start to the last one's end); a
-trial is busy from its process's hand-over to the end of its training, result.json's timing), and the
+(1 - the trials' training time / (2 slots x the span from the first trial's first step to the last one's
+end), from result.json's timing: a slot is idle while a trial starts up, the sweeper asks, a batch waits), and the
 sweeper's overhead: for each trial after the first two, its first step minus the end of the latest trial
 that ended before it (median). Then the ratios the goals are about: (4) against (1) and (2).
 Hydra's optuna sweeper pins optuna<3: it runs from a directory of its own (tests/hydra_optuna.py), put
@@ -68,16 +68,12 @@ def run_way(name: str, trials: int, steps: int, where: Path, hydra_optuna: str) 
 
 def _read(sweep: Path) -> dict:
     jobs = [json.loads(p.read_text()) for p in sweep.glob("*/result.json")]
-    spans = []
-    for r in jobs:
-        t = r["timing"]
-        spans.append((t["first_step_at"] - t["startup_s"], t["first_step_at"], t["first_step_at"] + t["train_s"]))
-    spans.sort(key=lambda s: s[1])
-    window = max(e for _, _, e in spans) - min(s for s, _, _ in spans)
-    idle = 1 - sum(e - s for s, _, e in spans) / (2 * window)
+    spans = sorted((r["timing"]["first_step_at"], r["timing"]["first_step_at"] + r["timing"]["train_s"]) for r in jobs)
+    window = max(e for _, e in spans) - spans[0][0]
+    idle = 1 - sum(e - s for s, e in spans) / (2 * window)
     gaps = []
-    for start, first, _ in spans[2:]:
-        before = [e for _, _, e in spans if e <= first]
+    for first, _ in spans[2:]:
+        before = [e for _, e in spans if e <= first]
         if before:
             gaps.append(first - max(before))
     best = max((r["metrics"]["accuracy"] for r in jobs if r["status"] == "finished"), default=float("nan"))
