@@ -99,7 +99,11 @@ def test_a_rerun_of_a_stopped_sweep_keeps_its_trials_and_resumes_the_running_one
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C: the trial saves, the sweeper ends
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the stopped sweep did not end within 60 s: {proc.communicate()[1][-3000:]}")
     assert proc.returncode == 130, err[-3000:]
     assert f"rerun the same command with hydra.sweep.dir={sweep} to continue the study" in out + err
     first = json.loads((sweep / "0" / "result.json").read_text())

@@ -44,8 +44,10 @@ class Sweep:
             log.info("study %s: %d trial(s) kept, %d resumed from their job dirs, %d to go", self.study.study_name,
                      ended, len(resumed), max(0, self.s.n_trials - ended - len(resumed)))
         try:
-            for frozen in resumed:
-                self._start(self._trial(frozen.number, frozen._trial_id), frozen.user_attrs[studies.OVERRIDES])
+            from optuna.trial import Trial
+
+            for frozen in resumed:   # Optuna's handle on a trial asked by an earlier sweeper process
+                self._start(Trial(self.study, frozen._trial_id), frozen.user_attrs[studies.OVERRIDES])
             self._loop()
         finally:
             self.runner.close()
@@ -84,8 +86,6 @@ class Sweep:
 
                 get_method(self.s.custom_search_space)(self.cfg, trial)
             self._start(trial, self.space.overrides(trial.params))
-        if hasattr(self.runner, "expect"):
-            self.runner.expect(self.s.n_trials - len(self.study.get_trials(deepcopy=False)))
 
     def _start(self, trial, overrides: list[str]) -> None:
         path = studies.trial_file(self.sweep_dir, trial.number)
@@ -95,11 +95,6 @@ class Sweep:
                                      trial.number)
         trial.set_user_attr(studies.JOB_DIR, str(Path(job_dir).absolute()))
         self.active[trial.number] = trial
-
-    def _trial(self, number: int, trial_id: int):
-        from optuna.trial import Trial
-
-        return Trial(self.study, trial_id)
 
 
     def _ended(self, num: int, ret) -> None:
