@@ -121,6 +121,16 @@ def test_a_rerun_of_a_stopped_sweep_keeps_its_trials_and_resumes_the_running_one
         list(range(1, 61))   # one row per step, as if never stopped
 
 
+@pytest.mark.timeout(150)
+def test_under_the_basic_launcher_trials_run_in_batches_and_are_pruned_too(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = _sweep(PROBE + [THRESHOLD, "hydra.sweeper.n_trials=3", "task.max_steps=20"], sweep)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the jobs run in the sweeper's own process, one after another: a pruned one leaves no stop behind
+    assert _states_in_journal(sweep) == {0: "COMPLETE", 1: "PRUNED", 2: "COMPLETE"}
+    assert json.loads((sweep / "2" / "result.json").read_text())["steps"] == 20
+
+
 @pytest.mark.parametrize("args,says", [
     (["hydra.sweeper.pruner={_target_:optuna.pruners.MedianPruner,warmup:3}"],
      "hydra.sweeper.pruner._target_=optuna.pruners.MedianPruner: does not take (warmup=3)"),

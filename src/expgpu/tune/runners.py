@@ -35,8 +35,8 @@ class Runner:
 
     def stopping(self) -> bool:
         """Ctrl-C, SIGTERM or SIGUSR2 reached the sweeper: no new trials; the running ones stop and save."""
-        stopper = stopping.current()
-        return bool(stopper and stopper.received)
+        stopper = stopping.current()   # a trial run in this process (basic launcher) may be PRUNED: not ours
+        return bool(stopper and stopper.received not in (None, stopping.PRUNED))
 
     def busy(self) -> bool:
         """A job submitted and not ended (a queued one that a stop kept from starting has ended)."""
