@@ -13,10 +13,10 @@ choice(16,32,64,128,256), task.batch_size in choice(8,16,32,64); objective=accur
 every 50 steps (what the pruner judges). Sampler: TPE, seed 0, the same in all four.
 
 Printed per way: wall time (the whole command), best accuracy, trials finished / pruned, idle slot-time
-(1 - the trials' training time / (2 slots x the span from the first trial's first step to the last one's
-end), from result.json's timing: a slot is idle while a trial starts up, the sweeper asks, a batch waits), and the
-sweeper's overhead: for each trial after the first two, its first step minus the end of the latest trial
-that ended before it (median). Then the ratios the goals are about: (4) against (1) and (2).
+(1 - the time the 2 slots held a trial / (2 x the sweep's span): gpu_pool's jobs from hand-over to exit,
+pool.json; the basic launcher's trials back to back on one slot), and the sweeper's overhead: for each
+trial after the first two, its first step minus the end of the latest training that ended before it
+(median; result.json's timing: the next trial's own start-up, e.g. its dataset, counts too). Then the ratios the goals are about: (4) against (1) and (2).
 Hydra's optuna sweeper pins optuna<3: it runs from a directory of its own (tests/hydra_optuna.py), put
 first on its commands' PYTHONPATH. Runs once (each way is minutes): on a shared machine the figures are
 noisy; say so when quoting them.
@@ -68,18 +68,30 @@ def run_way(name: str, trials: int, steps: int, where: Path, hydra_optuna: str) 
 
 def _read(sweep: Path) -> dict:
     jobs = [json.loads(p.read_text()) for p in sweep.glob("*/result.json")]
-    spans = sorted((r["timing"]["first_step_at"], r["timing"]["first_step_at"] + r["timing"]["train_s"]) for r in jobs)
-    window = max(e for _, e in spans) - spans[0][0]
-    idle = 1 - sum(e - s for s, e in spans) / (2 * window)
-    gaps = []
-    for first, _ in spans[2:]:
-        before = [e for _, e in spans if e <= first]
+    trained = sorted((r["timing"]["first_step_at"], r["timing"]["first_step_at"] + r["timing"]["train_s"])
+                     for r in jobs)
+    gaps = []   # a trial's first step minus the latest end of training before it (the first wave has none)
+    for first, _ in trained[2:]:
+        before = [e for _, e in trained if e <= first]
         if before:
             gaps.append(first - max(before))
     best = max((r["metrics"]["accuracy"] for r in jobs if r["status"] == "finished"), default=float("nan"))
     return {"best": best, "finished": sum(r["status"] == "finished" for r in jobs),
-            "pruned": sum(r["status"] == "pruned" for r in jobs), "idle": idle,
+            "pruned": sum(r["status"] == "pruned" for r in jobs), "idle": _idle(sweep, trained),
             "overhead": statistics.median(gaps) if gaps else float("nan")}
+
+
+def _idle(sweep: Path, trained: list[tuple[float, float]]) -> float:
+    """1 - the slots' occupied time / (2 slots x the sweep's span). Occupied: gpu_pool's jobs from their
+    hand-over to their process's exit (pool.json); the basic launcher's trials, one after another in its
+    own process, each from the end of the one before."""
+    try:
+        spans = [(j["started"], j["ended"]) for j in json.loads((sweep / "pool.json").read_text())["jobs"]]
+    except OSError:
+        spans = [(prev_end, end) for (_, prev_end), (_, end) in zip([trained[0]] + trained, trained)]
+        spans[0] = trained[0]
+    window = max(e for _, e in spans) - min(s for s, _ in spans)
+    return 1 - sum(e - s for s, e in spans) / (2 * window)
 
 
 def main() -> None:
