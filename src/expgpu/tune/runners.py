@@ -106,11 +106,19 @@ class SubmititRunner(Runner):
         self.gone_since: dict[str, float] = {}
 
     def submit(self, overrides: list[str], num: int) -> Path:
+        import copy
+
+        from omegaconf import open_dict
+
+        from expgpu.pool.jobs import job_dir
+
         job = self.launch.compose(self.launcher, self.plan, overrides, num)
         self.launch.submit(self.launcher, self.plan, [job])
         self.jobs[num] = job
-        cfg = job.cfg
-        return Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+        cfg = copy.deepcopy(job.cfg)   # submitit's job sets its number itself; here only to name its dir
+        with open_dict(cfg):
+            cfg.hydra.job.num = cfg.hydra.job.id = num
+        return job_dir(cfg)
 
     def wait(self, timeout_s: float) -> list[tuple[int, object]]:
         deadline = time.monotonic() + timeout_s
