@@ -165,3 +165,18 @@ def test_a_study_name_that_exists_with_other_directions_is_one_line(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and "hydra.sweeper.study_name=s: the study in sqlite:///" in last, done.stderr[-2000:]
     assert "exists with direction ['minimize'], not ['maximize']" in last
+
+
+@pytest.mark.timeout(150)
+def test_an_objective_the_task_does_not_return_stops_the_pool_sweep_after_one_trial_and_keeps_the_rest(tmp_path):
+    sweep = tmp_path / "sweep"
+    # trial 0 ends first (fast); the trials beside it are stopped, saved, and left for a rerun
+    done = _sweep(PROBE + POOL + ["objective=accuracy", "hydra.sweeper.n_trials=6", "task.max_steps=200",
+                                  "task.slow_step_s=0.001", "task.step_s=0.05"], sweep)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "trial 0: objective=accuracy: the task returned no metric" in last, done.stderr[-3000:]
+    states = _states_in_journal(sweep)
+    assert states[0] == "FAIL" and set(states.values()) == {"FAIL", "RUNNING"} and len(states) < 6, states
+    for n, state in states.items():
+        if state == "RUNNING" and (sweep / str(n) / "result.json").exists():
+            assert json.loads((sweep / str(n) / "result.json").read_text())["status"] == "stopped"

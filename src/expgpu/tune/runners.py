@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -84,6 +85,11 @@ class PoolRunner(Runner):
 
     def busy(self) -> bool:
         return self.session is not None and self.session.pool.busy()
+
+    def stop(self) -> None:
+        """As on a SIGTERM to the pool: its running trials get it, save and end; queued ones never start."""
+        if self.session is not None and self.session.stop_signal is None:
+            self.session.pool.stop_signal = signal.SIGTERM
 
     def close(self) -> None:
         if self.session is not None:

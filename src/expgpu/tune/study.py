@@ -49,9 +49,9 @@ def open_study(s: Settings, sweep_dir: Path):
     return study, where
 
 
-def attach(study, trial, sweep_dir: Path, where: str, s: Settings, job_dir: Path, overrides: list[str]) -> Path:
-    """Write the trial's file and note its job on it; the file's path (the job's TRIAL_ENV)."""
-    trial.set_user_attr(JOB_DIR, str(Path(job_dir).absolute()))
+def attach(study, trial, sweep_dir: Path, where: str, s: Settings, overrides: list[str]) -> Path:
+    """Write the trial's file, before its job starts, and note the job's overrides on the trial (a
+    rerun starts it again with them); the file's path (the job's TRIAL_ENV)."""
     trial.set_user_attr(OVERRIDES, list(overrides))
     path = trial_file(sweep_dir, trial.number)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -88,20 +88,17 @@ class Sweep:
             self._start(trial, self.space.overrides(trial.params))
 
     def _start(self, trial, overrides: list[str]) -> None:
-        path = studies.trial_file(self.sweep_dir, trial.number)
-        studies.attach(self.study, trial, self.sweep_dir, self.where, self.s, self.sweep_dir / str(trial.number),
-                       overrides)
+        path = studies.attach(self.study, trial, self.sweep_dir, self.where, self.s, overrides)
         job_dir = self.runner.submit(overrides + [f"++hydra.job.env_set.{TRIAL_ENV}={shlex.quote(str(path))}"],
                                      trial.number)
         trial.set_user_attr(studies.JOB_DIR, str(Path(job_dir).absolute()))
         self.active[trial.number] = trial
 
-
     def _ended(self, num: int, ret) -> None:
         trial = self.active.pop(num)
         state, values, reason = outcome(ret, len(self.s.objective))
-        if state == "STOPPED" or (state == "FAIL" and self.runner.stopping()):   # the sweeper is stopping: it stays RUNNING, and a rerun resumes it
-            return
+        if state == "STOPPED" or (state == "FAIL" and self.runner.stopping()):
+            return   # the sweeper is stopping: the trial stays RUNNING, and a rerun resumes it
         if state == "USER_ERROR":
             studies.tell(self.study, trial, "FAIL", reason=reason)
             self.runner.stop()
