@@ -611,10 +611,11 @@ def test_pool_json_keeps_every_launch_batch_in_order(tmp_path, hydra_optuna):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_an_optimizing_sweep_warms_one_fork_server_for_all_its_batches(tmp_path):
-    # Optuna with n_jobs=1: one launch() per trial. The task's module (and torch) is imported once,
-    # by one fork server kept from batch to batch, not once per trial; and it is gone at the end.
+def test_an_optimizing_sweep_warms_one_fork_server_for_all_its_batches(tmp_path, hydra_optuna):
+    # Hydra's optuna sweeper with n_jobs=1: one launch() per trial. The task's module (and torch) is
+    # imported once, by one fork server kept from batch to batch, not once per trial; and it is gone at the end.
     sweep = Sweep(tmp_path)
+    sweep.env = with_path(sweep.env, hydra_optuna)
     done = sweep.run(["task=sleep", "task.model.seconds=0", "objective=final_loss", "hydra/sweeper=optuna",
                       "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1", "hydra.sweeper.sampler.seed=0",
                       "task.optimizer.lr=interval(0.001,0.1)", "hydra.launcher.cpu_slots=2"], 280)
