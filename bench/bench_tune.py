@@ -8,6 +8,8 @@ a held-out 20 %) on 2 CPU slots, four ways, with fixed seeds:
   2. hydra_pool    Hydra's optuna sweeper + gpu_pool (batches of n_jobs=2: a slot waits for its batch)
   3. expgpu        hydra/sweeper=expgpu_optuna on gpu_pool, no pruning (a trial starts when a slot frees)
   4. expgpu_prune  the same with a pruner (median of the earlier trials' accuracy at each evaluation)
+  5. ray_asha      Ray Tune's ASHA with TPE (OptunaSearch), the same loop in a Ray trainable
+                   (bench/tune_ray_asha.py), when ray[tune] is installed; idle and overhead not measured
 
     python bench/bench_tune.py [--trials 24] [--steps 3000] [--only expgpu,expgpu_prune]
 
@@ -28,6 +30,7 @@ noisy; say so when quoting them.
 """
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -55,7 +58,21 @@ WAYS = {
 }
 
 
+def run_ray(trials: int, steps: int, where: Path) -> dict:
+    """Ray Tune's ASHA on the same search (bench/tune_ray_asha.py); wall time of the whole command."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "tune_ray_asha.py"), str(trials), str(steps),
+                           str(where / "ray")], cwd=REPO, capture_output=True, text=True, timeout=3600)
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        sys.exit(f"ray_asha failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    return {"wall": wall, "idle": float("nan"), "overhead": float("nan"),
+            **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
 def run_way(name: str, trials: int, steps: int, where: Path, hydra_optuna: str) -> dict:
+    if name == "ray_asha":
+        return run_ray(trials, steps, where)
     sweep = where / name
     args = [sys.executable, "-m", "expgpu", "-m", *WAYS[name], *SPACE, "task=digits", f"task.max_steps={steps}",
             "task.eval_every=100", "objective=accuracy", "hydra.sweeper.direction=maximize",
@@ -106,23 +123,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=24)
     ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--only", default=",".join(WAYS))
+    ap.add_argument("--only", default=",".join([*WAYS, "ray_asha"]))
     a = ap.parse_args()
+    ways = a.only.split(",")
+    if "ray_asha" in ways and importlib.util.find_spec("ray") is None:
+        print("ray_asha: skipped (pip install 'ray[tune]': it pulls no torch)")
+        ways.remove("ray_asha")
     hydra_optuna = str(install())
     out = {}
     with tempfile.TemporaryDirectory(prefix="bench_tune_") as tmp:
-        for name in a.only.split(","):
+        for name in ways:
             out[name] = run_way(name, a.trials, a.steps, Path(tmp), hydra_optuna)
             r = out[name]
             print(f"{name:13s} wall {r['wall']:6.1f} s  best accuracy {r['best']:.4f}  finished {r['finished']:2d}  "
                   f"pruned {r['pruned']:2d}  idle slot-time {100 * r['idle']:5.1f} %  "
                   f"overhead (trial end -> next first step, median) {r['overhead']:.3f} s", flush=True)
     p = out.get("expgpu_prune")
-    for base, goal in (("hydra_basic", 0.33), ("hydra_basic_1t", 0.33), ("hydra_pool", 0.5)):
+    for base, goal in (("hydra_basic", 0.33), ("hydra_basic_1t", 0.33), ("hydra_pool", 0.5), ("ray_asha", None)):
         if p and base in out:
             b = out[base]
-            print(f"expgpu_prune / {base}: wall {p['wall'] / b['wall']:.2f} (goal <= {goal}), best accuracy "
-                  f"{100 * (p['best'] - b['best']):+.2f} points (goal >= -0.5)")
+            print(f"expgpu_prune / {base}: wall {p['wall'] / b['wall']:.2f}" + (f" (goal <= {goal})" if goal else "")
+                  + f", best accuracy {100 * (p['best'] - b['best']):+.2f} points" + (" (goal >= -0.5)" if goal else ""))
     for name in ("expgpu", "expgpu_prune"):
         if name in out:
             print(f"{name}: idle {100 * out[name]['idle']:.1f} % (goal < 5 %), overhead "
