@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import clean_env, expgpu
+from hydra_optuna import hydra_optuna, with_path  # noqa: F401  (a fixture)
 
 from expgpu import leases
 from expgpu.gpus import inventory
@@ -592,9 +593,10 @@ def test_a_users_on_job_start_callback_turns_priming_off(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_pool_json_keeps_every_launch_batch_in_order(tmp_path):
-    # Optuna with n_jobs=1 calls launch() once per trial: 3 batches of 1 job each.
+def test_pool_json_keeps_every_launch_batch_in_order(tmp_path, hydra_optuna):
+    # Hydra's optuna sweeper with n_jobs=1 calls launch() once per trial: 3 batches of 1 job each.
     sweep = Sweep(tmp_path)
+    sweep.env = with_path(sweep.env, hydra_optuna)
     done = sweep.run(["task=a", "task.max_steps=5", "objective=final_loss", "hydra/sweeper=optuna",
                       "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1", "hydra.sweeper.sampler.seed=0",
                       "task.optimizer.lr=interval(0.001,0.1)", "hydra.launcher.cpu_slots=2"], 280)
@@ -609,10 +611,11 @@ def test_pool_json_keeps_every_launch_batch_in_order(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_an_optimizing_sweep_warms_one_fork_server_for_all_its_batches(tmp_path):
-    # Optuna with n_jobs=1: one launch() per trial. The task's module (and torch) is imported once,
-    # by one fork server kept from batch to batch, not once per trial; and it is gone at the end.
+def test_an_optimizing_sweep_warms_one_fork_server_for_all_its_batches(tmp_path, hydra_optuna):
+    # Hydra's optuna sweeper with n_jobs=1: one launch() per trial. The task's module (and torch) is
+    # imported once, by one fork server kept from batch to batch, not once per trial; and it is gone at the end.
     sweep = Sweep(tmp_path)
+    sweep.env = with_path(sweep.env, hydra_optuna)
     done = sweep.run(["task=sleep", "task.model.seconds=0", "objective=final_loss", "hydra/sweeper=optuna",
                       "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1", "hydra.sweeper.sampler.seed=0",
                       "task.optimizer.lr=interval(0.001,0.1)", "hydra.launcher.cpu_slots=2"], 280)

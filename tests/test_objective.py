@@ -1,5 +1,6 @@
 """`objective=<metric>`: Hydra's optimizing sweepers (hydra-optuna-sweeper) drive expgpu runs under
-the basic launcher, gpu_pool and submitit_local; the study's best is the best job's metric."""
+the basic launcher, gpu_pool and submitit_local; the study's best is the best job's metric. Hydra's
+sweeper and its optuna<3 come from a directory of their own (tests/hydra_optuna.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import REPO, clean_env, expgpu
+from hydra_optuna import hydra_optuna, with_path  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -24,9 +26,9 @@ LAUNCHERS = {
 }
 
 
-def _sweep(args: list[str], sweep_dir: Path) -> subprocess.CompletedProcess:
+def _sweep(args: list[str], sweep_dir: Path, path: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "expgpu", "-m", *args, f"hydra.sweep.dir={sweep_dir}"],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=280)
+                          cwd=REPO, env=with_path(clean_env(), path), capture_output=True, text=True, timeout=280)
 
 
 def _jobs(sweep_dir: Path) -> list[tuple[dict, dict]]:
@@ -39,8 +41,8 @@ def _jobs(sweep_dir: Path) -> list[tuple[dict, dict]]:
 
 
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_a_three_trial_study_minimizes_the_returned_metric(tmp_path, launcher):
-    proc = _sweep(STUDY + LAUNCHERS[launcher] + ["objective=eval_loss"], tmp_path / "sweep")
+def test_a_three_trial_study_minimizes_the_returned_metric(tmp_path, launcher, hydra_optuna):
+    proc = _sweep(STUDY + LAUNCHERS[launcher] + ["objective=eval_loss"], tmp_path / "sweep", hydra_optuna)
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = _jobs(tmp_path / "sweep")
     assert len(jobs) == 3
@@ -51,9 +53,9 @@ def test_a_three_trial_study_minimizes_the_returned_metric(tmp_path, launcher):
     assert len({o["task.optimizer.lr"] for o, _ in jobs}) == 3   # the sampler proposed 3 learning rates
 
 
-def test_several_objectives_make_a_pareto_front(tmp_path):
+def test_several_objectives_make_a_pareto_front(tmp_path, hydra_optuna):
     args = STUDY + LAUNCHERS["basic"] + ["objective=[eval_loss,accuracy]", "hydra.sweeper.direction=[minimize,maximize]"]
-    proc = _sweep(args, tmp_path / "sweep")
+    proc = _sweep(args, tmp_path / "sweep", hydra_optuna)
     assert proc.returncode == 0, proc.stderr[-3000:]
     front = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())["solutions"]
     results = [r["metrics"] for _, r in _jobs(tmp_path / "sweep")]

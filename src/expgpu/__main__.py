@@ -35,7 +35,8 @@ def _one_line(e: BaseException) -> str | None:
         text = str(e).split("\nConfig search path:")[0]
         text = " ".join(text.replace("\n\t", ", ").replace("\n", " ").split()).replace(":,", ":")
         if "Could not find 'hydra/sweeper/optuna'" in text:
-            text += " (Hydra's optuna sweeper is not installed: pip install 'expgpu[optuna]')"
+            text += (" (Hydra's optuna sweeper is not installed: pip install 'expgpu[optuna]'; or expgpu's own, "
+                     "with the same keys: hydra/sweeper=expgpu_optuna, pip install 'expgpu[tune]')")
         return text
     cause = e
     while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):

@@ -175,6 +175,14 @@ def _finished(result: dict | None, info: ranks.RankInfo, run_dir: Path) -> dict 
     stopper = stopping.install()
     if result is not None and result["status"] == "stopped":
         stopper.agreed = result["stop_signal"]  # a supervisor learns it from its workers
+    if stopper.agreed == stopping.PRUNED or (result or {}).get("status") == "pruned":
+        # the trial's pruner ended it: the job is done (no requeue), and the sweeper reads why. The
+        # request is spent: a launcher that runs the next trial in this process (basic) starts afresh.
+        stopper.received = stopper.agreed = None
+        if result is not None:
+            log.info("pruned at step %d by the study's pruner (checkpoint saved): %s", result["steps"],
+                     Path(result["run_dir"]) / rundir.RESULT)
+        return result
     if stopper.agreed:  # stopped on a signal, checkpoint saved by all ranks
         next_step = requeue.after_stop(stopper, info.rank, run_dir)
         if result is None:

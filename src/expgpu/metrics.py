@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 
 from expgpu.errors import UserError
 from expgpu.rundir import METRICS, atomic_write_bytes
+from expgpu.tune import TRIAL_ENV
 
 log = logging.getLogger("expgpu")
 
@@ -105,6 +107,8 @@ class MetricsLog:
         self.loggers = loggers
         self.last_row: dict[str, Any] | None = None
         self.written_at: float | None = None   # when rows were last handed to the OS
+        # An optimizing sweeper's trial (expgpu.tune.bridge): gets the rows that hold its objective
+        self.trial = _attached_trial() if os.environ.get(TRIAL_ENV) else None
 
     def open(self, resumed_step: int, total_steps: int | None, resumed: bool = False) -> None:
         """Before the first row: trim what a resume redoes, open for appending, start the loggers."""
@@ -144,6 +148,8 @@ class MetricsLog:
         self.last_row = written[-1]
         if self.loggers is not None and to_loggers:
             self.loggers.write(written)
+        if self.trial is not None:
+            self.trial.report(written)
         last = max(rows)
         self.progress.update(last, rows[last])
 
@@ -179,6 +185,12 @@ class MetricsLog:
         """After the function: the loggers get its outcome (finished, stopped, failed) and returned metrics."""
         if self.loggers is not None:
             self.loggers.finish(status, metrics, step, self.last_row)
+
+
+def _attached_trial():
+    from expgpu.tune.bridge import attached
+
+    return attached()
 
 
 class WindowMeanLog(MetricsLog):

@@ -94,6 +94,8 @@ def run(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
         ranks = dist.gather_objects(me, info.world_size)
     if info.rank != 0:
         return None
+    if status == "stopped" and run.stop_signal == stopping.PRUNED:
+        status = "pruned"   # an optimizing sweeper's pruner ended it (expgpu.tune): final, not to resume
     result = {
         "status": status, "task": spec.name, "function": spec.target, "task_config": cfg["task"],
         "source": info.source,

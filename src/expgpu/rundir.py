@@ -29,6 +29,12 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
         script-rank<N>.json                 how rank N's script ended (exit code, stop), for rank 0's result
         script-log.json                     where this attempt's expgpu.log rows begin, for the loggers
 
+and, under hydra/sweeper=expgpu_optuna (expgpu.tune):
+
+    SWEEP_DIR/optuna.journal                the study (unless hydra.sweeper.storage names another)
+    SWEEP_DIR/study.json                    every trial: state, params, values, pruned step, job dir
+    SWEEP_DIR/.expgpu/trial-<n>.json        what attaches trial n's job to it (storage, study, pruner)
+
 and, under hydra/launcher=gpu_pool:
 
     SWEEP_DIR/pool.json                     every job of every launch() batch: GPUs, times, outcome
@@ -54,6 +60,7 @@ STATE = ".expgpu"
 POOL_RECORD = "pool.json"
 CONSOLE = "console.log"
 POOL_JOB, POOL_RETURN, SPARES_LOG = "pool-job.pkl", "pool-return.pkl", "pool-spares.log"
+STUDY = "study.json"
 
 
 def state_dir(run_dir: Path) -> Path:

@@ -14,6 +14,10 @@ that arrives while Hydra composes or torch imports is kept, not lost to the defa
 action (which, for SIGUSR2, kills the process and with it the chance to requeue).
 The handlers that were there before are remembered: under submitit they are its
 requeue logic, which expgpu.requeue calls once the checkpoint is on disk.
+
+Besides the signals, one request comes from inside the run: PRUNED, made on rank 0 when an
+optimizing sweeper's pruner ends the trial (expgpu.tune.bridge). It is agreed like a signal, so
+every rank stops at the same step and saves; it is the weakest: a signal that comes with it wins.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from typing import Callable
 # ending the job and decides what comes next, so it wins over SIGUSR2, which asks expgpu
 # to requeue; SIGINT is a person at a terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGUSR2, signal.SIGTERM)
+# A stop a trial's pruner asks for (Stopper.request): no signal, the weakest request.
+PRUNED = "PRUNED"
+REQUESTS = (PRUNED, *(s.name for s in STOP_SIGNALS))   # by precedence, weakest first
 # The signals a worker started by expgpu.spawn stops on: its supervisor's (see Stopper.install).
 ENV_SIGNALS = "EXPGPU_STOP_SIGNALS"
 # checkpoint.verify: every rank stops at this step, as on a signal (expgpu/verify.py)
@@ -105,8 +112,12 @@ class Stopper:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now, no checkpoint
             if self._ctrl_c is None:
                 self._ctrl_c = now
-        if self.received is None or _rank(signum) > _rank(signal.Signals[self.received]):
-            self.received = signal.Signals(signum).name
+        self.request(signal.Signals(signum).name)
+
+    def request(self, name: str) -> None:
+        """A stop request (a signal's name, or PRUNED), agreed by the ranks at the next poll."""
+        if self.received is None or _rank(name) > _rank(self.received):
+            self.received = name
 
     def begin(self, step: int, last: int) -> bool:
         """The poll at the start of training (every rank, before its first step): True if a stop
@@ -159,7 +170,7 @@ class Stopper:
 
     def _decided(self, step: int, strongest: int) -> bool:
         if strongest:
-            self.agreed = STOP_SIGNALS[strongest - 1].name
+            self.agreed = REQUESTS[strongest - 1]
             return True
         self._polled = (step, time.perf_counter())
         # never past the last poll: the ranks would train on to the end past a stop request
@@ -215,7 +226,7 @@ class Stopper:
 
         from expgpu.dist import cpu_group
 
-        mine = _rank(signal.Signals[self.received]) if self.received else 0
+        mine = _rank(self.received) if self.received else 0
         flags = torch.tensor([mine, -proposal], dtype=torch.int32)
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(), async_op=async_op)
         return (flags, work) if async_op else flags
@@ -223,7 +234,8 @@ class Stopper:
     @property
     def exit_code(self) -> int:
         """128 + the signal, as a shell reports a process ended by it (130 Ctrl-C, 143 SIGTERM)."""
-        return 128 + int(signal.Signals[self.agreed or self.received or "SIGTERM"])
+        name = self.agreed or self.received or "SIGTERM"
+        return 0 if name == PRUNED else 128 + int(signal.Signals[name])
 
 
 def block_in_child() -> None:
@@ -231,8 +243,8 @@ def block_in_child() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
-def _rank(sig: int) -> int:
-    return STOP_SIGNALS.index(sig) + 1
+def _rank(name: str) -> int:
+    return REQUESTS.index(name) + 1
 
 
 _current: Stopper | None = None

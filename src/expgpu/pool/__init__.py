@@ -1,9 +1,10 @@
 """The gpu_pool launcher's work: run a Hydra sweep's jobs in parallel, each on GPUs of its own.
 
     launch.py     one launch() batch: settings, GPUs, every job's config, its thread budget, the loop
+    session.py    the same pool for a sweeper that adds one job at a time and waits for any (expgpu.tune)
     settings.py   hydra.launcher.* checked; the GPUs a job needs
     scheduler.py  which job gets which GPUs or CPU slot; CPU threads per job (pure)
-    loop.py       the event loop: reap ended jobs, signals, the end of a sweep
+    loop.py       the event loop, a round at a time: reap ended jobs, signals, the end of a sweep
     starts.py     lease GPUs, ask the scheduler, hand jobs to spares, keep spares ready
     forkserver.py one warm process per sweep (torch imported once) that forks each job's process
     spares.py     a job's process before its job (a fork, or one started on its own), the launcher's handle

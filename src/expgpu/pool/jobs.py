@@ -52,7 +52,7 @@ class Job:
 
     @property
     def label(self) -> str:
-        shown = [o for o in self.overrides if not o.startswith("hydra.")]
+        shown = [o for o in self.overrides if not o.lstrip("+~").startswith("hydra.")]
         return " ".join(shown) or "(no overrides)"
 
     @property
@@ -74,23 +74,28 @@ class Job:
 
 def compose(ctx, master, overrides: Sequence[str], num: int, need) -> Job:
     """The job's config as Hydra's own launchers compose it; `need(cfg)`: the GPUs it needs."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import open_dict
 
     cfg = ctx.config_loader.load_sweep_config(master, list(overrides))
     with open_dict(cfg):
         cfg.hydra.job.id = num
         cfg.hydra.job.num = num
-    # The job dir as run_job will compute it (a subdir like ${hydra:job.override_dirname} reads
-    # HydraConfig), so the launcher knows where the job's console.log goes.
+    return Job(num, list(overrides), cfg, job_dir(cfg), need(cfg))
+
+
+def job_dir(cfg) -> Path:
+    """The job dir as run_job will compute it from the job's composed config (hydra.job.num set): a
+    subdir like ${hydra:job.override_dirname} reads HydraConfig. So a launcher knows it ahead."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
     hc = HydraConfig.instance()
     saved = hc.cfg
     hc.set_config(cfg)
     try:
-        job_dir = Path(str(OmegaConf.select(cfg, "hydra.sweep.dir"))) / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+        return Path(str(OmegaConf.select(cfg, "hydra.sweep.dir"))) / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
     finally:
         hc.cfg = saved
-    return Job(num, list(overrides), cfg, job_dir, need(cfg))
 
 
 def write_job_file(job: Job, context: Path) -> Path:

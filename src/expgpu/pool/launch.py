@@ -4,6 +4,7 @@ optimizing sweeper): settings, the GPUs, every job's config, each job's CPU thre
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import math
 import os
@@ -24,6 +25,24 @@ log = logging.getLogger("expgpu.pool")
 
 def launch(params: Mapping[str, Any], hydra_context, task_function, config,
            job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
+    pool = open_pool(params, hydra_context, task_function, config,
+                     [(list(o), initial_job_idx + i) for i, o in enumerate(job_overrides)])
+    try:
+        pool.run()
+    finally:
+        close_pool(pool)
+    pool.summary(log)
+    if pool.stop_signal is not None:
+        raise KeyboardInterrupt
+    return [job.ret for job in pool.jobs]
+
+
+def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, first: list[tuple[list[str], int]],
+              max_parallel: int | None = None, planned: int = 0):
+    """A Pool with the jobs `first` ((overrides, job number) each) queued, its fork server and the first
+    wave's spares warming up, and the shared context written; close_pool() after. max_parallel narrows
+    hydra.launcher.max_parallel (an optimizing sweeper's n_jobs); `planned`: the jobs to come in all,
+    like the first (the threads per job are shared out for them)."""
     from hydra.core.utils import configure_log, setup_globals
     from omegaconf import OmegaConf
 
@@ -32,6 +51,8 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
     setup_globals()
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
     s = settings(params)
+    if max_parallel is not None:
+        s = dataclasses.replace(s, max_parallel=min(s.max_parallel or max_parallel, max_parallel))
     procs.atexit_grace_s()   # a bad EXPGPU_ATEXIT_GRACE_S: one line now, before any job starts
     simulate = OmegaConf.select(config, "inventory.simulate", default=None)
     if OmegaConf.is_config(simulate):
@@ -45,11 +66,11 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
     # are composed: with the modules the sweep's own config names, then those of its first job.
     own_code = not gpus or simulate is not None
     warm = task_modules(config, own_code)
-    first_wave = min(len(job_overrides), len(gpus) or s.cpu_slots, s.max_parallel or math.inf)
+    first_wave = min(len(first), len(gpus) or s.cpu_slots, s.max_parallel or math.inf)
     server = _server(state, bool(gpus), warm)
     spares = [Spare(state, hide_gpus=bool(gpus), server=server) for _ in range(first_wave)]
     try:
-        jobs = _compose_all(hydra_context, config, job_overrides, initial_job_idx, s, gpus)
+        jobs = _compose_all(hydra_context, config, first, s, gpus)
     except BaseException:
         for spare in spares:
             spare.dismiss()
@@ -61,7 +82,7 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
         for spare in spares:
             spare.warm(more)
     warm += more
-    threads, job_env, threads_text = _threads(s, jobs, gpus)
+    threads, job_env, threads_text = _threads(s, [j.need for j in jobs] + [jobs[0].need] * (planned - len(jobs)), gpus)
     if gpus:
         desc = f"GPU {','.join(str(g.index) for g in gpus)}" + (" (simulated)" if simulate is not None else "")
     else:
@@ -69,25 +90,28 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
     log.info("gpu_pool: %d jobs on %s, %s; sweep dir %s", len(jobs), desc, threads_text, sweep_dir)
     for job in jobs:
         log.info("\t#%d : %s", job.num, job.label)
-    return _run(jobs, gpus, s, sweep_dir, lease_dir, desc, spares, (hydra_context, task_function),
-                Record(sweep_dir, gpus, s.cpu_slots, threads_text, simulate is not None and bool(gpus)),
-                job_env, threads, warm, own_code, server)
+    return _pool(jobs, gpus, s, sweep_dir, lease_dir, desc, spares, (hydra_context, task_function),
+                 Record(sweep_dir, gpus, s.cpu_slots, threads_text, simulate is not None and bool(gpus)),
+                 job_env, threads, warm, own_code, server)
 
 
-def _compose_all(ctx, config, job_overrides, initial_job_idx: int, s: Settings, gpus: list) -> list[Job]:
-    jobs = [jobfiles.compose(ctx, config, o, initial_job_idx + i, lambda cfg: job_need(cfg, s, len(gpus)))
-            for i, o in enumerate(job_overrides)]
-    for job in jobs:
-        if job.need > len(gpus):
-            how = ("hydra.launcher.gpus_per_job" if s.gpus_per_job is not None
-                   else "launch.nproc_per_node x gpu_map.gpus_per_rank")
-            raise UserError(f"job #{job.num} ({job.label}) needs {job.need} GPUs ({how}), but the pool has "
-                            f"{len(gpus)} ({', '.join(str(g.index) for g in gpus)}); ask for fewer per job, "
-                            "or set hydra.launcher.gpus")
-    return jobs
+def _compose_all(ctx, config, first: list[tuple[list[str], int]], s: Settings, gpus: list) -> list[Job]:
+    return [compose_job(ctx, config, overrides, num, s, gpus) for overrides, num in first]
 
 
-def _threads(s: Settings, jobs: list[Job], gpus: list) -> tuple[int | None, dict[str, str], str]:
+def compose_job(ctx, config, overrides: Sequence[str], num: int, s: Settings, gpus: list) -> Job:
+    """Job number `num`, composed as Hydra's launchers do, checked against the pool's GPUs."""
+    job = jobfiles.compose(ctx, config, overrides, num, lambda cfg: job_need(cfg, s, len(gpus)))
+    if job.need > len(gpus):
+        how = ("hydra.launcher.gpus_per_job" if s.gpus_per_job is not None
+               else "launch.nproc_per_node x gpu_map.gpus_per_rank")
+        raise UserError(f"job #{job.num} ({job.label}) needs {job.need} GPUs ({how}), but the pool has "
+                        f"{len(gpus)} ({', '.join(str(g.index) for g in gpus)}); ask for fewer per job, "
+                        "or set hydra.launcher.gpus")
+    return job
+
+
+def _threads(s: Settings, needs: list[int], gpus: list) -> tuple[int | None, dict[str, str], str]:
     """(threads per job or None to leave them be, the variables each job gets, the start line's words).
 
     Unless the user chose (OMP_NUM_THREADS / MKL_NUM_THREADS, or hydra.launcher.threads_per_job),
@@ -102,7 +126,6 @@ def _threads(s: Settings, jobs: list[Job], gpus: list) -> tuple[int | None, dict
     if user:
         return None, {}, f"threads per job as set ({user})"
     cores = procs.cores()
-    needs = [j.need for j in jobs]
     n = thread_budget(cores, needs, len(gpus), s.cpu_slots, s.max_parallel)
     together = at_once(needs, len(gpus), s.cpu_slots, s.max_parallel)
     return n, procs.threads_env(n), (f"{n} thread{'s' if n > 1 else ''} per job ({cores} cores, {together} "
@@ -110,9 +133,9 @@ def _threads(s: Settings, jobs: list[Job], gpus: list) -> tuple[int | None, dict
                                      "to choose)")
 
 
-def _run(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, desc: str, spares: list[Spare],
-         shared: tuple, record: Record, job_env: dict, threads: int | None, warm: list[str],
-         own_code: bool, server: ForkServer) -> list:
+def _pool(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, desc: str, spares: list[Spare],
+          shared: tuple, record: Record, job_env: dict, threads: int | None, warm: list[str],
+          own_code: bool, server: ForkServer):
     # Shared by every job: Hydra's loader and callbacks, the task function and Hydra's singletons
     # (ConfigStore, JobRuntime), pickled once with cloudpickle as Hydra's joblib launcher does.
     import cloudpickle
@@ -130,16 +153,19 @@ def _run(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, d
         atomic_write_bytes(context, cloudpickle.dumps((*shared, Singleton.get_state())))
         if own_code and server.alive():   # the forks to come find it unpickled (spares.task_modules: why not always)
             server.warm([], context)
-        pool.run()
-    finally:
-        for spare in pool.spares:
-            spare.dismiss()
-        context.unlink(missing_ok=True)
-        _keep(server, state, bool(gpus))
-    pool.summary(log)
-    if pool.stop_signal is not None:
-        raise KeyboardInterrupt
-    return [job.ret for job in jobs]
+    except BaseException:
+        close_pool(pool)
+        raise
+    return pool
+
+
+def close_pool(pool) -> None:
+    """After the pool's last job: its spares go, the context file too, the fork server is kept for
+    the next launch() of this sweep."""
+    for spare in pool.spares:
+        spare.dismiss()
+    pool.context.unlink(missing_ok=True)
+    _keep(pool.server, pool.sweep_dir / jobfiles.STATE, bool(pool.gpus))
 
 
 # This process's fork server, kept from one launch() to the next of the same sweep: an optimizing

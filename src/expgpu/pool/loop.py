@@ -42,18 +42,33 @@ class Pool(Starter):
         self._waiting_since: float | None = None
         self._busy_elsewhere: tuple = ()
         self.spares = spares   # processes started ahead of their jobs
+        self.expected = 0      # jobs a sweeper will add soon (expgpu.pool.session): spares kept for them
+        self._old_handlers: dict = {}
         self._dirty = False    # pool.json is behind
         self._spares_broken = False   # a spare died before it got a job: stop starting them ahead
         self.capacity = int(min(len(gpus) + (s.cpu_slots if not gpus or any(j.need == 0 for j in jobs) else 0),
                                 s.max_parallel or math.inf))
 
     def run(self) -> None:
+        """Every job to its end (Hydra's blocking launch())."""
+        self.begin()
+        try:
+            while True:
+                self.round()
+                if not self.busy():
+                    return
+                self.board.tick()
+                self._idle(POLL_S)
+        finally:
+            self.end()
+
+    def begin(self) -> None:
+        """Before the first round: pool.json, the board, the launcher's own Ctrl-C / SIGTERM."""
         self.record.write(self.jobs, None)
         self.board = Board(self.jobs, self.desc)
-        old = {}
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
-                old[sig] = signal.signal(sig, self._on_signal)
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         except ValueError:  # not the main thread: signals stay with whoever handles them
             pass
         from expgpu import stopping
@@ -61,37 +76,39 @@ class Pool(Starter):
         early = stopping.current() and stopping.current().received
         if early:  # a Ctrl-C while Hydra composed the sweep: the CLI's Stopper kept it for us
             self.stop_signal = signal.Signals[early]
-        try:
-            self._loop()
-        finally:
-            for job in self._running():  # an error in this loop: nothing outlives the launcher
-                procs.kill_group(job.proc.pid)
-                job.proc.wait()
-            for job in self.jobs:
-                job.close_exit_fd()
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-            self.board.close()
-            self.record.write(self.jobs, self.stop_signal)
-            self.record.close(self.jobs)
 
-    def _loop(self) -> None:
-        while True:
-            ended = self._reap()
-            if self.stop_signal is not None:
-                self._stopping()
-            elif any(j.state == "queued" for j in self.jobs):
-                self._start_ready()
-                self._check_waiting()
-            self._settle(ended)
-            self._keep_spares()
-            if self._dirty:   # once per round, after the starts: not on a job's critical path
-                self._dirty = False
-                self.record.write(self.jobs, self.stop_signal)
-            if not any(j.state in ("queued", "running") for j in self.jobs):
-                return
-            self.board.tick()
-            self._idle(POLL_S)
+    def end(self) -> None:
+        """After the last round (or an error in one): nothing outlives the launcher."""
+        for job in self._running():
+            procs.kill_group(job.proc.pid)
+            job.proc.wait()
+        for job in self.jobs:
+            job.close_exit_fd()
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers = {}
+        self.board.close()
+        self.record.write(self.jobs, self.stop_signal)
+        self.record.close(self.jobs)
+
+    def round(self) -> list[Job]:
+        """One look at the jobs: reap, start what fits, read what the ended ones sent back, keep
+        spares warm; the jobs that ended in it (their `ret` set)."""
+        ended = self._reap()
+        if self.stop_signal is not None:
+            self._stopping()
+        elif any(j.state == "queued" for j in self.jobs):
+            self._start_ready()
+            self._check_waiting()
+        self._settle(ended)
+        self._keep_spares()
+        if self._dirty:   # once per round, after the starts: not on a job's critical path
+            self._dirty = False
+            self.record.write(self.jobs, self.stop_signal)
+        return ended
+
+    def busy(self) -> bool:
+        return any(j.state in ("queued", "running") for j in self.jobs)
 
     def _running(self) -> list[Job]:
         return [j for j in self.jobs if j.state == "running"]

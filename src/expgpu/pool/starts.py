@@ -67,7 +67,8 @@ class Starter:
             self._spares_broken = True
             self.warm = []   # perhaps a task module that spares cannot import ahead (CUDA at import)
         queued = [j for j in self.jobs if j.state == "queued"] if self.stop_signal is None else []
-        want = 0 if self._spares_broken else min(len(queued), self.capacity)
+        coming = len(queued) + (self.expected if self.stop_signal is None else 0)
+        want = 0 if self._spares_broken else min(coming, self.capacity)
         self.spares.sort(key=lambda sp: sp.job is None)   # the last ones go first: unprimed ones
         while len(self.spares) > want:
             self.spares.pop().dismiss()

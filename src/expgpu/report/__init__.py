@@ -7,8 +7,8 @@ the others failed.
 One row per job, best first (report.rank says by what), the overrides that tell jobs apart, a
 column per metric the jobs returned, a failed job's one-line reason. Writes, into SWEEP_DIR only:
 report.csv (one column per override key), loss_curves.png (a panel per metric the jobs logged,
-the ranking metric first; matplotlib's Agg backend: no display needed) and report.html (both on
-one page). A sweep writes the same at its end (report.callback). Never writes into a job dir.
+the ranking metric first; matplotlib's Agg backend: no display needed), for a sweep of
+hydra/sweeper=expgpu_optuna optimization.png (report.history), and report.html (all on one page). A sweep writes the same at its end (report.callback). Never writes into a job dir.
 """
 
 from __future__ import annotations
@@ -34,13 +34,18 @@ def write(sweep: Path, rows: list[Row], ranking: Ranking, plot: bool = True) -> 
     from expgpu.report import html, table
     from expgpu.report.plot import plot as draw
 
+    from expgpu.report import history
+
     written = [sweep / CSV_FILE]
     table.write_csv(rows, ranking, sweep / CSV_FILE)
-    png = None
+    pngs = []
     if plot and draw(rows, ranking, sweep / PNG_FILE, str(sweep)) is not None:
-        png = PNG_FILE
-        written.append(sweep / PNG_FILE)
-    html.write(rows, ranking, sweep / HTML_FILE, str(sweep), png)
+        pngs.append(PNG_FILE)
+    study = history.read_study(sweep) if plot else None   # an expgpu_optuna sweep's study
+    if study is not None and history.plot(study, sweep / history.PNG, f"{sweep}: study {study['study']}"):
+        pngs.append(history.PNG)
+    written += [sweep / p for p in pngs]
+    html.write(rows, ranking, sweep / HTML_FILE, str(sweep), pngs)
     written.append(sweep / HTML_FILE)
     return written
 

@@ -42,7 +42,7 @@ class SweepReport(Callback):
             return
         try:
             from expgpu.report import HTML_FILE, collect, rank, write
-            from expgpu.report.table import headline
+            from expgpu.report.table import headline, rerun
 
             rows = collect(sweep)
             ranking = rank(rows)
@@ -50,11 +50,15 @@ class SweepReport(Callback):
         except Exception as e:   # e.g. no job dir at all (every job failed to compose): nothing to report
             log.debug("no sweep report for %s: %s", sweep, e)
             return
-        failed = sum(r.status != "finished" for r in rows)
+        failed = sum(r.status not in ("finished", "pruned") for r in rows)
+        pruned = sum(r.status == "pruned" for r in rows)
         line = f"sweep report: {sweep / HTML_FILE}"
         if not quiet:
-            line += f" ({len(rows)} jobs{f', {failed} unfinished' if failed else ''}); {headline(ranking)}"
+            line += (f" ({len(rows)} jobs{f', {pruned} pruned' if pruned else ''}"
+                     f"{f', {failed} unfinished' if failed else ''}); {headline(ranking)}")
             log.info("%s", line)
+            if rerun(rows, ranking):
+                log.info("%s", rerun(rows, ranking))
         else:
             # After a failed sweep: the error stays the one line on stderr; this one says, on
             # stdout, where the whole picture is.

@@ -41,6 +41,18 @@ class Row:
     series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)   # metrics.jsonl, by name
 
     @property
+    def shown_status(self) -> str:
+        """The status as the table shows it: a pruned trial with the step it stopped at (pruned@120)."""
+        return f"pruned@{self.steps}" if self.status == "pruned" and self.steps is not None else self.status
+
+    def command(self) -> str:
+        """The command that reruns this job alone: its overrides, but Hydra's own and the sweep's."""
+        import shlex
+
+        kept = [o for o in self.overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+        return "python -m expgpu " + " ".join(shlex.quote(o) for o in kept)
+
+    @property
     def curve(self) -> list[tuple[int, float]]:
         return self.series.get("loss", [])
 
@@ -62,7 +74,7 @@ class Row:
 
 
 def _shown(overrides: list[str]) -> list[str]:
-    return [o for o in overrides if not o.startswith("hydra.")]
+    return [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]
 
 
 def _read_json(path: Path, row: Row) -> dict | None:

@@ -1,7 +1,7 @@
 """report.html: the table and the curves on one page, for a browser (no server, no script, no network).
 
 The best job's row is highlighted, a failed job's row carries its one-line reason, each job links
-to its dir; loss_curves.png (beside the page) is shown under the table.
+to its dir; loss_curves.png and optimization.png (beside the page) are shown under the table.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from expgpu.report.collect import Row
 from expgpu.report.rank import Ranking, metric_columns, place
-from expgpu.report.table import fmt, headline
+from expgpu.report.table import fmt, headline, rerun
 
 _STYLE = """
 body { font: 14px system-ui, sans-serif; margin: 1.5em; color: #222; }
@@ -27,7 +27,7 @@ img { max-width: 100%; border: 1px solid #ddd; }
 """
 
 
-def page(rows: list[Row], ranking: Ranking, title: str, png: str | None, base: Path) -> str:
+def page(rows: list[Row], ranking: Ranking, title: str, pngs: list[str], base: Path) -> str:
     metrics = metric_columns(rows, ranking.metric)
     head = ["rank", "job", "status", *metrics, "steps", "wall s", "devices", "overrides"]
     out = [f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title>",
@@ -44,19 +44,21 @@ def page(rows: list[Row], ranking: Ranking, title: str, png: str | None, base: P
         link = escape(_rel(r.dir, base)) if r.dir is not None else ""
         cells = [f"<td class='num'>{n if n is not None else '-'}</td>",
                  f"<td><a href='{link}'>{escape(r.job)}</a></td>" if link else f"<td>{escape(r.job)}</td>",
-                 f"<td>{escape(r.status)}</td>",
+                 f"<td>{escape(r.shown_status)}</td>",
                  *(f"<td class='num'>{escape(fmt(r.metrics.get(m), 5))}</td>" for m in metrics),
                  f"<td class='num'>{escape(fmt(r.steps))}</td>",
                  f"<td class='num'>{escape(fmt(None if r.wall_s is None else round(r.wall_s, 1)))}</td>",
                  f"<td>{escape(r.devices or '-')}</td>",
                  f"<td><code>{escape(' '.join(ranking.differs.get(r.job) or []) or '-')}</code></td>"]
         out.append(f"<tr class='{escape(cls)}'>" + "".join(cells) + "</tr>")
-        if r.error and r.status != "finished":
+        if r.error and r.status not in ("finished", "pruned"):
             out.append(f"<tr class='{escape(cls)}'><td></td><td class='why' colspan='{len(head) - 1}'>"
                        f"{escape(r.error)}</td></tr>")
     out.append("</table>")
-    if png:
-        out.append(f"<img src='{escape(png)}' alt='the metrics the jobs logged, a panel each'>")
+    if rerun(rows, ranking):
+        out.append(f"<p><code>{escape(rerun(rows, ranking))}</code></p>")
+    for png in pngs:
+        out.append(f"<p><img src='{escape(png)}' alt='{escape(png)}'></p>")
     out.append("</body></html>\n")
     return "\n".join(out)
 
@@ -68,7 +70,7 @@ def _rel(path: Path, base: Path) -> str:
         return Path(path).resolve().as_uri()
 
 
-def write(rows: list[Row], ranking: Ranking, path: Path, title: str, png: str | None) -> None:
+def write(rows: list[Row], ranking: Ranking, path: Path, title: str, pngs: list[str]) -> None:
     from expgpu.rundir import atomic_write_bytes
 
-    atomic_write_bytes(path, page(rows, ranking, title, png, path.parent).encode())
+    atomic_write_bytes(path, page(rows, ranking, title, pngs, path.parent).encode())

@@ -67,8 +67,6 @@ def plot(rows: list[Row], ranking: Ranking, path: Path, title: str) -> list[str]
     matplotlib.use("Agg")  # no display: a file, from a terminal, a cluster node or CI
     import matplotlib.pyplot as plt
 
-    from expgpu.rundir import atomic_write_bytes
-
     drawn = [r for r in ranking.rows if any(r.series.get(n) for n in names)]
     crowded = len(drawn) > LEGEND_ALL
     named = set(id(r) for r in (ranking.rows[:min(LEGEND_BEST, ranking.n_ranked)] if crowded else drawn))
@@ -126,12 +124,19 @@ def plot(rows: list[Row], ranking: Ranking, path: Path, title: str) -> list[str]
             fig.text(0.01, 0.3 / fig.get_figheight(), f"not drawn ({MAX_PANELS} panels at most): "
                      + _shortened(", ".join(left_out), 40 * cols), fontsize=8, va="center")
         fig.tight_layout(rect=(0, foot / fig.get_figheight(), 1 - (3.2 / fig.get_figwidth() if crowded else 0), top))
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
+        save(fig, path)
     finally:
         plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
     return labels
+
+
+def save(fig, path: Path) -> None:
+    """The figure as a PNG at `path`, written atomically (a report read while it is rewritten is whole)."""
+    from expgpu.rundir import atomic_write_bytes
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def _shortened(text: str, chars: int) -> str:

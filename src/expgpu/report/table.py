@@ -8,6 +8,7 @@ import io
 from pathlib import Path
 
 from expgpu.report.collect import Row
+from expgpu.rundir import STUDY
 from expgpu.report.rank import Ranking, metric_columns, place
 
 
@@ -41,7 +42,7 @@ def table(rows: list[Row], ranking: Ranking) -> str:
     for r in ranking.rows:
         n = place(r, ranking)
         mark = "-" if n is None else f"{n}*" if r is ranking.best else str(n)
-        lines.append((mark, r.job, r.status, *(fmt(r.metrics.get(m)) for m in metrics), fmt(r.steps),
+        lines.append((mark, r.job, r.shown_status, *(fmt(r.metrics.get(m)) for m in metrics), fmt(r.steps),
                       fmt(None if r.wall_s is None else round(r.wall_s, 1)), r.devices or "-",
                       " ".join(ranking.differs.get(r.job) or []) or "-"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
@@ -50,9 +51,19 @@ def table(rows: list[Row], ranking: Ranking) -> str:
         text.append(f"every job: {' '.join(ranking.common)}")
     text += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     for r in ranking.rows:
-        if r.error and r.status != "finished":
+        if r.error and r.status not in ("finished", "pruned"):
             text.append(f"  job {r.job}: {r.error}")
+    if rerun(rows, ranking):
+        text.append(rerun(rows, ranking))
     return "\n".join(text)
+
+
+def rerun(rows: list[Row], ranking: Ranking) -> str:
+    """For an optimizing sweep's report: the command that reruns its best trial alone ("" otherwise)."""
+    best = ranking.best
+    if best is None or best.dir is None or not (best.dir.parent / STUDY).exists():
+        return ""
+    return f"rerun the best (job {best.job}): {best.command()}"
 
 
 def write_csv(rows: list[Row], ranking: Ranking, path: Path) -> None:

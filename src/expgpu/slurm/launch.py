@@ -59,43 +59,76 @@ class Job:
         return f"#{self.num} ({' '.join(filter_overrides(self.overrides)) or 'no overrides'})"
 
 
-def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
-    from expgpu import config
+@dataclass
+class Plan:
+    """What launch() knows before any job: the executor's kind, its parameters, expgpu's own keys."""
+    kind: str          # "slurm" or "local"
+    name: str          # the launcher's name in messages: slurm or submitit_local
+    params: dict       # submitit's parameters
+    own: dict          # OWN_KEYS
+    init: dict         # INIT_KEYS
+    partition: Any = None
 
+    @property
+    def lost_after_s(self) -> float:
+        return float(self.own.get("lost_after_s", 60.0))
+
+
+def plan(launcher) -> Plan:
     kind = launcher._EXECUTOR   # "slurm" or "local"
-    name = "slurm" if kind == "slurm" else "submitit_local"
     params = dict(launcher.params)
     own = {k: params.pop(k) for k in OWN_KEYS if k in params}
     init = {k: params.pop(k) for k in INIT_KEYS if k in params}
+    return Plan(kind, "slurm" if kind == "slurm" else "submitit_local", params, own, init, params.get("partition"))
 
-    jobs = []
-    for i, overrides in enumerate(job_overrides):
-        cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
-        config.check(cfg)
-        parts = {k: _resolved(cfg, k) for k in ("gpu_map", "launch", "inventory")}
-        visible: tuple[int, ...] = ()
-        if kind == "local":
-            from expgpu.gpus import inventory
 
-            visible = tuple(g.index for g in inventory(parts["inventory"]["simulate"]))
-        res = resources.derive(params, parts, name, visible_gpus=len(visible) if kind == "local" else None)
-        jobs.append(Job(initial_job_idx + i, list(overrides), cfg, parts, res, visible))
+def compose(launcher, p: Plan, overrides: Sequence[str], num: int) -> Job:
+    """Job number `num`, composed and checked, its tasks and GPUs per node derived."""
+    from expgpu import config
 
-    dry = any(bool(j.cfg.dry_run) for j in jobs)
-    partition = params.get("partition")
-    if kind == "slurm":
-        if dry and any(shutil.which(t) is None for t in cluster.TOOLS):
-            log.warning("dry run: SLURM is not installed here, so the cluster was not asked (partition, controller)")
-        else:
-            partition = cluster.check(partition, float(own.get("ping_timeout_s", 15.0)))
+    cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+    config.check(cfg)
+    parts = {k: _resolved(cfg, k) for k in ("gpu_map", "launch", "inventory")}
+    visible: tuple[int, ...] = ()
+    if p.kind == "local":
+        from expgpu.gpus import inventory
 
+        visible = tuple(g.index for g in inventory(parts["inventory"]["simulate"]))
+    res = resources.derive(p.params, parts, p.name, visible_gpus=len(visible) if p.kind == "local" else None)
+    return Job(num, list(overrides), cfg, parts, res, visible)
+
+
+def check_cluster(p: Plan, dry: bool = False) -> None:
+    """sbatch on PATH, the controller answering, the partition known (SLURM only)."""
+    if p.kind != "slurm":
+        return
+    if dry and any(shutil.which(t) is None for t in cluster.TOOLS):
+        log.warning("dry run: SLURM is not installed here, so the cluster was not asked (partition, controller)")
+    else:
+        p.partition = cluster.check(p.partition, float(p.own.get("ping_timeout_s", 15.0)))
+
+
+def submit(launcher, p: Plan, jobs: list[Job]) -> None:
+    """Every job or none (one array per resource shape); each job's handle set."""
+    _submit(launcher, _groups(jobs), p.params, p.init, p.kind)
+
+
+def _groups(jobs: list[Job]) -> dict[tuple, list[Job]]:
     groups: dict[tuple, list[Job]] = defaultdict(list)
     for job in jobs:
         groups[(job.res, job.visible[:job.res.gpus_per_node or 0])].append(job)
+    return groups
+
+
+def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
+    p = plan(launcher)
+    jobs = [compose(launcher, p, overrides, initial_job_idx + i) for i, overrides in enumerate(job_overrides)]
+    dry = any(bool(j.cfg.dry_run) for j in jobs)
+    check_cluster(p, dry)
     if dry:
-        return _dry_run(groups, params, init, kind, partition)
-    _submit(launcher, groups, params, init, kind)
-    return _results(jobs, kind, float(own.get("lost_after_s", 60.0)))
+        return _dry_run(_groups(jobs), p.params, p.init, p.kind, p.partition)
+    submit(launcher, p, jobs)
+    return _results(jobs, p.kind, p.lost_after_s)
 
 
 def _resolved(cfg, key: str):
@@ -202,6 +235,20 @@ def _in_queue(job_ids: list[str]) -> set[str] | None:
     return set(proc.stdout.split())
 
 
+def check_lost(left: list[Job], gone_since: dict[str, float], lost_after_s: float) -> None:
+    """Raise JobLost for a job that left the queue lost_after_s ago without a result (submitit, without
+    sacct, would wait for it forever); `gone_since` keeps what earlier calls saw."""
+    queued = _in_queue([j.handle.job_id for j in left])
+    now = time.monotonic()
+    for job in left if queued is not None else ():
+        jid = job.handle.job_id
+        if jid in queued:
+            gone_since.pop(jid, None)
+        elif now - gone_since.setdefault(jid, now) > lost_after_s and not job.handle.done():
+            raise JobLost(f"SLURM job {jid} {job.label} left the queue {lost_after_s:g} s ago without a "
+                          f"result (scancel, node failure or time limit?); its log: {job.handle.paths.stdout}")
+
+
 def _results(jobs: list[Job], kind: str, lost_after_s: float) -> list:
     import submitit
 
@@ -217,15 +264,7 @@ def _results(jobs: list[Job], kind: str, lost_after_s: float) -> list:
             if stopper is not None and stopper.received:
                 raise KeyboardInterrupt
             if kind == "slurm":
-                queued = _in_queue([j.handle.job_id for j in left])
-                now = time.monotonic()
-                for job in left if queued is not None else ():
-                    jid = job.handle.job_id
-                    if jid in queued:
-                        gone_since.pop(jid, None)
-                    elif now - gone_since.setdefault(jid, now) > lost_after_s:
-                        raise JobLost(f"SLURM job {jid} {job.label} left the queue {lost_after_s:g} s ago without a "
-                                      f"result (scancel, node failure or time limit?); its log: {job.handle.paths.stdout}")
+                check_lost(left, gone_since, lost_after_s)
             time.sleep(1.0)
     except KeyboardInterrupt:
         ids = " ".join(j.handle.job_id for j in jobs if not j.handle.done())

@@ -1,0 +1,84 @@
+"""In a trial's job, on rank 0: each row run.log writes to metrics.jsonl that holds the objective is
+reported to the trial at its step, and when the study's pruner says so, a PRUNED stop is requested.
+The ranks agree on it at their next stop poll (expgpu.stopping), so all of them stop at the same step,
+save, and the job ends with result.json's status `pruned`: its slot is free for the next trial.
+
+metrics.py attaches a reporter when the job was started as a trial (TRIAL_ENV names its file) in a
+process that polls for stops; every other run never imports this module. A study that cannot be
+reached is a warning, once: the trial trains on, unpruned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import warnings
+from pathlib import Path
+
+from expgpu import stopping
+from expgpu.errors import one_line
+
+log = logging.getLogger("expgpu")
+
+
+class TrialReporter:
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.key = spec["objective"]
+        self.trial = None
+        self.done = False   # pruned, or the study unreachable: nothing more to report
+
+    @classmethod
+    def attach(cls, path: str) -> "TrialReporter | None":
+        try:
+            spec = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            log.warning("expgpu: %s=%s: the trial's file cannot be read (%s); not reporting to the study",
+                        "EXPGPU_TRIAL", path, one_line(e))
+            return None
+        return cls(spec) if spec.get("objective") and spec.get("pruner") else None
+
+    def report(self, rows: list[dict]) -> None:
+        values = [(row["step"], row[self.key]) for row in rows if self.key in row]
+        if self.done or not values:
+            return
+        try:
+            trial = self.trial or self._open()
+            with warnings.catch_warnings():   # a step reported before a resume: Optuna keeps the first
+                warnings.simplefilter("ignore")
+                for step, value in values:
+                    if isinstance(value, (int, float)) and math.isfinite(value):
+                        trial.report(float(value), int(step))
+            prune = trial.should_prune()
+        except Exception as e:
+            self.done = True
+            log.warning("expgpu: trial %s: reporting %s to the study failed (%s); it trains on, unpruned",
+                        self.spec.get("number"), self.key, one_line(e))
+            return
+        if prune:
+            self.done = True
+            step, value = values[-1]
+            log.info("trial %s: pruned at step %d (%s %g): stopping", self.spec["number"], step, self.key, value)
+            stopping.current().request(stopping.PRUNED)
+
+    def _open(self):
+        import optuna
+
+        from expgpu.tune.settings import build
+        from expgpu.tune.storage import open_storage
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.load_study(study_name=self.spec["study"], storage=open_storage(self.spec["storage"]),
+                                  sampler=optuna.samplers.RandomSampler(), pruner=build(self.spec["pruner"], "pruner"))
+        self.trial = optuna.trial.Trial(study, self.spec["trial_id"])
+        return self.trial
+
+
+def attached() -> TrialReporter | None:
+    """This process's trial, when an optimizing sweeper started its job as one (metrics.py asks)."""
+    path = os.environ.get("EXPGPU_TRIAL")
+    if not path or stopping.current() is None:   # a script task's own process: it polls no stops
+        return None
+    return TrialReporter.attach(path)
