@@ -6,6 +6,7 @@ requeues the job, and the job starts the script again with its resume_args."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +40,25 @@ def test_nanogpt_through_the_hydra_slurm_launcher(slurm_cluster, tmp_path):
     assert (result["status"], result["source"], result["exit_codes"]) == ("finished", "slurm", [0])
     assert (sweep / "0" / "out" / "ckpt.pt").is_file()   # in the job's own dir
     assert "iter 10: loss" in (sweep / "0" / "logs" / "rank0.script.log").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_the_launchers_dry_run_shows_each_ranks_command_and_a_missing_script_is_one_line(slurm_cluster, tmp_path):
+    base = [*CONF, "task=script_probe", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2",
+            "hydra.launcher.nodes=2", "gpu_map=ranked", SIM]
+    proc = multirun([*base, "dry_run=true", "task.args.data=tests/scripts"], tmp_path / "sweep", slurm_cluster.env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    command = f"{sys.executable} {REPO}/tests/scripts/probe_script.py --steps 3 --data {REPO}/tests/scripts"
+    # 2 ranks on each of 2 nodes, each seeing its node's planned GPUs in local-rank order: ranked puts
+    # local rank 0 on the H100 (GPU 1), so cuda:LOCAL_RANK is each rank's own
+    for rank in range(4):
+        assert f"rank {rank}: CUDA_VISIBLE_DEVICES=1,0 {command}" in proc.stdout, proc.stdout
+    assert "dry run: nothing submitted" in proc.stdout
+    # checked before submitting: a script missing where the sweep was launched from
+    proc = multirun([*base, "task.script=nope.py"], tmp_path / "sweep2", slurm_cluster.env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "task.script=nope.py" in lines[0], proc.stderr
+    assert not (tmp_path / "sweep2" / ".submitit").exists()
 
 
 @pytest.mark.timeout(240)

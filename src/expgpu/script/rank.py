@@ -118,11 +118,17 @@ def dry_run(cfg: dict, node: NodePlan, labels, run_dir: Path) -> str:
     """What each local rank would run (the dry run): its GPU mask and command line, in the run dir."""
     spec = ScriptSpec.from_dict(cfg["script"])
     resumed = _resumes(spec, cfg, run_dir, result.previous(run_dir))
+    head = f"each rank runs, in {run_dir}{' (a rerun: with resume_args)' if resumed else ''}:"
+    return "\n".join([head, *commands(spec, cfg, node, labels, resumed)])
+
+
+def commands(spec: ScriptSpec, cfg: dict, node: NodePlan, labels, resumed: bool = False) -> list[str]:
+    """A line per local rank (`labels`: their global ranks, None where unknown): its GPU mask and command."""
     isolation = _isolation(cfg)
     command = shlex.join(spec.argv(resumed))
-    lines = [f"each rank runs, in {run_dir}{' (a rerun: with resume_args)' if resumed else ''}:"]
+    lines = []
     for local_rank, rank in enumerate(labels):
         gpus = environ.visible_gpus(node, local_rank, isolation)
         mask = gpu_env(gpus, os.environ.get("CUDA_DEVICE_ORDER"))["CUDA_VISIBLE_DEVICES"]
         lines.append(f"rank {'?' if rank is None else rank}: CUDA_VISIBLE_DEVICES={mask or '(none)'} {command}")
-    return "\n".join(lines)
+    return lines

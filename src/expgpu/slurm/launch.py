@@ -50,6 +50,7 @@ class Job:
     parts: dict              # resolved gpu_map / launch / inventory sections
     res: resources.Resources
     visible: tuple[int, ...] = ()   # local launcher: the GPUs (NVML indices) the job may see
+    script: dict | None = None      # a script task's ScriptSpec (as a dict): the dry run shows its commands
     handle: Any = None
 
     @property
@@ -95,7 +96,17 @@ def compose(launcher, p: Plan, overrides: Sequence[str], num: int) -> Job:
 
         visible = tuple(g.index for g in inventory(parts["inventory"]["simulate"]))
     res = resources.derive(p.params, parts, p.name, visible_gpus=len(visible) if p.kind == "local" else None)
-    return Job(num, list(overrides), cfg, parts, res, visible)
+    return Job(num, list(overrides), cfg, parts, res, visible, _script(cfg))
+
+
+def _script(cfg) -> dict | None:
+    """A script task checked here, before anything is submitted (a missing script is one line now, not a
+    failed job after the queue); its command made from this launch dir, as the job will make it."""
+    from expgpu.script import spec
+
+    plain = {k: _resolved(cfg, k) for k in ("task", "launch", "checkpoint")}
+    spec.prepare(plain, os.getcwd())
+    return plain.get("script")
 
 
 def check_cluster(p: Plan, dry: bool = False) -> None:
@@ -156,7 +167,7 @@ def _dry_run(groups, params, init, kind, partition) -> list:
             gpus = "GPUs from gres" if res.gpus_per_node is None else f"{res.gpus_per_node} GPU(s)"
             out.append(f"job {job.label}: {res.nodes} node(s) x {res.tasks_per_node} task(s), {gpus} per node"
                        + (f", partition {partition}" if partition else ""))
-            out.append(preview.plan_table(job.parts, res))
+            out.append(preview.plan_table(job.parts, res, job.script))
             returns[job.num] = JobReturn(overrides=job.overrides, status=JobStatus.COMPLETED,
                                          task_name=str(job.cfg.hydra.job.name),
                                          _return_value={"status": "dry_run", "resources": res.__dict__})

@@ -34,8 +34,9 @@ def sbatch_script(params: Mapping, folder: str, array: int, python: str | None =
     return submitit_slurm._make_sbatch_string(command=command, folder=folder, **args)
 
 
-def plan_table(cfg: Mapping, res: Resources) -> str:
-    """`cfg`: the job's resolved gpu_map, launch and inventory sections."""
+def plan_table(cfg: Mapping, res: Resources, script: Mapping | None = None) -> str:
+    """`cfg`: the job's resolved gpu_map, launch and inventory sections; `script`: a script task's
+    ScriptSpec (as a dict), whose command and GPU mask each rank gets are listed after the plan."""
     from expgpu import placement
     from expgpu.gpus import inventory, plan
 
@@ -47,13 +48,24 @@ def plan_table(cfg: Mapping, res: Resources) -> str:
     else:
         gpus, unknown = inventory([{"name": "?", "memory_mb": 1}] * res.gpus_per_node, env={}), True
     node = plan(gpus, res.ranks_per_node, placement.gpu_map_params(cfg))
-    rows = []
+    rows, commands = [], []
     for node_rank in range(res.nodes):
         first = node_rank * res.ranks_per_node  # submitit's srun: block, as many tasks on every node
         for row in placement.rows(node, range(first, first + res.ranks_per_node), host=f"node{node_rank}"):
             if unknown:
                 row.update(names=["?"] * len(row["gpus"]), memory_mb=[], scores=[])
             rows.append(row)
+        if script is not None:
+            commands += _commands(script, cfg, node, range(first, first + res.ranks_per_node))
     note = ("" if not res.gpus_per_node else
             "\n(GPU: the job's GPUs in CUDA order, numbered from 0 on each node; SLURM picks which of the node's)")
+    if commands:
+        note += "\neach rank runs, in its job's run dir:\n" + "\n".join(commands)
     return placement.table(rows, node.strategy) + note
+
+
+def _commands(script: Mapping, cfg: Mapping, node, labels) -> list[str]:
+    from expgpu.script import rank
+    from expgpu.script.spec import ScriptSpec
+
+    return rank.commands(ScriptSpec.from_dict(dict(script)), cfg, node, list(labels))
