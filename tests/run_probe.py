@@ -393,12 +393,13 @@ def keeps_unknown(run: Run):
     return {"hidden": hidden}
 
 
-def lengthy(run: Run, max_iters: int = 6, twice: int = 0):
-    """Its loop's length is its own parameter, max_iters (or 2 x twice, a length no key holds)."""
+def lengthy(run: Run, max_iters: int = 6, twice: int = 0, inclusive: bool = False, decay_iters: int = 0):
+    """Its loop's length is its own parameter, max_iters (or 2 x twice, a length no key holds); with
+    `inclusive`, nanoGPT's loop to max_iters inclusive, beside a decay_iters that may equal it."""
     net = run.wrap(torch.nn.Linear(2, 1))
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1 if decay_iters >= 0 else 0.2)
     run.track(net=net, opt=opt)
-    for _ in run.steps(None, 2 * twice if twice else max_iters):
+    for _ in run.steps(None, 2 * twice if twice else max_iters + 1 if inclusive else max_iters):
         opt.zero_grad()
         net(torch.randn(3, 2)).pow(2).mean().backward()
         opt.step()

@@ -148,6 +148,22 @@ def test_a_finished_run_is_trained_on_by_its_own_length_key_and_the_message_name
     assert longer.result["param_checksum"] == straight.result["param_checksum"]
 
 
+def test_a_loop_to_its_key_inclusive_is_trained_on_by_that_key_and_only_by_it(tmp_path):
+    run_dir, nano = tmp_path / "run", ["task=probe_lengthy", "task.inclusive=true"]
+    first = probe([*nano, "task.max_iters=6", "task.decay_iters=6"], run_dir)
+    assert first.returncode == 0 and first.result["length_keys"] == ["max_iters"], first.stderr[-2000:]
+    assert "a larger task.max_iters trains on" in probe([*nano, "task.max_iters=6", "task.decay_iters=6"],
+                                                        run_dir).stderr
+    # decay_iters equals the length too, but the loop did not grow with it: other settings
+    refused = error_line(probe([*nano, "task.max_iters=6", "task.decay_iters=9"], run_dir))
+    assert "task.decay_iters=6, now 9" in refused
+    longer = probe([*nano, "task.max_iters=9", "task.decay_iters=6"], run_dir)
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert longer.result["resumed_from_step"] == 7 and longer.result["steps"] == 10
+    straight = probe([*nano, "task.max_iters=9", "task.decay_iters=6"], tmp_path / "straight")
+    assert longer.result["param_checksum"] == straight.result["param_checksum"]
+
+
 def test_a_length_no_key_holds_cannot_be_extended_and_the_message_says_so(tmp_path):
     run_dir = tmp_path / "run"
     assert probe(["task=probe_lengthy", "task.twice=3"], run_dir).returncode == 0

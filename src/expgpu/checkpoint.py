@@ -70,12 +70,13 @@ def _why_unreadable(e: BaseException) -> str:
 
 
 def load(path: Path, expect: dict[str, Any], params: dict[str, Any] | None = None,
-         may_differ: dict[str, Any] | None = None) -> dict[str, Any]:
+         may_differ: dict[str, Any] | None = None, length: int | None = None) -> dict[str, Any]:
     """Load and check that the checkpoint belongs to this run shape (task, world size, ...).
 
     `params` are the task settings behind expect["fingerprint"], to name the one that differs.
     `may_differ`: settings whose new value is the loop's length (a run trained on by the key that
-    sets its length, the function's own max_iters or epochs): these alone may differ.
+    sets its length, the function's own max_iters or epochs): these alone may differ, and (where the
+    checkpoint records the loop's length) by as much as `length`, the loop's length now, moved.
     Every failure is a UserError naming the file; the file itself is never touched, so a user
     can look at it, move it away, or point the run elsewhere.
     """
@@ -98,7 +99,8 @@ def load(path: Path, expect: dict[str, Any], params: dict[str, Any] | None = Non
         if state.get(key) != want:
             if key == "fingerprint":
                 diffs = _settings_diff(state.get("params"), params)
-                if diffs and all(k in (may_differ or {}) for k, _, _ in diffs):
+                if diffs and all(_lengthens(k, old, new, may_differ, state.get("length"), length)
+                                 for k, old, new in diffs):
                     continue
                 raise UserError(f"checkpoint {path} was written with other task settings "
                                 f"({_described(diffs)}); resume with the same settings or use a new run dir"
@@ -109,6 +111,17 @@ def load(path: Path, expect: dict[str, Any], params: dict[str, Any] | None = Non
     if missing:
         raise UserError(f"checkpoint {path} lacks {', '.join(missing)}; {hint}")
     return state
+
+
+def _lengthens(key: str, old: Any, new: Any, lengths: dict[str, Any] | None, saved: int | None,
+               now: int | None) -> bool:
+    """Whether `key` going from `old` to `new` is the run's length changing: a length key, moved by
+    as much as the loop's length (not an lr_decay_iters that happened to equal max_iters)."""
+    if key not in (lengths or {}):
+        return False
+    if saved is None or now is None or not isinstance(old, int):   # an older checkpoint: no length kept
+        return True
+    return new - old == now - saved
 
 
 def _settings_diff(saved: str | None, now: dict[str, Any] | None) -> list[tuple[str, Any, Any]] | None:

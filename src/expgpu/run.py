@@ -263,6 +263,7 @@ class Run:
         _resume_into), rows after it trimmed, and a stop requested while starting up acted on."""
         self._state.check_loadable()
         self.length_keys = sorted(self._length_keys(length))
+        self._state.length = length
         if self.cfg.checkpoint.resume:
             self._pending = self._state.load(self._length_keys(length))
         if self._pending is not None:
@@ -294,9 +295,16 @@ class Run:
         self._pending = None
 
     def _length_keys(self, length: int) -> dict[str, int]:
-        """The task keys whose value is the loop's length: the one that trains a finished run on."""
-        return {k: v for k, v in self._spec.params.items()
-                if v == length and isinstance(v, int) and not isinstance(v, bool)}
+        """The task keys whose value is the loop's length: the one that trains a finished run on.
+        A loop that runs to its key inclusive (nanoGPT's `run.steps(None, max_iters + 1)`) has it at
+        length - 1. A resume accepts a new value only where the length moved by as much (checkpoint.load)."""
+        ints = {k: v for k, v in self._spec.params.items() if isinstance(v, int) and not isinstance(v, bool)}
+        for target in (length, length - 1):
+            keys = {k: v for k, v in ints.items() if v == target}
+            named = {k: v for k, v in keys.items() if _names_a_length(k)}
+            if keys:
+                return named or keys   # max_iters rather than an lr_decay_iters that equals it
+        return {}
 
     def _run_steps(self, feed: Feed, max_steps: int, index: int | None = None) -> Iterator[tuple[int, Any]]:
         """(the step, or with `index` the batch's index in its epoch counted from it, batch)."""
@@ -420,6 +428,10 @@ class Run:
 
     def _checksum(self) -> str | None:
         return self._state.checksum()
+
+
+def _names_a_length(key: str) -> bool:
+    return key.startswith(("max_", "num_", "n_")) or key in ("epochs", "steps", "iters", "iterations")
 
 
 def _inject_fault(faults: dict, rank: int, step: int) -> None:

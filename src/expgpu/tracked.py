@@ -34,6 +34,7 @@ class Tracked:
         self.path = Path(run_dir) / rundir.CHECKPOINT
         self.objects: dict[str, Any] = {}
         self._spec, self._rank, self._world_size, self._device = spec, rank, world_size, device
+        self.length: int | None = None   # the loop's length (steps), saved: a resume that extends it checks the key's shift
 
     def add(self, name: str, obj: Any) -> None:
         if isinstance(obj, dict):
@@ -74,7 +75,8 @@ class Tracked:
         keys whose values are the loop's length (max_steps, epochs): one of those may differ."""
         if not self.path.exists():
             return None
-        state = checkpoint.load(self.path, self.expect(), self._spec.identity, may_differ=lengths)
+        state = checkpoint.load(self.path, self.expect(), self._spec.identity, may_differ=lengths,
+                                length=self.length)
         # the variables an epoch's run.steps keeps are named when it starts, after this check
         saved = sorted(n for n in state["tracked"] if not n.startswith(KEPT))
         mine = sorted(n for n in self.objects if not n.startswith(KEPT))
@@ -127,7 +129,7 @@ class Tracked:
         metrics.write_out()   # the rows up to this step are on disk before the checkpoint is
         checkpoint.save(self.path, {
             **self.expect(), "params": json.dumps(self._spec.identity, sort_keys=True, default=str),
-            "step": step, "ranks": ranks,
+            "step": step, "ranks": ranks, "length": self.length,
             "tracked": {name: obj.state_dict() for name, obj in self.objects.items()},
             "metrics": metrics.state_dict(),
         })
