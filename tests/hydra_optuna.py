@@ -2,9 +2,9 @@
 batches in test_gpu_pool.py): it pins optuna<3, which cannot share the environment with expgpu's sweeper
 (optuna>=5), so it lives in a directory of its own, put first on those tests' subprocesses' PYTHONPATH.
 
-Installed once (`pip install --target`, no dependencies: optuna 2.10's are in the environment already)
-next to the environment (<venv>/hydra-optuna-sweeper), then reused; a lock keeps pytest-xdist's workers
-from installing it twice at once.
+Installed once next to the environment (<venv>/hydra-optuna-sweeper), then reused: `pip install --target`,
+without dependencies, since the environment has optuna 2.10's, all but cmaes (optuna 5 does without it),
+installed with them; a lock keeps pytest-xdist's workers from installing it twice at once.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-PACKAGES = ["hydra-optuna-sweeper==1.2.0", "optuna==2.10.1"]
+# cmaes: optuna 2.10 imports it with its samplers; optuna 5 (the environment's) does not need it
+PACKAGES = ["hydra-optuna-sweeper==1.2.0", "optuna==2.10.1", "cmaes==0.8.2"]
 WHERE = Path(sys.prefix) / "hydra-optuna-sweeper"
 
 
