@@ -8,6 +8,7 @@ a held-out 20 %) on 2 CPU slots, four ways, with fixed seeds:
   2. hydra_pool    Hydra's optuna sweeper + gpu_pool (batches of n_jobs=2: a slot waits for its batch)
   3. expgpu        hydra/sweeper=expgpu_optuna on gpu_pool, no pruning (a trial starts when a slot frees)
   4. expgpu_prune  the same with a pruner (median of the earlier trials' accuracy at each evaluation)
+     expgpu_asha   the same with asynchronous successive halving (rungs at 200, 600, 1800 steps, 1/3 go on)
   5. ray_asha      Ray Tune's ASHA with TPE (OptunaSearch), the same loop in a Ray trainable
                    (bench/tune_ray_asha.py), when ray[tune] is installed; idle and overhead not measured
 
@@ -55,6 +56,10 @@ WAYS = {
     "expgpu_prune": ["hydra/sweeper=expgpu_optuna", "hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2",
                      "hydra/sweeper/pruner=median", "hydra.sweeper.pruner.n_startup_trials=4",
                      "hydra.sweeper.pruner.n_warmup_steps=200"],
+    # ASHA, as Ray Tune's: rungs at 200, 600, 1800 steps, the best third of a rung's trials go on
+    "expgpu_asha": ["hydra/sweeper=expgpu_optuna", "hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2",
+                    "hydra/sweeper/pruner=successive_halving", "hydra.sweeper.pruner.min_resource=200",
+                    "hydra.sweeper.pruner.reduction_factor=3"],
 }
 
 
@@ -138,13 +143,15 @@ def main() -> None:
             print(f"{name:13s} wall {r['wall']:6.1f} s  best accuracy {r['best']:.4f}  finished {r['finished']:2d}  "
                   f"pruned {r['pruned']:2d}  idle slot-time {100 * r['idle']:5.1f} %  "
                   f"overhead (trial end -> next first step, median) {r['overhead']:.3f} s", flush=True)
-    p = out.get("expgpu_prune")
-    for base, goal in (("hydra_basic", 0.33), ("hydra_basic_1t", 0.33), ("hydra_pool", 0.5), ("ray_asha", None)):
-        if p and base in out:
-            b = out[base]
-            print(f"expgpu_prune / {base}: wall {p['wall'] / b['wall']:.2f}" + (f" (goal <= {goal})" if goal else "")
-                  + f", best accuracy {100 * (p['best'] - b['best']):+.2f} points" + (" (goal >= -0.5)" if goal else ""))
-    for name in ("expgpu", "expgpu_prune"):
+    for pruned in ("expgpu_prune", "expgpu_asha"):
+        p = out.get(pruned)
+        for base, goal in (("hydra_basic", 0.33), ("hydra_basic_1t", 0.33), ("hydra_pool", 0.5), ("ray_asha", None)):
+            if p and base in out:
+                b = out[base]
+                print(f"{pruned} / {base}: wall {p['wall'] / b['wall']:.2f}" + (f" (goal <= {goal})" if goal else "")
+                      + f", best accuracy {100 * (p['best'] - b['best']):+.2f} points"
+                      + (" (goal >= -0.5)" if goal else ""))
+    for name in ("expgpu", "expgpu_prune", "expgpu_asha"):
         if name in out:
             print(f"{name}: idle {100 * out[name]['idle']:.1f} % (goal < 5 %), overhead "
                   f"{out[name]['overhead']:.3f} s (goal <= 0.3 s)")
