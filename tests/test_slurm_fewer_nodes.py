@@ -4,7 +4,7 @@ on this machine, scripts/slurm-local with SLURM_LOCAL_NODES=2).
 scripts/expgpu.sbatch starts ntasks-per-node ranks on every node the job got this time. The job
 is submitted on 2 nodes x 2 tasks (4 ranks), trains, and is requeued (`scontrol requeuehold`:
 SIGTERM, expgpu saves and stops, the job goes back to PENDING, held). While it waits, its
-allocation is changed to 1 node (`scontrol update NumNodes=1`), as a scheduler hands a requeued
+allocation is changed to 1 node (`scontrol update NumNodes=1-1 NumTasks=2`), as a scheduler hands a requeued
 job whatever fits now; released, it starts 2 ranks and resumes the 4-rank checkpoint on them
 (expgpu.world_change): the same global batch, the next global sample.
 """
@@ -63,7 +63,8 @@ def test_two_node_job_requeued_onto_one_node_resumes_on_two_ranks(slurm_cluster_
               lambda: STOPPED.findall(out.read_text()) and cluster.state(job) == "PENDING", timeout=90)
     (stopped_at, sig), = STOPPED.findall(out.read_text())
     assert sig == "SIGTERM"
-    cluster.run(["scontrol", "update", f"jobid={job}", "NumNodes=1"])
+    # min-max 1-1 (NumNodes=1 alone sets only the minimum: it would get both nodes again), 2 tasks
+    cluster.run(["scontrol", "update", f"jobid={job}", "NumNodes=1-1", "NumTasks=2"])
     cluster.run(["scontrol", "release", job])
     assert cluster.wait_job(job, timeout=240) == "COMPLETED", out.read_text()[-4000:]
     log = out.read_text()
