@@ -168,6 +168,7 @@ def _dry_run(groups, params, init, kind, partition) -> list:
             out.append(f"job {job.label}: {res.nodes} node(s) x {res.tasks_per_node} task(s), {gpus} per node"
                        + (f", partition {partition}" if partition else ""))
             out.append(preview.plan_table(job.parts, res, job.script))
+            out.append(preview.memory_line(job.cfg, res))
             returns[job.num] = JobReturn(overrides=job.overrides, status=JobStatus.COMPLETED,
                                          task_name=str(job.cfg.hydra.job.name),
                                          _return_value={"status": "dry_run", "resources": res.__dict__})

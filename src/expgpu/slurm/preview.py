@@ -69,3 +69,13 @@ def _commands(script: Mapping, cfg: Mapping, node, labels) -> list[str]:
     from expgpu.script.spec import ScriptSpec
 
     return rank.commands(ScriptSpec.from_dict(dict(script)), cfg, node, list(labels))
+
+
+def memory_line(cfg, res: Resources) -> str:
+    """What each of the job's ranks will hold for parameters and optimizer state (ddp and fsdp)."""
+    from omegaconf import OmegaConf
+
+    from expgpu import memory_estimate
+
+    task = OmegaConf.to_container(cfg.task, resolve=True, enum_to_str=True)
+    return memory_estimate.line(memory_estimate.measure(task), res.nodes * res.ranks_per_node)
