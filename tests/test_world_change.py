@@ -99,10 +99,11 @@ def probe(args: list[str], run_dir: Path) -> Run:
     return run
 
 
-def _ids(run_dir: Path) -> dict[int, list[int]]:
-    """step -> the sorted ids of every rank's samples at that step (all runs in the dir)."""
+def _ids(run_dir: Path, world: str = "w") -> dict[int, list[int]]:
+    """step -> the sorted ids of every rank's samples at that step (the runs in the dir on `world`
+    ranks: "w2", "w1"; all of them by default)."""
     steps: dict[int, list[int]] = {}
-    for f in sorted(run_dir.glob("ids.rank*.jsonl")):
+    for f in sorted(run_dir.glob(f"ids.rank*.{world}*.jsonl")):
         for line in f.read_text().splitlines():
             row = json.loads(line)
             steps.setdefault(row["step"], []).extend(row["ids"])
@@ -197,3 +198,23 @@ def test_the_built_in_loop_stopped_at_2_ranks_ends_at_1_where_the_uninterrupted_
     assert resumed.result["resumed_from_step"] == 25 and resumed.result["world_size"] == 1
     assert "task.batch_size 128 (its share of 64 x 2 at the start) x 1 rank(s) = 128" in resumed.result["step_means"]
     assert math.isclose(resumed.result["metrics"]["final_loss"], ref.result["metrics"]["final_loss"], rel_tol=1e-4)
+
+
+@pytest.mark.slow
+def test_an_epoch_loop_crashed_at_2_ranks_resumes_at_1_from_its_periodic_checkpoint(tmp_path, straight):
+    """run.epochs: the periodic checkpoint at step 5 lies mid-epoch; the steps after it that the
+    crashed run did are redone on 1 rank with the same samples."""
+    run_dir = tmp_path / "run"
+    crashed = probe(["launch.nproc_per_node=2", "task.epochs=3", "checkpoint.every_steps=5",
+                     "faults.crash_rank=1", "faults.crash_step=8", "backend.timeout_s=30"], run_dir)
+    assert crashed.returncode == 1, crashed.stderr[-3000:]
+    resumed = probe(["task.epochs=3"], run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.result["resumed_from_step"] == 5 and resumed.result["steps"] == 36
+    before = {s: ids for s, ids in _ids(run_dir, "w2").items() if s < 5}
+    after = _ids(run_dir, "w1")
+    assert min(after) == 5
+    got, ref = {**before, **after}, _ids(straight[2].run_dir)   # the straight run: 30 steps of the same epochs
+    assert list(got) == list(range(36)) and {s: got[s] for s in range(STEPS)} == ref
+    last_epoch = [i for s in range(24, 36) for i in got[s]]
+    assert len(last_epoch) == len(set(last_epoch)) == 12 * 16

@@ -25,8 +25,9 @@ class Indexed(torch.utils.data.Dataset):
         return i, x, torch.tensor([math.sin(2.0 * i) + 0.3 * math.cos(i)])
 
 
-def world_ids(run: Run, max_steps: int = 30, batch_size: int = 8, n: int = 200, own: bool = False):
-    """batch_size per rank at the run's start; `own`: a tracked dict whose value differs between ranks."""
+def world_ids(run: Run, max_steps: int = 30, batch_size: int = 8, n: int = 200, own: bool = False, epochs: int = 0):
+    """batch_size per rank at the run's start; `own`: a tracked dict whose value differs between ranks;
+    `epochs` > 0: a loop over that many epochs (run.epochs) instead of max_steps steps."""
     model = run.wrap(torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     counts = {"steps": 0, "rank": run.rank if own else 0}   # each rank's own; equal unless `own`
@@ -34,8 +35,8 @@ def world_ids(run: Run, max_steps: int = 30, batch_size: int = 8, n: int = 200, 
     loader = run.loader(Indexed(n), batch_size=batch_size)
     loss = torch.zeros(())
     with open(run.run_dir / f"ids.rank{run.rank}.w{run.world_size}.jsonl", "a") as seen:
-        for step, (ids, x, y) in run.steps(loader, max_steps):
-            seen.write(json.dumps({"step": step, "ids": ids.tolist()}) + "\n")
+        for ids, x, y in _batches(run, loader, max_steps, epochs):
+            seen.write(json.dumps({"step": run.step, "ids": ids.tolist()}) + "\n")
             seen.flush()
             loss = torch.nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
@@ -45,3 +46,13 @@ def world_ids(run: Run, max_steps: int = 30, batch_size: int = 8, n: int = 200, 
             run.log(loss=run.all_reduce(loss.detach(), "mean"))   # the whole global batch's loss
     return {"loss": float(run.all_reduce(loss.detach(), "mean")), "batch": loader.batch_size,
             "steps_here": counts["steps"]}
+
+
+def _batches(run: Run, loader, max_steps: int, epochs: int):
+    if not epochs:
+        for _, batch in run.steps(loader, max_steps):
+            yield batch
+        return
+    for _ in run.epochs(epochs):
+        for _, batch in run.steps(loader):
+            yield batch
