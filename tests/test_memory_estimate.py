@@ -57,3 +57,13 @@ def test_dry_run_shows_each_ranks_memory_under_ddp_and_fsdp(tmp_path):
     lines = [x for x in run.stdout.splitlines() if x.startswith("memory per rank")]
     assert lines == ["memory per rank for parameters + optimizer state, 4 rank(s): ddp 249.0 KiB (83.0 KiB + "
                      "166.0 KiB), fsdp 62.3 KiB (20.8 KiB + 41.5 KiB); MLP: 21,252 parameters, Adam"], run.stdout
+
+
+def test_a_sweeps_tasks_are_counted_together_each_its_own():
+    adam = {"_target_": "torch.optim.Adam", "_partial_": True}
+    wide = dict(MLP_A, hidden=256)
+    tasks = [{"model": MLP_A, "optimizer": adam}, {"_target_": "my.train"}, {"model": wide, "optimizer": adam},
+             {"model": MLP_A, "optimizer": adam, "batch_size": 32}]
+    got = me.measure_many(tasks)
+    assert [e.params for e in got] == [21252, None, 32 * 256 + 256 + 256 * 256 + 256 + 256 * 4 + 4, 21252]
+    assert got[1].why == "a task function builds its own model"
