@@ -5,7 +5,7 @@ A run is interrupted by the signals a user or a scheduler sends: SIGTERM to the 
 expgpu` process (as `kill` or SLURM does), SIGINT to its whole process group (as a
 terminal's Ctrl-C does), SIGUSR2 (SLURM's warning before a time limit); also a crashed
 rank with periodic checkpoints. Then a bad checkpoint: corrupt, truncated, of another
-task, of another world size: one line naming the file, exit 2, the file untouched.
+task, on a world size that does not divide the global batch: one line naming the file, exit 2, the file untouched.
 """
 
 from __future__ import annotations
@@ -174,8 +174,8 @@ def _bad(good: bytes, kind: str) -> bytes:
     ("corrupt", ["task=a"], "is corrupt or truncated"),
     ("truncated", ["task=a"], "is corrupt or truncated"),
     ("other task", ["task=b"], "was written with task='a', this run has task='b'"),
-    ("other world size", ["task=a", "launch.nproc_per_node=2"],
-     "was written with world_size=1, this run has world_size=2"),
+    ("world size not dividing the global batch", ["task=a", "launch.nproc_per_node=3"],
+     "= a global batch of 64, which 3 ranks cannot share equally"),
     ("other task settings", ["task=a", "task.batch_size=32"], "was written with other task settings"),
 ])
 def test_bad_checkpoint_is_one_line_naming_the_file(tmp_path, good_checkpoint, kind, args, says):

@@ -92,6 +92,10 @@ def test_dry_run_prints_the_sbatch_script_and_plan_and_submits_nothing(slurm_clu
         assert line in out, out
     assert "partition debug" in out and "dry run: nothing submitted" in out
     assert out.count("rank  host") == 2 and "H100" in out    # one plan per job
+    # and what each of its 2 ranks will hold (expgpu.memory_estimate): task a's MLP under Adam
+    assert "memory per rank for parameters + optimizer state, 2 rank(s): ddp 249.0 KiB (83.0 KiB + 166.0 KiB), " \
+           "fsdp 124.5 KiB (41.5 KiB + 83.0 KiB); MLP: 21,252 parameters, Adam" in out, out
+    assert out.count("memory per rank") == 2
     assert not (tmp_path / "sweep" / ".submitit").exists()
     assert jobs_named(slurm_cluster, name) == []
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from expgpu import config, loggers, placement, rank_process, ranks, requeue, rundir, script, spawn, stopping, verify
+from expgpu import (config, loggers, memory_estimate, placement, rank_process, ranks, requeue, rundir, script, spawn,
+                    stopping, verify)
 from expgpu.errors import Stopped, UserError, WorkerFailed, first_line
 from expgpu.rundir import atomic_write_bytes
 
@@ -114,6 +115,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
                 from expgpu.script import rank as script_rank
 
                 print(script_rank.dry_run(plain, node, [r["rank"] for r in rows], run_dir), flush=True)
+            world = local_ranks * info.world_size if nproc > 1 else info.world_size
+            print(memory_estimate.line(memory_estimate.measure(plain["task"]), world), flush=True)
             print(f"plan written to {run_dir / rundir.PLAN} (dry run: nothing trained)", flush=True)
             return {"status": "dry_run", "plan": rows}
         return None

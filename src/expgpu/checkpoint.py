@@ -70,7 +70,8 @@ def _why_unreadable(e: BaseException) -> str:
 
 
 def load(path: Path, expect: dict[str, Any], params: dict[str, Any] | None = None,
-         may_differ: dict[str, Any] | None = None, length: int | None = None) -> dict[str, Any]:
+         may_differ: dict[str, Any] | None = None, length: int | None = None,
+         state: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load and check that the checkpoint belongs to this run shape (task, world size, ...).
 
     `params` are the task settings behind expect["fingerprint"], to name the one that differs.
@@ -78,23 +79,10 @@ def load(path: Path, expect: dict[str, Any], params: dict[str, Any] | None = Non
     sets its length, the function's own max_iters or epochs): these alone may differ, and (where the
     checkpoint records the loop's length) by as much as `length`, the loop's length now, moved.
     Every failure is a UserError naming the file; the file itself is never touched, so a user
-    can look at it, move it away, or point the run elsewhere.
+    can look at it, move it away, or point the run elsewhere. `state`: the file as read() read it.
     """
-    import torch
-
     path = Path(path)
-    hint = "move it away to start over, or point hydra.run.dir at another run"
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # zip/pickle errors name no file; we do
-        why = _why_unreadable(e)
-        if "Unsupported global" in why:   # whole, but holding an object of a type tensors-only loading refuses
-            raise UserError(f"checkpoint {path} holds an object that torch.load(weights_only=True) does not read "
-                            f"({_refused(why)}): a tracked object's state_dict() returned it; {_LOADABLE}, "
-                            f"then {hint}") from None
-        raise UserError(f"checkpoint {path} is corrupt or truncated ({why}); {hint}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UserError(f"checkpoint {path} is not an expgpu checkpoint of format {FORMAT}; {hint}")
+    state = read(path) if state is None else state
     for key, want in expect.items():
         if state.get(key) != want:
             if key == "fingerprint":
@@ -109,7 +97,30 @@ def load(path: Path, expect: dict[str, Any], params: dict[str, Any] | None = Non
                             f"this run has {key}={want!r}; resume with the same {key} or use a new run dir")
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
-        raise UserError(f"checkpoint {path} lacks {', '.join(missing)}; {hint}")
+        raise UserError(f"checkpoint {path} lacks {', '.join(missing)}; {_HINT}")
+    return state
+
+
+_HINT = "move it away to start over, or point hydra.run.dir at another run"
+
+
+def read(path: Path) -> dict[str, Any]:
+    """The checkpoint at `path`, read with tensors-only loading, not yet checked against a run."""
+    import torch
+
+    hint = _HINT
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # zip/pickle errors name no file; we do
+        why = _why_unreadable(e)
+        if "Unsupported global" in why:   # whole, but holding an object of a type tensors-only loading refuses
+            raise UserError(f"checkpoint {path} holds an object that torch.load(weights_only=True) does not read "
+                            f"({_refused(why)}): a tracked object's state_dict() returned it; {_LOADABLE}, "
+                            f"then {hint}") from None
+        raise UserError(f"checkpoint {path} is corrupt or truncated ({why}); {hint}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UserError(f"checkpoint {path} is not an expgpu checkpoint of format {FORMAT}; {hint}")
     return state
 
 

@@ -42,8 +42,11 @@ class RankSampler:
 
         self.n, self.world_size, self.rank = n, world_size, rank
         self.shuffle, self.seed, self.drop_last, self.batch_size = shuffle, seed, drop_last, batch_size
-        self.start = 0   # indices of this rank to skip at the next iteration (then 0 again)
+        # Where the next iteration starts, as an offset into the epoch's permutation (then 0 again):
+        # global, so that a run resumed on another number of ranks continues at the same sample.
+        self.start = 0
         self.keyed = False   # yield (epoch, index) keys, for SeededFetch
+        self.unscaled: tuple[int, int] | None = None   # (global batch, world): see world_change.rank_batch
         self.generator = torch.Generator()
         self.set_epoch(0)
 
@@ -53,7 +56,9 @@ class RankSampler:
         self.generator.manual_seed((self.seed * 1_000_003 + epoch) * 1_009 + self.rank)
 
     def skip(self, batches: int) -> None:
-        self.start = batches * self.batch_size
+        # Batch k of every rank is positions [kWb, (k+1)Wb) of the permutation, whatever W is,
+        # as long as W x b (the global batch) is the same: so a position in batches is global too.
+        self.start = batches * self.batch_size * self.world_size
 
     def _indices(self) -> list[int]:
         if self.shuffle:
@@ -64,21 +69,18 @@ class RankSampler:
             order = torch.randperm(self.n, generator=g).tolist()
         else:
             order = list(range(self.n))
-        if self.drop_last:
-            order = order[:self.n - self.n % self.world_size]
-        return order[self.rank::self.world_size]
+        return order[:self._cut()][self.start:][self.rank::self.world_size]
+
+    def _cut(self) -> int:
+        return self.n - self.n % self.world_size if self.drop_last else self.n
 
     def __iter__(self) -> Iterator[int]:
-        start, self.start = self.start, 0
-        indices = self._indices()[start:]
+        indices = self._indices()
+        self.start = 0
         return iter([(self.epoch, i) for i in indices] if self.keyed else indices)
 
     def __len__(self) -> int:
-        if self.drop_last:
-            mine = self.n // self.world_size
-        else:
-            mine = len(range(self.rank, self.n, self.world_size))
-        return max(0, mine - self.start)
+        return len(range(self.rank, max(0, self._cut() - self.start), self.world_size))
 
 
 class SeededFetch:

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from expgpu import dist, loggers, rng
+from expgpu import dist, loggers, rng, world_change
 from expgpu.carried import names_of
 from expgpu.errors import UserError
 from expgpu.feed import END_OF_EPOCH, Feed, rank_loader, rebuild_args
@@ -139,8 +139,13 @@ class Run:
     def _rank_loader(self, dataset, batch_size: int, shuffle: bool, equal_shares: bool, drop_last: bool, **kwargs):
         kwargs.setdefault("num_workers", self.cfg.data.num_workers)
         kwargs.setdefault("pin_memory", self.device.type == "cuda")
-        return rank_loader(dataset, batch_size, self.world_size, self.rank, self._spec.seed, shuffle, equal_shares,
-                           drop_last, **kwargs)
+        # batch_size is per rank at the world size the run started with (world_change): the global batch stays
+        mine = self._state.rank_batch(batch_size, self.cfg.checkpoint.resume)
+        loader = rank_loader(dataset, mine or batch_size, self.world_size, self.rank, self._spec.seed, shuffle,
+                             equal_shares, drop_last, **kwargs)
+        if mine is None:   # an error only if it drives a resumed run.steps (world_change.check_feed)
+            loader.sampler.unscaled = (batch_size, self._state.start_world)
+        return loader
 
     def _shared_out(self, loader):
         """A DataLoader the script built itself (shuffled or in order, no sampler of its own) as
@@ -236,7 +241,7 @@ class Run:
 
     def _epoch_loop(self, n: int) -> Iterator[int]:
         self._begin(n)
-        first = Tracked.where(self._pending, self.rank)[0] if self._pending is not None else self._first_epoch
+        first = self._state.where(self._pending)[0] if self._pending is not None else self._first_epoch
         for epoch in range(first, self._epoch_end):
             self._epoch = epoch
             self._resume_into(None)   # saved between epochs: as it was before this one's own code
@@ -283,7 +288,7 @@ class Run:
         run.steps begins (after the epoch's start reset what the checkpoint holds as it was then)."""
         if self._pending is None:
             return
-        epoch, position = Tracked.where(self._pending, self.rank)
+        epoch, position = self._state.where(self._pending)
         if self._epochs is not None and self._epoch < self._epoch_end and (epoch != self._epoch or
                                                                            (feed is None) != (position == 0)):
             if feed is None and epoch == self._epoch:   # saved mid-epoch: the rest when its run.steps begins,
@@ -291,6 +296,8 @@ class Run:
             return
         self._state.restore(self._pending)
         if feed is not None:
+            if world_change.changed(self._pending, self.world_size):
+                world_change.check_feed(self._pending, feed.loader, self.world_size, self._state.path)
             feed.resume(epoch, position)
         self._pending = None
 
@@ -387,7 +394,8 @@ class Run:
 
     def _save(self, reason: str) -> None:
         """Collective: every rank calls it at the same step."""
-        self._state.save(self.step, self._where(), self._metrics, reason)
+        self._state.save(self.step, self._where(), self._metrics, reason,
+                         world_change.global_batch(self._feed.loader if self._feed is not None else None))
         self._saved_at = self.step
 
     def _stop(self) -> None:

@@ -7,6 +7,7 @@ state, a per-rank sum: each rank gets its own back); rank 0's metrics rows not y
 along. `Tracked` makes that
 state (a collective `save`, every rank at the same step) and restores it (`resume`, before the
 first step). checkpoint.py is the file underneath: atomic, tensors-only loading, shape checks.
+A checkpoint of another number of ranks resumes too, as expgpu.world_change says.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from expgpu import checkpoint, dist, rng, rundir
+from expgpu import checkpoint, dist, rng, rundir, world_change
 from expgpu.carried import CarriedLocals
 from expgpu.errors import UserError, first_line
 from expgpu.wrap import unwrapped
@@ -35,6 +36,9 @@ class Tracked:
         self.objects: dict[str, Any] = {}
         self._spec, self._rank, self._world_size, self._device = spec, rank, world_size, device
         self.length: int | None = None   # the loop's length (steps), saved: a resume that extends it checks the key's shift
+        self._read: dict | None = None   # the checkpoint file as read, once (peek, then load)
+        self._peeked = False
+        self._start_world = world_size   # the world size the run started with (world_change)
 
     def add(self, name: str, obj: Any) -> None:
         if isinstance(obj, dict):
@@ -56,8 +60,27 @@ class Tracked:
         return kept
 
     def expect(self) -> dict:
-        """The run shape a checkpoint must match to be resumed here."""
-        return {"task": self._spec.name, "world_size": self._world_size, "fingerprint": self._spec.fingerprint}
+        """The run shape a checkpoint must match to be resumed here (any world size: world_change)."""
+        return {"task": self._spec.name, "fingerprint": self._spec.fingerprint}
+
+    def peek(self) -> dict | None:
+        """The checkpoint a resume will load, read once and kept (None when there is none): run.loader
+        needs the world size the run started with before the loop loads it."""
+        if not self._peeked and self.path.exists():
+            self._read = checkpoint.read(self.path)
+            self._start_world = world_change.start_world(self._read, self._world_size)
+        self._peeked = True
+        return self._read
+
+    def rank_batch(self, batch_size: int, resume: bool) -> int | None:
+        """The per-rank batch size on this world for `batch_size` per rank at the run's start."""
+        if resume:
+            self.peek()
+        return world_change.rank_batch(batch_size, self._start_world, self._world_size)
+
+    @property
+    def start_world(self) -> int:
+        return self._start_world
 
     def check_loadable(self) -> None:
         """Objects of the user's own whose state a resume could not load: one line before training.
@@ -76,7 +99,8 @@ class Tracked:
         if not self.path.exists():
             return None
         state = checkpoint.load(self.path, self.expect(), self._spec.identity, may_differ=lengths,
-                                length=self.length)
+                                length=self.length, state=self.peek())
+        self._read = None   # restored from here on; the run's own state moves on
         # the variables an epoch's run.steps keeps are named when it starts, after this check
         saved = sorted(n for n in state["tracked"] if not n.startswith(KEPT))
         mine = sorted(n for n in self.objects if not n.startswith(KEPT))
@@ -85,19 +109,23 @@ class Tracked:
                             f"{', '.join(mine) or 'nothing'} (run.track); resume with the same code or use a new run dir")
         return state
 
-    @staticmethod
-    def where(state: dict, rank: int) -> tuple[int, int]:
-        """(epoch, batch position) at which `rank` stood when `state` was saved."""
-        mine = state["ranks"][rank]
-        return mine["epoch"], mine["position"]
+    def where(self, state: dict) -> tuple[int, int]:
+        """(epoch, batch position) at which this rank resumes (rank 0's on another world size)."""
+        return world_change.where(state, self._rank, self._world_size)
 
     def restore(self, state: dict) -> None:
-        """The tracked objects (rank 0's; this rank's own dicts) and this rank's RNG, as saved."""
-        mine = state["ranks"][self._rank]
+        """The tracked objects (rank 0's; this rank's own dicts) and this rank's RNG, as saved; on
+        another world size, the RNG reseeded from (seed, step, rank) (world_change)."""
         for name in self.objects:
             self.restore_one(name, state)
-        rng.restore(mine["rng"], self._device)
-        epoch, position = self.where(state, self._rank)
+        if world_change.changed(state, self._world_size):
+            per_rank = self._spec.seed_per_rank
+            rng.seed_all(world_change.reseed_value(self._spec.seed, state["step"], self._rank, per_rank))
+            log.info("resuming %d rank(s) from a checkpoint of %d", self._world_size,
+                     world_change.saved_world(state))
+        else:
+            rng.restore(state["ranks"][self._rank]["rng"], self._device)
+        epoch, position = self.where(state)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", self.path, state["step"], epoch, position)
 
     def restore_one(self, name: str, state: dict) -> None:
@@ -108,18 +136,18 @@ class Tracked:
         if name not in state["tracked"]:   # kept loop variables (the rest was checked by load)
             raise UserError(f"checkpoint {self.path} keeps no {name[len(KEPT):]} variables; this run does "
                             "(keep=): resume with the same code or use a new run dir")
-        own = state["ranks"][self._rank].get("tracked", {})   # this rank's own, not rank 0's
+        own = world_change.own_value(state, name, self._rank, self._world_size, self.path)   # not rank 0's
         try:
-            obj.load_state_dict(own[name] if name in own else state["tracked"][name])
+            obj.load_state_dict(own if own is not None else state["tracked"][name])
         except UserError:
             raise
         except Exception as e:  # same settings, other code
             raise UserError(f"checkpoint {self.path}: {name} does not fit what this run tracks as {name} "
                             f"({type(e).__name__}: {first_line(e)}); use a new run dir") from None
 
-    def save(self, step: int, where: tuple[int, int], metrics, reason: str) -> None:
+    def save(self, step: int, where: tuple[int, int], metrics, reason: str, global_batch: int | None = None) -> None:
         """Collective: every rank calls it at the same step, `where` its (epoch, batch position);
-        rank 0 (the one with `metrics`) writes."""
+        rank 0 (the one with `metrics`) writes. `global_batch`: the examples of one step, all ranks."""
         mine = {"rng": rng.capture(self._device), "epoch": where[0], "position": where[1],
                 "tracked": {name: _on_cpu(obj.state_dict()) for name, obj in self.objects.items()
                             if getattr(obj, "per_rank", False)}}
@@ -129,7 +157,9 @@ class Tracked:
         metrics.write_out()   # the rows up to this step are on disk before the checkpoint is
         checkpoint.save(self.path, {
             **self.expect(), "params": json.dumps(self._spec.identity, sort_keys=True, default=str),
-            "step": step, "ranks": ranks, "length": self.length,
+            "step": step, "ranks": ranks, "length": self.length, "world_size": self._world_size,
+            "start_world_size": self._start_world,
+            "global_batch": global_batch,
             "tracked": {name: obj.state_dict() for name, obj in self.objects.items()},
             "metrics": metrics.state_dict(),
         })

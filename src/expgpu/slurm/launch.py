@@ -162,12 +162,14 @@ def _dry_run(groups, params, init, kind, partition) -> list:
 
     out = []
     returns = {}
+    memory = preview.memory_lines([job for group in groups.values() for job in group])
     for (res, _), group in groups.items():
         for job in group:
             gpus = "GPUs from gres" if res.gpus_per_node is None else f"{res.gpus_per_node} GPU(s)"
             out.append(f"job {job.label}: {res.nodes} node(s) x {res.tasks_per_node} task(s), {gpus} per node"
                        + (f", partition {partition}" if partition else ""))
             out.append(preview.plan_table(job.parts, res, job.script))
+            out.append(memory[job.num])
             returns[job.num] = JobReturn(overrides=job.overrides, status=JobStatus.COMPLETED,
                                          task_name=str(job.cfg.hydra.job.name),
                                          _return_value={"status": "dry_run", "resources": res.__dict__})

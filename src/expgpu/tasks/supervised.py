@@ -41,17 +41,19 @@ def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, m
     opt = _build(optimizer, "optimizer", net.parameters())
     sched = _build(scheduler, "scheduler", opt) if scheduler is not None else None
     scaler = torch.amp.GradScaler(run.device.type) if run.precision == "16" else None
-    local, sampler, loader = _data(run, dataset, batch_size, loss_fn, hasattr(net, "no_sync"), accumulate)
+    given, batch_size = batch_size, _rank_batch(run, batch_size)   # per rank on this world (world_change)
+    local, sampler, loader = _data(run, dataset, given, batch_size, loss_fn, hasattr(net, "no_sync"), accumulate)
     split = shard.SplitState(local.split.mode if local else "uniform", local, sampler, batch_size, run.world_size)
     run.track(model=model, optimizer=opt, shard=split,
               **({"scheduler": sched} if sched is not None else {}),
               **({"scaler": scaler} if scaler is not None else {}))
     ws = run.world_size
     run._extra["step_means"] = (f"one optimizer step of every rank: a global batch of task.batch_size {batch_size}"
+                                f"{f' (its share of {given} x {run._state.start_world} at the start)' if given != batch_size else ''}"
                                 f"{f' x accumulate {accumulate}' if accumulate > 1 else ''} x {ws} rank(s) = "
                                 f"{batch_size * accumulate * ws} examples")
     held_out = eval_dataset if eval_dataset is not None else (dataset if classification else None)
-    evaluator = _Evaluator(run, model, held_out, loss_fn, classification, batch_size,
+    evaluator = _Evaluator(run, model, held_out, loss_fn, classification, given,
                            prefix="eval_" if eval_dataset is not None else "train_")
     last, results = None, {}
     try:
@@ -126,8 +128,21 @@ def _build(factory: Any, key: str, arg: Any) -> Any:
                         f"({first_line(e)}){takes}") from None
 
 
-def _data(run: Run, dataset, batch_size: int, loss_fn, ddp: bool, accumulate: int):
-    """(the data.shard LocalStep or None, its batch sampler or None, the loader run.steps walks)."""
+def _rank_batch(run: Run, batch_size: int) -> int:
+    """task.batch_size is per rank at the world size the run started with: on a resume on another
+    world size each rank takes the same global batch's share, or one line when it does not divide."""
+    from expgpu import world_change
+
+    mine = run._state.rank_batch(batch_size, run.cfg.checkpoint.resume)
+    if mine is None:
+        raise UserError(f"checkpoint {run._state.path} is of a run " + world_change.indivisible("task.batch_size", batch_size, run._state.start_world,
+                                                 run.world_size))
+    return mine
+
+
+def _data(run: Run, dataset, given: int, batch_size: int, loss_fn, ddp: bool, accumulate: int):
+    """(the data.shard LocalStep or None, its batch sampler or None, the loader run.steps walks);
+    `given` is task.batch_size, `batch_size` this rank's share of the global batch now."""
     from torch.utils.data import DataLoader
 
     ws, n = run.world_size, len(dataset)
@@ -138,7 +153,7 @@ def _data(run: Run, dataset, batch_size: int, loss_fn, ddp: bool, accumulate: in
         if share < batch_size:
             raise UserError(f"task.batch_size={batch_size} is larger than a rank's share of the dataset "
                             f"({n} examples / {ws} ranks = {share}); lower it")
-        return local, None, run.loader(dataset, batch_size)
+        return local, None, run.loader(dataset, given)   # run.loader takes its share as _rank_batch did
     if n < batch_size * ws:
         raise UserError(f"task.batch_size={batch_size} x {ws} ranks = a global batch of {batch_size * ws}, more "
                         f"than the dataset's {n} examples; lower it")
