@@ -20,6 +20,7 @@ next save, the run's end or a stop waits for it (backend.timeout_s) before renam
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from pathlib import Path
@@ -70,10 +71,13 @@ class ShardedCheckpoint:
         state, _ = state_dicts(objects)
         writer = dcp.FileSystemWriter(str(tmp))
         if background and self._async:
-            future = dcp.async_save(state, storage_writer=writer, process_group=self.group())
+            with _single_process_quiet():
+                future = dcp.async_save(state, storage_writer=writer, process_group=self.group(),
+                                        no_dist=self._alone())
             self._pending = (future, tmp, step, meta)
             return
-        dcp.save(state, storage_writer=writer, process_group=self.group())
+        with _single_process_quiet():
+            dcp.save(state, storage_writer=writer, process_group=self.group(), no_dist=self._alone())
         self._finish(tmp, step, meta)
 
     def settle(self) -> None:
@@ -122,6 +126,10 @@ class ShardedCheckpoint:
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
         return self._group
+
+    def _alone(self) -> bool:
+        """One process and no group: DCP is told so (else it warns that it assumes it)."""
+        return self.group() is None
 
     def _barrier(self) -> None:
         group = self.group()
@@ -174,12 +182,23 @@ class ShardedCheckpoint:
         state, owners = state_dicts(wanted, loading=True)
         reader = dcp.FileSystemReader(str(path))
         check_shapes(path, reader.read_metadata(), state, owners)
-        dcp.load(state, storage_reader=reader, process_group=self.group())
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=reader, process_group=self.group(), no_dist=self._alone())
         for name, obj in wanted.items():
             if name in owners:
                 set_optimizer_state_dict(owners[name], obj, state[name])
             else:
                 set_model_state_dict(obj, state[name])
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every save of one process without a group, which is what a one-rank run is."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def state_dicts(objects: dict[str, Any], loading: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
