@@ -254,3 +254,18 @@ def test_a_unit_class_the_model_lacks_stops_the_run_with_one_line(tmp_path):
     line = error_line(expgpu(["task=a", "launch.wrap=fsdp", "launch.fsdp.units=[Block]", *TWO], tmp_path / "run"))
     assert line == ("expgpu: error: launch.fsdp.units=['Block']: the model has no Block; its module classes are "
                     "Linear, MLP, ReLU")
+
+
+@pytest.mark.slow
+def test_an_async_save_is_in_place_once_written_and_resumes_bitwise_after_a_crash(tmp_path):
+    """The save of step 25 is written in the background while training changes the parameters;
+    a rank crashes at step 40, before any other save: the run resumes from step 25 and ends as an
+    uninterrupted run does."""
+    args = ["task=a", "task.max_steps=60", "task.log_every=5", "launch.wrap=fsdp", *TWO,
+            "checkpoint.every_steps=25", "checkpoint.async_save=true"]
+    ref = _ok(expgpu(args, tmp_path / "ref"))
+    crashed = expgpu([*args, "faults.crash_rank=1", "faults.crash_step=40"], tmp_path / "run")
+    assert crashed.returncode != 0 and "injected crash" in crashed.stderr
+    resumed = _ok(expgpu(args, tmp_path / "run"))
+    assert resumed.result["resumed_from_step"] == 25
+    assert resumed.result["param_checksum"] == ref.result["param_checksum"]

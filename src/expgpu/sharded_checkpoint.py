@@ -20,6 +20,7 @@ next save, the run's end or a stop waits for it (backend.timeout_s) before renam
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import shutil
@@ -54,7 +55,7 @@ class ShardedCheckpoint:
         self._rank, self._world_size = rank, world_size
         self._async, self._timeout_s = asynchronous, timeout_s
         self._group = None
-        self._pending: tuple | None = None   # (future, temporary dir, step, expgpu.pt's bytes or None)
+        self._pending: tuple | None = None   # (a future done once the save in flight is in place, its step)
 
     # -- saving ------------------------------------------------------------------------------------
 
@@ -71,10 +72,15 @@ class ShardedCheckpoint:
         state, _ = state_dicts(objects)
         writer = dcp.FileSystemWriter(str(tmp))
         if background and self._async:
+            staged = _HostCopy.of(state)   # the copy the training stalls for; written from it in the background
             with _single_process_quiet():
-                future = dcp.async_save(state, storage_writer=writer, process_group=self.group(),
-                                        no_dist=self._alone())
-            self._pending = (future, tmp, step, meta)
+                future = dcp.async_save(staged.state if staged else state, storage_writer=writer,
+                                        process_group=self.group(), no_dist=self._alone(), async_stager=staged)
+            # renamed into place as soon as it is written, by the thread that wrote it: a crash
+            # before the next save then loses nothing that was saved
+            placed = concurrent.futures.Future()
+            future.add_done_callback(lambda done: _place(done, placed, lambda: self._finish(tmp, step, meta)))
+            self._pending = (placed, step)
             return
         with _single_process_quiet():
             dcp.save(state, storage_writer=writer, process_group=self.group(), no_dist=self._alone())
@@ -84,14 +90,13 @@ class ShardedCheckpoint:
         """The save in flight (async_save) finished and renamed into place; a wait with a timeout."""
         if self._pending is None:
             return
-        future, tmp, step, meta = self._pending
+        placed, step = self._pending
         self._pending = None
         try:
-            future.result(timeout=self._timeout_s)
-        except TimeoutError:
+            placed.result(timeout=self._timeout_s)
+        except concurrent.futures.TimeoutError:
             raise RuntimeError(f"checkpoint.async_save: the save of step {step} did not finish within "
                                f"{self._timeout_s:.0f}s (backend.timeout_s)") from None
-        self._finish(tmp, step, meta)
 
     def _finish(self, tmp: Path, step: int, meta: bytes | None) -> None:
         """Every rank's shards are written (the save's last collective): rank 0 renames it into place."""
@@ -189,6 +194,62 @@ class ShardedCheckpoint:
                 set_optimizer_state_dict(owners[name], obj, state[name])
             else:
                 set_model_state_dict(obj, state[name])
+
+
+def _place(written, placed, finish) -> None:
+    """An async save's last part, in its writer's thread: renamed into place once written."""
+    try:
+        written.result()
+        finish()
+        placed.set_result(None)
+    except BaseException as e:   # handed to settle(), which raises it in the training's thread
+        placed.set_exception(e)
+
+
+class _HostCopy:
+    """An async save's staging when every tensor is in host memory already: each rank's local
+    shards cloned as they are (5-10 ms for a 12 MiB rank on a CPU, where DCP's own stager took
+    70-160 ms rebuilding every DTensor). None (DCP's stager) when a tensor is on an accelerator."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, state):
+        self.state = state
+
+    @classmethod
+    def of(cls, state: dict) -> "_HostCopy | None":
+        from torch.utils._pytree import tree_flatten, tree_map
+
+        leaves, _ = tree_flatten(state)
+        if any(getattr(t, "device", None) is not None and t.device.type != "cpu" for t in leaves):
+            return None
+        return cls(tree_map(_cloned, state))
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict):
+        return state_dict   # cloned already, in of()
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _cloned(value):
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return value
+    if hasattr(value, "to_local"):   # a DTensor: its local shard cloned, its place in the whole kept
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(value.to_local().detach().clone(), value.device_mesh, value.placements,
+                                  run_check=False, shape=value.shape, stride=value.stride())
+    return value.detach().clone()
 
 
 @contextlib.contextmanager
