@@ -1,6 +1,6 @@
 """launch.wrap=fsdp against plain FSDP2, and what sharding and async_save buy (2 gloo ranks, CPU).
 
-    python bench/bench_fsdp.py [--rounds 3] [--steps 300] [--quick]
+    python bench/bench_fsdp.py [--rounds 3] [--steps 200] [--quick]
 
 A small GPT-like model (examples/my_tasks/charlm.py's CharTransformer, 4 Transformer blocks as
 FSDP units) on random tokens:
@@ -80,15 +80,15 @@ def stalls(args, tmp: Path) -> dict[str, list[dict]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=300, help="(a): steps per loop")
-    ap.add_argument("--chunk", type=int, default=25, help="(a): steps per turn")
-    ap.add_argument("--every", type=int, default=20, help="(c): checkpoint.every_steps")
-    ap.add_argument("--save-steps", type=int, default=120, help="(c): steps per launch")
+    ap.add_argument("--steps", type=int, default=200, help="(a): steps per loop")
+    ap.add_argument("--chunk", type=int, default=20, help="(a): steps per turn")
+    ap.add_argument("--every", type=int, default=16, help="(c): checkpoint.every_steps")
+    ap.add_argument("--save-steps", type=int, default=80, help="(c): steps per launch")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="one round, fewer steps")
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.save_steps = 1, 100, 80
+        args.rounds, args.steps, args.save_steps = 1, 100, 64
     with tempfile.TemporaryDirectory() as tmp:
         a = wrap_vs_plain(args, Path(tmp))
         b = held(args, Path(tmp))

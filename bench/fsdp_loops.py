@@ -88,8 +88,8 @@ def _run_half(run: Run, data, batch: int, width: int, layers: int, block: int, t
     return advance
 
 
-def wrap_vs_plain(run: Run, steps: int = 300, chunk: int = 25, batch: int = 8, width: int = 128,
-                  layers: int = 4, block: int = 64):
+def wrap_vs_plain(run: Run, steps: int = 300, chunk: int = 25, batch: int = 8, width: int = 64,
+                  layers: int = 4, block: int = 32):
     """Both loops in the same processes, taking turns every `chunk` steps (as user_loops.interleaved)."""
     data = _data(block)
     first = _plain_half(run, data, batch, width, layers, block)
@@ -127,7 +127,7 @@ def held_bytes(run: Run, batch: int = 8, width: int = 256, layers: int = 4, bloc
     return {f"max_rank_{k}_bytes": v for k, v in every.items()}
 
 
-def save_stall(run: Run, steps: int = 120, batch: int = 8, width: int = 256, layers: int = 4, block: int = 64):
+def save_stall(run: Run, steps: int = 120, batch: int = 8, width: int = 192, layers: int = 4, block: int = 32):
     """Each step's time in run.steps between two step bodies: where a checkpoint.every_steps save
     happens. Returns the stall per save (its gap less a plain step's) and the whole run's time per
     save beyond its steps (a background write slowing the steps around it shows there)."""
