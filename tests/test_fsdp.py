@@ -269,3 +269,24 @@ def test_an_async_save_is_in_place_once_written_and_resumes_bitwise_after_a_cras
     resumed = _ok(expgpu(args, tmp_path / "run"))
     assert resumed.result["resumed_from_step"] == 25
     assert resumed.result["param_checksum"] == ref.result["param_checksum"]
+
+
+@pytest.mark.slow
+def test_a_ddp_run_saved_with_checkpoint_format_dcp_resumes_under_fsdp(tmp_path):
+    args = ["task=probe_fsdp_two_models", *TWO]
+    _ok(probe([*args, "launch.wrap=ddp", "checkpoint.format=dcp", "task.max_steps=15"], tmp_path / "run"))
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+    on = _ok(probe([*args, "launch.wrap=fsdp", "task.max_steps=30"], tmp_path / "run"))
+    assert on.result["resumed_from_step"] == 15
+
+
+@pytest.mark.slow
+def test_the_lm_example_trains_with_fsdp_on_two_ranks(tmp_path):
+    from conftest import REPO
+
+    run = expgpu(["--config-dir", str(REPO / "examples" / "conf"), "experiment=charlm_fsdp", "task.max_steps=20",
+                  "task.eval_every=10", "task.eval_batches=2", "checkpoint.every_steps=10"], tmp_path / "run",
+                 env=clean_env(PYTHONPATH=str(REPO / "examples")))
+    _ok(run)
+    assert run.result["world_size"] == 2 and math.isfinite(run.result["metrics"]["val_loss"])
+    assert (tmp_path / "run" / "checkpoint" / "__1_0.distcp").exists()

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from expgpu.errors import UserError
-from expgpu.rundir import fsync_dir
+from expgpu.rundir import SHARDED_CHECKPOINT, fsync_dir
 
 log = logging.getLogger("expgpu")
 
-DIR = "checkpoint"      # RUN_DIR/checkpoint/: the DCP directory
+DIR = SHARDED_CHECKPOINT   # RUN_DIR/checkpoint/: the DCP directory
 META = "expgpu.pt"      # inside it: rank 0's unsharded state, written last
 _TMP = ".checkpoint.tmp-"
 _OLD = ".checkpoint.old"
@@ -107,11 +107,11 @@ class ShardedCheckpoint:
         atomic_write_bytes(tmp / META, meta)   # last: its presence says the rest is there
         fsync_dir(tmp)
         old = self.run_dir / _OLD
-        if old.exists():
-            shutil.rmtree(old)
         if self.path.exists():
+            if old.exists():   # left by a save cut off after its second rename: the final one is whole
+                shutil.rmtree(old)
             self.path.rename(old)   # kept until the new one is in place
-        tmp.rename(self.path)
+        tmp.rename(self.path)   # (with no final one, old is the one a resume read: it goes only now)
         fsync_dir(self.run_dir)
         shutil.rmtree(old, ignore_errors=True)
         log.info("sharded checkpoint at step %d: %s", step, self.path)

@@ -181,8 +181,9 @@ class Tracked:
             rest = {n: o for n, o in self.objects.items() if n not in in_shards}
             meta = checkpoint.dumps(self._meta(step, ranks, metrics, rest, sharded=sorted(in_shards),
                                                empty_optimizers=sharded.empty_optimizers(in_shards)))
-        self._sharded.save(step, meta, in_shards, background=reason == "every_steps")
-        if metrics is not None:
+        background = reason == "every_steps"
+        self._sharded.save(step, meta, in_shards, background=background)
+        if metrics is not None and not background:   # (a background one may not be in place yet)
             self.path.unlink(missing_ok=True)   # the other format's, now older
 
     def settle(self) -> None:
