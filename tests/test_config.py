@@ -52,7 +52,9 @@ def test_the_default_config_is_task_a_on_the_sequential_map_with_ddp():
     assert plain["task"]["model"]["_target_"] == "expgpu.tasks.models.MLP"
     assert (plain["gpu_map"]["strategy"], plain["backend"]["name"], plain["launch"]["wrap"]) == \
         ("sequential", "auto", "ddp")
-    assert plain["checkpoint"] == {"every_steps": 0, "resume": True, "poll_every": "auto", "verify": False}
+    assert plain["checkpoint"] == {"every_steps": 0, "resume": True, "poll_every": "auto", "format": "auto",
+                                   "async_save": False, "verify": False}
+    assert plain["launch"]["fsdp"] == {"units": None, "reshard_after_forward": True, "cpu_offload": False}
     assert plain["logger"]["csv"] == {"file": "metrics.csv"} and plain["logger"]["mlflow"] is None
 
 

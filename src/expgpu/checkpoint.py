@@ -20,11 +20,16 @@ FORMAT = 2   # 2: the objects a run tracks (run.track), each rank's RNG and data
 
 
 def save(path: Path, state: dict[str, Any]) -> None:
+    atomic_write_bytes(Path(path), dumps(state))
+
+
+def dumps(state: dict[str, Any]) -> bytes:
+    """The bytes save() writes (the sharded checkpoint's expgpu.pt is written by its own rename)."""
     import torch
 
     buf = io.BytesIO()
     torch.save({"format": FORMAT, **state}, buf)
-    atomic_write_bytes(Path(path), buf.getvalue())
+    return buf.getvalue()
 
 
 # What a checkpoint must hold besides the run-shape keys that load() compares.

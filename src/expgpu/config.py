@@ -53,6 +53,13 @@ class Wrap(enum.Enum):
     ddp = "ddp"
     dp = "dp"
     none = "none"
+    fsdp = "fsdp"
+
+
+class CheckpointFormat(enum.Enum):
+    auto = "auto"   # dcp under launch.wrap=fsdp, else pt
+    pt = "pt"       # checkpoint.pt: rank 0 writes the whole state (expgpu/checkpoint.py)
+    dcp = "dcp"     # checkpoint/: every rank writes its own shards (expgpu/sharded_checkpoint.py)
 
 
 class Stdout(enum.Enum):
@@ -97,6 +104,15 @@ class BackendConfig:
 
 
 @dataclass
+class FsdpConfig:
+    # module class names, each instance one FSDP unit (e.g. [Block]); null: the model's direct
+    # children that hold parameters. The root is sharded last, over what is left.
+    units: Optional[List[str]] = None
+    reshard_after_forward: bool = True   # the units' (the root keeps its gathered parameters forward->backward)
+    cpu_offload: bool = False            # shards, gradients and optimizer state in host memory (CPUOffloadPolicy)
+
+
+@dataclass
 class LaunchConfig:
     nproc_per_node: int = 1                       # >1: expgpu starts this many local workers
     # auto: a function task's rank sees only its GPU(s) (visible_devices); a script task's ranks
@@ -104,6 +120,7 @@ class LaunchConfig:
     # (expgpu/script/environ.py). visible_devices: only its own; set_device: all, then set_device
     isolation: Isolation = Isolation.auto
     wrap: Wrap = Wrap.ddp                         # dp: DataParallel over a rank's GPUs (1 rank only)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)   # wrap=fsdp: FSDP2 (expgpu/fsdp.py)
     # what the task prints: every rank's on the console, or rank0's only (the others' in logs/rank<N>.out)
     stdout: Stdout = Stdout.all
 
@@ -134,6 +151,9 @@ class CheckpointConfig:
     # Steps between the ranks' stop polls (a signal stops them within 2x this); auto: about
     # 0.2 s worth of steps, measured as training goes (expgpu/stopping.py)
     poll_every: Any = "auto"
+    format: CheckpointFormat = CheckpointFormat.auto   # auto: dcp for wrap=fsdp, else pt
+    # dcp: write in the background (after a copy to host memory); a stop's save is synchronous
+    async_save: bool = False
     # Check that the task resumes exactly: train it uninterrupted and, beside it, stopped half-way and
     # resumed (in RUN_DIR/verify/), then compare parameters and logged rows (expgpu/verify.py)
     verify: bool = False
@@ -252,8 +272,34 @@ def check(cfg: DictConfig) -> None:
          "faults.device_ms_per_example", "milliseconds >= 0")
     if f.slow_rank is not None:
         need(f.slow_rank >= 0, "faults.slow_rank", "a rank >= 0")
+    _check_fsdp(cfg, need)
     if cfg.launch.wrap is Wrap.dp and cfg.launch.nproc_per_node > 1:
         need(False, "launch.wrap", "dp (DataParallel) runs in one process; use ddp with several ranks")
+
+
+def _check_fsdp(cfg: DictConfig, need) -> None:
+    """launch.fsdp and the sharded checkpoint's keys, against launch.wrap."""
+    fsdp = cfg.launch.wrap is Wrap.fsdp
+    if fsdp:
+        need(cfg.gpu_map.gpus_per_rank == 1, "gpu_map.gpus_per_rank",
+             "1 with launch.wrap=fsdp (several GPUs per rank is launch.wrap=dp's DataParallel)")
+        need(cfg.checkpoint.format is not CheckpointFormat.pt, "checkpoint.format",
+             "auto or dcp with launch.wrap=fsdp (a sharded model is saved by every rank)")
+        units = cfg.launch.fsdp.units
+        need(units is None or (len(units) > 0 and all(isinstance(u, str) and u for u in units)),
+             "launch.fsdp.units", "null or a list of module class names, e.g. [Block]")
+    elif cfg.launch.fsdp != OmegaConf.structured(FsdpConfig):
+        changed = [k for k, v in OmegaConf.structured(FsdpConfig).items() if cfg.launch.fsdp[k] != v]
+        need(False, f"launch.fsdp.{changed[0]}", "set only with launch.wrap=fsdp")
+    need(not cfg.checkpoint.async_save or checkpoint_format(cfg) == "dcp", "checkpoint.async_save",
+         "true only with the sharded format (launch.wrap=fsdp or checkpoint.format=dcp)")
+
+
+def checkpoint_format(cfg) -> str:
+    """pt or dcp: what checkpoint.format=auto means for this run's launch.wrap."""
+    fmt, wrap = cfg.checkpoint.format, cfg.launch.wrap
+    fmt, wrap = getattr(fmt, "value", fmt), getattr(wrap, "value", wrap)
+    return ("dcp" if wrap == "fsdp" else "pt") if fmt == "auto" else fmt
 
 
 def plain(cfg: DictConfig) -> dict:

@@ -37,6 +37,7 @@ from typing import Any, Iterable, Iterator
 
 from expgpu import dist, loggers, rng, world_change
 from expgpu.carried import names_of
+from expgpu.config import checkpoint_format
 from expgpu.errors import UserError
 from expgpu.feed import END_OF_EPOCH, Feed, rank_loader, rebuild_args
 from expgpu.metrics import ROW_KEYS, MetricsLog, WindowMeanLog
@@ -77,7 +78,8 @@ class Run:
         self.resumed_from_step: int | None = None
         self.stop_signal: str | None = None
         self._spec, self._stopper, self._wrap, self._n_gpus = spec, stopper, wrap, n_gpus
-        self._state = Tracked(self.run_dir, spec, self.rank, self.world_size, device)
+        self._state = Tracked(self.run_dir, spec, self.rank, self.world_size, device, checkpoint_format(self.cfg),
+                              self.cfg.checkpoint.get("async_save", False), self.cfg.backend.timeout_s)
         self._feed: Feed | None = None
         self._rebuilt: dict[int, tuple] = {}   # id(a DataLoader of the script's) -> (it, its rank's rebuild)
         self._epochs: int | None = None    # how many epochs run.epochs loops over
@@ -111,7 +113,8 @@ class Run:
         """`module` on run.device, wrapped as launch.wrap says: DDP when the world has more than one
         rank, DataParallel for `dp` over this rank's GPUs, nothing for `none`. Returns what to train:
         called, it runs through DDP; its other attributes and methods are your module's own."""
-        return wrap(module.to(self.device), self.device, self._wrap, self.world_size, self._n_gpus)
+        return wrap(module.to(self.device), self.device, self._wrap, self.world_size, self._n_gpus,
+                    fsdp=self.cfg.launch.get("fsdp"), precision=self.precision)
 
     def loader(self, dataset, batch_size: int, shuffle: bool = True, drop_last: bool = True, **kwargs):
         """This rank's DataLoader over `dataset`: every rank takes a disjoint share of each epoch
@@ -418,6 +421,8 @@ class Run:
                 self._timing["end"] = self._timing["end"] or time.time()
                 self._save("end of training")
         finally:
+            if finished:
+                self._state.settle()   # an async_save still being written: in place before the run ends
             if self._metrics is not None:
                 # after a stop, what was logged since the last row is in the checkpoint (written on resume)
                 self._metrics.close(self.epoch, flush=not self._stopped, crashed=not finished and not self._stopped)

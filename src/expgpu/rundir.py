@@ -13,6 +13,9 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
     RUN_DIR/result.json                     rank 0, at the end (the function's metrics, timings)
     RUN_DIR/metrics.jsonl                   rank 0, what run.log wrote
     RUN_DIR/checkpoint.pt                   rank 0, every checkpoint.every_steps and at a stop
+    RUN_DIR/checkpoint/                     instead, checkpoint.format=dcp (launch.wrap=fsdp): every rank's
+        .metadata, __<rank>_0.distcp,       shards (torch.distributed.checkpoint) and rank 0's expgpu.pt,
+        expgpu.pt                           renamed into place from .checkpoint.tmp-<step>/ (expgpu.sharded_checkpoint)
     RUN_DIR/plan.json                       the node plan (dry run and spawn)
     RUN_DIR/logs/rank<N>.log                each spawned rank's log
     RUN_DIR/logs/rank<N>.script.log         a script task's output on rank N (stdout and stderr, every attempt)
@@ -55,6 +58,7 @@ from typing import Mapping
 RESULT = "result.json"
 METRICS = "metrics.jsonl"
 CHECKPOINT = "checkpoint.pt"
+SHARDED_CHECKPOINT = "checkpoint"
 PLAN = "plan.json"
 STATE = ".expgpu"
 POOL_RECORD = "pool.json"

@@ -7,7 +7,11 @@ state, a per-rank sum: each rank gets its own back); rank 0's metrics rows not y
 along. `Tracked` makes that
 state (a collective `save`, every rank at the same step) and restores it (`resume`, before the
 first step). checkpoint.py is the file underneath: atomic, tensors-only loading, shape checks.
-A checkpoint of another number of ranks resumes too, as expgpu.world_change says.
+With checkpoint.format=dcp (the default for launch.wrap=fsdp) the modules and optimizers go to
+RUN_DIR/checkpoint/ instead, every rank writing its own shards (expgpu.sharded_checkpoint), and
+the rest to that directory's expgpu.pt; a resume reads whichever of the two the run dir holds.
+A checkpoint of another number of ranks resumes too, as expgpu.world_change says (DCP reshards
+the modules and optimizers).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from expgpu import checkpoint, dist, rng, rundir, world_change
+from expgpu import sharded_checkpoint as sharded
 from expgpu.carried import CarriedLocals
 from expgpu.errors import UserError, first_line
 from expgpu.wrap import unwrapped
@@ -31,10 +36,13 @@ KEPT = "keep:"
 class Tracked:
     """The objects a run tracks, and the checkpoint that carries them across a stop."""
 
-    def __init__(self, run_dir: Path, spec, rank: int, world_size: int, device):
+    def __init__(self, run_dir: Path, spec, rank: int, world_size: int, device, fmt: str = "pt",
+                 async_save: bool = False, timeout_s: float = 300.0):
         self.path = Path(run_dir) / rundir.CHECKPOINT
         self.objects: dict[str, Any] = {}
         self._spec, self._rank, self._world_size, self._device = spec, rank, world_size, device
+        self._format = fmt   # pt: checkpoint.pt from rank 0; dcp: checkpoint/, every rank its shards
+        self._sharded = sharded.ShardedCheckpoint(run_dir, rank, world_size, async_save, timeout_s)
         self.length: int | None = None   # the loop's length (steps), saved: a resume that extends it checks the key's shift
         self._read: dict | None = None   # the checkpoint file as read, once (peek, then load)
         self._peeked = False
@@ -66,8 +74,9 @@ class Tracked:
     def peek(self) -> dict | None:
         """The checkpoint a resume will load, read once and kept (None when there is none): run.loader
         needs the world size the run started with before the loop loads it."""
-        if not self._peeked and self.path.exists():
-            self._read = checkpoint.read(self.path)
+        found = None if self._peeked else self._found()
+        if found is not None:
+            self._read = checkpoint.read(self._meta_file(found))
             self._start_world = world_change.start_world(self._read, self._world_size)
         self._peeked = True
         return self._read
@@ -96,18 +105,43 @@ class Tracked:
         """The checkpoint to resume from, checked against this run (its shape, settings, tracked
         names), or None when there is none; nothing is restored yet (restore). `lengths`: the task
         keys whose values are the loop's length (max_steps, epochs): one of those may differ."""
-        if not self.path.exists():
+        path = self._found()
+        if path is None:
             return None
-        state = checkpoint.load(self.path, self.expect(), self._spec.identity, may_differ=lengths,
+        state = checkpoint.load(self._meta_file(path), self.expect(), self._spec.identity, may_differ=lengths,
                                 length=self.length, state=self.peek())
         self._read = None   # restored from here on; the run's own state moves on
+        if path != self.path:
+            state["dcp_dir"] = path
+        elif self._has_shards():
+            raise UserError(f"checkpoint {path} holds rank 0's whole model (checkpoint.format=pt, written under "
+                            "launch.wrap=ddp); a sharded model cannot load it: resume it with launch.wrap=ddp, "
+                            "or save it again there with checkpoint.format=dcp, which launch.wrap=fsdp reads")
         # the variables an epoch's run.steps keeps are named when it starts, after this check
-        saved = sorted(n for n in state["tracked"] if not n.startswith(KEPT))
+        saved = sorted(n for n in [*state["tracked"], *state.get("sharded", ())] if not n.startswith(KEPT))
         mine = sorted(n for n in self.objects if not n.startswith(KEPT))
         if saved != mine:
             raise UserError(f"checkpoint {self.path} tracks {', '.join(saved) or 'nothing'}, this run tracks "
                             f"{', '.join(mine) or 'nothing'} (run.track); resume with the same code or use a new run dir")
         return state
+
+    def _found(self) -> Path | None:
+        """The checkpoint of this run dir: the configured format's, else the other one's (a run that
+        switched between ddp and fsdp, or checkpoint.format); None when there is none."""
+        dcp = self._sharded.where()
+        found = [p for p in ((dcp, self.path) if self._format == "dcp" else (self.path, dcp))
+                 if p is not None and p.exists()]
+        return found[0] if found else None
+
+    def _meta_file(self, found: Path) -> Path:
+        """The file of `found` that holds the step, the ranks and the rest: checkpoint.pt itself, or a
+        sharded checkpoint's expgpu.pt."""
+        return found if found == self.path else self._sharded.meta_path(found)
+
+    def _has_shards(self) -> bool:
+        from expgpu.fsdp import is_sharded
+
+        return any(is_sharded(o) for o in self.objects.values())
 
     def where(self, state: dict) -> tuple[int, int]:
         """(epoch, batch position) at which this rank resumes (rank 0's on another world size)."""
@@ -116,8 +150,11 @@ class Tracked:
     def restore(self, state: dict) -> None:
         """The tracked objects (rank 0's; this rank's own dicts) and this rank's RNG, as saved; on
         another world size, the RNG reseeded from (seed, step, rank) (world_change)."""
+        if "dcp_dir" in state:   # modules and optimizers from the shards, together (collective)
+            self._sharded.restore(state["dcp_dir"], self._in_shards(), state.get("empty_optimizers", []))
         for name in self.objects:
-            self.restore_one(name, state)
+            if name not in state.get("sharded", ()):
+                self.restore_one(name, state)
         if world_change.changed(state, self._world_size):
             per_rank = self._spec.seed_per_rank
             rng.seed_all(world_change.reseed_value(self._spec.seed, state["step"], self._rank, per_rank))
@@ -126,7 +163,8 @@ class Tracked:
         else:
             rng.restore(state["ranks"][self._rank]["rng"], self._device)
         epoch, position = self.where(state)
-        log.info("resumed from %s at step %d (epoch %d, batch %d)", self.path, state["step"], epoch, position)
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", state.get("dcp_dir", self.path), state["step"],
+                 epoch, position)
 
     def restore_one(self, name: str, state: dict) -> None:
         """One tracked object as saved: this rank's own state (a dict, kept variables), else rank 0's."""
@@ -152,18 +190,42 @@ class Tracked:
                 "tracked": {name: _on_cpu(obj.state_dict()) for name, obj in self.objects.items()
                             if getattr(obj, "per_rank", False)}}
         ranks = dist.gather_objects(mine, self._world_size)
+        shape = {"length": self.length, "world_size": self._world_size, "start_world_size": self._start_world,
+                 "global_batch": global_batch}
+        if self._format == "dcp":
+            return self._save_sharded(step, ranks, metrics, reason, shape)
         if metrics is None:
             return
         metrics.write_out()   # the rows up to this step are on disk before the checkpoint is
-        checkpoint.save(self.path, {
-            **self.expect(), "params": json.dumps(self._spec.identity, sort_keys=True, default=str),
-            "step": step, "ranks": ranks, "length": self.length, "world_size": self._world_size,
-            "start_world_size": self._start_world,
-            "global_batch": global_batch,
-            "tracked": {name: obj.state_dict() for name, obj in self.objects.items()},
-            "metrics": metrics.state_dict(),
-        })
+        checkpoint.save(self.path, self._meta(step, ranks, metrics, self.objects, **shape))
+        self._sharded.remove()
         log.info("checkpoint at step %d (%s): %s", step, reason, self.path)
+
+    def _meta(self, step: int, ranks: list, metrics, objects: dict[str, Any], **more) -> dict:
+        return {**self.expect(), "params": json.dumps(self._spec.identity, sort_keys=True, default=str),
+                "step": step, "ranks": ranks, "tracked": {name: obj.state_dict() for name, obj in objects.items()},
+                "metrics": metrics.state_dict(), **more}
+
+    def _in_shards(self) -> dict[str, Any]:
+        return {n: o for n, o in self.objects.items() if sharded.is_sharded_state(o)}
+
+    def _save_sharded(self, step: int, ranks: list, metrics, reason: str, shape: dict) -> None:
+        """checkpoint/: modules and optimizers by every rank (DCP), the rest in rank 0's expgpu.pt."""
+        in_shards = self._in_shards()
+        meta = None
+        if metrics is not None:
+            metrics.write_out()
+            rest = {n: o for n, o in self.objects.items() if n not in in_shards}
+            meta = checkpoint.dumps(self._meta(step, ranks, metrics, rest, sharded=sorted(in_shards),
+                                               empty_optimizers=sharded.empty_optimizers(in_shards), **shape))
+        background = reason == "every_steps"
+        self._sharded.save(step, meta, in_shards, background=background)
+        if metrics is not None and not background:   # (a background one may not be in place yet)
+            self.path.unlink(missing_ok=True)   # the other format's, now older
+
+    def settle(self) -> None:
+        """An asynchronous save still being written: finished and in place (the run's end)."""
+        self._sharded.settle()
 
     def checksum(self) -> str | None:
         """Of every tracked module's state: equal on all ranks when DDP kept them in step."""

@@ -14,9 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 
-def wrap(model, device, mode: str, world_size: int, n_gpus: int):
-    """`model` (already on `device`) as launch.wrap says; what the training loop should call."""
+def wrap(model, device, mode: str, world_size: int, n_gpus: int, fsdp: dict | None = None, precision: str = "32"):
+    """`model` (already on `device`) as launch.wrap says; what the training loop should call.
+    fsdp: launch.fsdp's settings (expgpu.fsdp), for mode fsdp."""
     import torch
+
+    if mode == "fsdp":
+        from expgpu import fsdp as fsdp_wrap
+
+        return fsdp_wrap.shard(model, device, world_size, dict(fsdp or {}), precision)
 
     if mode == "dp":
         if device.type == "cuda" and n_gpus > 1:
@@ -114,6 +120,20 @@ def _wrapped_class() -> type:
 
     _CLASS = Wrapped
     return Wrapped
+
+
+def skips_sync(module) -> bool:
+    """Whether `module` can skip the gradient sync of a micro-step (DDP's no_sync, FSDP's)."""
+    return hasattr(module, "no_sync") or hasattr(module, "set_requires_gradient_sync")
+
+
+def no_sync(module):
+    """The context of a micro-step whose gradients are kept local until the step's last one."""
+    if hasattr(module, "no_sync"):
+        return module.no_sync()
+    from expgpu import fsdp
+
+    return fsdp.no_sync(module)
 
 
 def unwrapped(obj: Any) -> Any:

@@ -24,6 +24,7 @@ from expgpu import shard
 from expgpu.errors import UserError, first_line
 from expgpu.feed import SeededFetch
 from expgpu.run import Run
+from expgpu.wrap import no_sync, skips_sync
 
 
 def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, max_steps: int,
@@ -169,8 +170,8 @@ def _forward_backward(run: Run, net, loss_fn, batches, local, scaler):
     """One optimizer step's forward and backward; DDP syncs gradients only on the last micro-batch."""
     k = len(batches)
     for i, (x, y) in enumerate(batches):
-        sync = i == k - 1 or not hasattr(net, "no_sync")
-        with contextlib.nullcontext() if sync else net.no_sync():
+        sync = i == k - 1 or not skips_sync(net)
+        with contextlib.nullcontext() if sync else no_sync(net):
             with local.step(net, len(y)) if local is not None else contextlib.nullcontext(1.0) as weight:
                 with run.autocast():
                     loss = loss_fn(net(x), y)
