@@ -218,3 +218,26 @@ def test_an_epoch_loop_crashed_at_2_ranks_resumes_at_1_from_its_periodic_checkpo
     assert list(got) == list(range(36)) and {s: got[s] for s in range(STEPS)} == ref
     last_epoch = [i for s in range(24, 36) for i in got[s]]
     assert len(last_epoch) == len(set(last_epoch)) == 12 * 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
+def test_an_fsdp_run_resumed_on_another_world_size_reshards_and_trains_on_the_same_samples(tmp_path, straight,
+                                                                                         before, after):
+    """launch.wrap=fsdp: the sharded checkpoint (checkpoint/, DCP) written by `before` ranks is read by
+    `after` ranks, each taking its own shards of the same parameters and Adam state."""
+    run_dir, fsdp = tmp_path / "run", ["launch.wrap=fsdp"]
+    first = probe([*fsdp, f"launch.nproc_per_node={before}", f"task.batch_size={16 // before}",
+                   f"task.max_steps={STOP}"], run_dir)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (run_dir / "checkpoint" / ".metadata").exists() and not (run_dir / "checkpoint.pt").exists()
+    resumed = probe([*fsdp, f"launch.nproc_per_node={after}", f"task.batch_size={16 // before}"], run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    res = resumed.result
+    assert res["resumed_from_step"] == STOP and res["world_size"] == after and res["steps"] == STEPS
+    ref = straight[before]   # ddp: fsdp computes the same sums in another order, so within tolerance
+    assert _ids(run_dir) == _ids(ref.run_dir)
+    want, got = _losses(ref), _losses(resumed)
+    assert list(got) == list(want)
+    for step in want:
+        assert math.isclose(got[step], want[step], rel_tol=1e-3, abs_tol=1e-5), (step, got[step], want[step])

@@ -238,6 +238,8 @@ class Tracked:
         for name, module in modules.items():
             for key, tensor in module.state_dict().items():
                 h.update(f"{name}.{key}".encode())
+                if hasattr(tensor, "full_tensor"):   # a shard (fsdp): every rank gathers the whole (collective)
+                    tensor = tensor.full_tensor()
                 raw = tensor.detach().to("cpu").contiguous().view(-1)
                 h.update(raw.view(torch.uint8).numpy().tobytes())   # any dtype, bf16 too
         return h.hexdigest()[:16]
