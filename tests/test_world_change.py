@@ -188,11 +188,13 @@ def test_per_rank_values_that_differ_between_ranks_are_one_line_on_another_world
 
 
 @pytest.mark.slow
-def test_the_built_in_loop_stopped_at_2_ranks_ends_at_1_where_the_uninterrupted_run_does(tmp_path):
+@pytest.mark.parametrize("shard", [[], ["data.shard=proportional", "data.weights=[3,1]"]], ids=["uniform", "proportional"])
+def test_the_built_in_loop_stopped_at_2_ranks_ends_at_1_where_the_uninterrupted_run_does(tmp_path, shard):
+    """data.shard=proportional slices the same global batches: 2 ranks split 96 + 32, 1 takes all 128."""
     base = ["task=a", "task.log_every=5"]
-    ref = expgpu(base + ["launch.nproc_per_node=2", "task.max_steps=60"], tmp_path / "ref")
-    first = expgpu(base + ["launch.nproc_per_node=2", "task.max_steps=25"], tmp_path / "run")
-    resumed = expgpu(base + ["task.max_steps=60"], tmp_path / "run")
+    ref = expgpu(base + shard + ["launch.nproc_per_node=2", "task.max_steps=60"], tmp_path / "ref")
+    first = expgpu(base + shard + ["launch.nproc_per_node=2", "task.max_steps=25"], tmp_path / "run")
+    resumed = expgpu(base + shard[:1] + ["task.max_steps=60"], tmp_path / "run")
     for run in (ref, first, resumed):
         assert run.returncode == 0, run.stderr[-3000:]
     assert resumed.result["resumed_from_step"] == 25 and resumed.result["world_size"] == 1
