@@ -188,7 +188,8 @@ def test_per_rank_values_that_differ_between_ranks_are_one_line_on_another_world
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shard", [[], ["data.shard=proportional", "data.weights=[3,1]"]], ids=["uniform", "proportional"])
+@pytest.mark.parametrize("shard", [[], ["data.shard=proportional", "data.weights=[3,1]"]],
+                         ids=["uniform", "proportional"])
 def test_the_built_in_loop_stopped_at_2_ranks_ends_at_1_where_the_uninterrupted_run_does(tmp_path, shard):
     """data.shard=proportional slices the same global batches: 2 ranks split 96 + 32, 1 takes all 128."""
     base = ["task=a", "task.log_every=5"]

@@ -97,7 +97,8 @@ class Tracked:
         keys whose values are the loop's length (max_steps, epochs): one of those may differ."""
         if not self.path.exists():
             return None
-        state = checkpoint.load(self.path, self.expect(), self._spec.identity, may_differ=lengths, state=self.peek())
+        state = checkpoint.load(self.path, self.expect(), self._spec.identity, may_differ=lengths,
+                                state=self.peek())
         self._read = None   # restored from here on; the run's own state moves on
         # the variables an epoch's run.steps keeps are named when it starts, after this check
         saved = sorted(n for n in state["tracked"] if not n.startswith(KEPT))
