@@ -176,6 +176,9 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_one_line(tmp_path
     assert "run.loader batch_size=5 per rank x 1 rank(s) at its start = a global batch of 5, which 2 ranks " \
            "cannot share equally" in line, line
     assert (run_dir / "checkpoint.pt").read_bytes() == before
+    # another task's checkpoint: that is what the line says, not how its batch would divide
+    line = _error(expgpu(["task=a", "task.batch_size=5", "launch.nproc_per_node=2"], run_dir))
+    assert "was written with task='probe_world', this run has task='a'" in line, line
 
 
 @pytest.mark.slow

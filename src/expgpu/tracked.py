@@ -67,7 +67,8 @@ class Tracked:
         needs the world size the run started with before the loop loads it."""
         if not self._peeked and self.path.exists():
             self._read = checkpoint.read(self.path)
-            self._start_world = world_change.start_world(self._read, self._world_size)
+            if self._read.get("task") == self._spec.name:   # else load() says whose it is, first
+                self._start_world = world_change.start_world(self._read, self._world_size)
         self._peeked = True
         return self._read
 
