@@ -48,7 +48,8 @@ def test_what_cannot_be_known_is_unknown_not_guessed():
     assert me.line(me.measure({"script": "train.py", "args": {}}), 2).endswith(
         "unknown (a script task builds its own model)")
     est = me.count({"model": MLP_A, "optimizer": {"_target_": "torch.optim.LBFGS"}})
-    assert "ddp unknown (83.0 KiB + unknown)" in me.line(est, 2) and "the state of LBFGS is not known" in me.line(est, 2)
+    line = me.line(est, 2)
+    assert "ddp unknown (83.0 KiB + unknown)" in line and "the state of LBFGS is not known" in line
 
 
 def test_dry_run_shows_each_ranks_memory_under_ddp_and_fsdp(tmp_path):

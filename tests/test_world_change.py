@@ -136,7 +136,7 @@ def test_the_uninterrupted_runs_on_1_and_2_ranks_take_the_same_global_batches(st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (4, 2)], ids=["2-to-1", "1-to-2", "4-to-2"])
 def test_stopped_on_one_world_size_resumed_on_another_trains_on_the_same_samples(tmp_path, straight, before,
                                                                                 after):
     run_dir = tmp_path / "run"
@@ -150,7 +150,7 @@ def test_stopped_on_one_world_size_resumed_on_another_trains_on_the_same_samples
     assert res["resumed_from_step"] == STOP and res["world_size"] == after and res["steps"] == STEPS
     assert res["metrics"]["batch"] == 16 // after
     assert len({r["param_checksum"] for r in res["plan"]}) == 1
-    ref = straight[before]
+    ref = straight[min(before, 2)]   # 4 ranks x 4 take the same global batches as 2 x 8 (asserted above)
     assert _ids(run_dir) == _ids(ref.run_dir)   # no sample repeated or skipped, step for step
     want, got = _losses(ref), _losses(resumed)
     assert list(got) == list(want) == list(range(1, STEPS + 1))
@@ -176,6 +176,9 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_one_line(tmp_path
     assert "run.loader batch_size=5 per rank x 1 rank(s) at its start = a global batch of 5, which 2 ranks " \
            "cannot share equally" in line, line
     assert (run_dir / "checkpoint.pt").read_bytes() == before
+    # another task's checkpoint: that is what the line says, not how its batch would divide
+    line = _error(expgpu(["task=a", "task.batch_size=5", "launch.nproc_per_node=2"], run_dir))
+    assert "was written with task='probe_world', this run has task='a'" in line, line
 
 
 @pytest.mark.slow
@@ -188,11 +191,14 @@ def test_per_rank_values_that_differ_between_ranks_are_one_line_on_another_world
 
 
 @pytest.mark.slow
-def test_the_built_in_loop_stopped_at_2_ranks_ends_at_1_where_the_uninterrupted_run_does(tmp_path):
+@pytest.mark.parametrize("shard", [[], ["data.shard=proportional", "data.weights=[3,1]"]],
+                         ids=["uniform", "proportional"])
+def test_the_built_in_loop_stopped_at_2_ranks_ends_at_1_where_the_uninterrupted_run_does(tmp_path, shard):
+    """data.shard=proportional slices the same global batches: 2 ranks split 96 + 32, 1 takes all 128."""
     base = ["task=a", "task.log_every=5"]
-    ref = expgpu(base + ["launch.nproc_per_node=2", "task.max_steps=60"], tmp_path / "ref")
-    first = expgpu(base + ["launch.nproc_per_node=2", "task.max_steps=25"], tmp_path / "run")
-    resumed = expgpu(base + ["task.max_steps=60"], tmp_path / "run")
+    ref = expgpu(base + shard + ["launch.nproc_per_node=2", "task.max_steps=60"], tmp_path / "ref")
+    first = expgpu(base + shard + ["launch.nproc_per_node=2", "task.max_steps=25"], tmp_path / "run")
+    resumed = expgpu(base + shard[:1] + ["task.max_steps=60"], tmp_path / "run")
     for run in (ref, first, resumed):
         assert run.returncode == 0, run.stderr[-3000:]
     assert resumed.result["resumed_from_step"] == 25 and resumed.result["world_size"] == 1

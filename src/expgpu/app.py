@@ -1,7 +1,8 @@
 """What `python -m expgpu` does with a composed config: plan, then train here or spawn.
 
 Three cases, decided by who started this process and by launch.nproc_per_node:
-- dry_run: print the node plan, write plan.json, stop (no torch, no CUDA);
+- dry_run: print the node plan and each rank's memory for parameters and optimizer state
+  (expgpu.memory_estimate, counted in a child process), write plan.json, stop (no torch, no CUDA);
 - nproc_per_node > 1: this process is only a supervisor: it plans the node once and
   starts the workers (expgpu.spawn), one per local rank;
 - otherwise this process is a rank itself (alone, or one of torchrun's/srun's).

@@ -324,14 +324,15 @@ class SplitState:
 
     def load_state_dict(self, state: dict) -> None:
         saved = Split.from_dict(state)
-        if saved.mode != self.mode:
-            raise UserError(f"data.shard={self.mode}: the checkpoint being resumed was trained with "
-                            f"data.shard={saved.mode}; resume with the same data.shard or use a new run dir")
         if sum(saved.sizes) == sum(self.uniform.sizes) and len(saved.sizes) != len(self.uniform.sizes):
-            # resumed on another world size (expgpu.world_change): the same global batch, split anew
+            # resumed on another world size (expgpu.world_change): the same global batches, split anew (one
+            # rank runs uniform whatever data.shard says, so the mode may differ too)
             log.info("data.shard=%s: the checkpoint's split %s was for %d ranks; %d now start from %s", self.mode,
                      saved.sizes, len(saved.sizes), len(self.uniform.sizes), self.split.sizes)
             return
+        if saved.mode != self.mode:
+            raise UserError(f"data.shard={self.mode}: the checkpoint being resumed was trained with "
+                            f"data.shard={saved.mode}; resume with the same data.shard or use a new run dir")
         if sum(saved.sizes) != sum(self.uniform.sizes) or len(saved.sizes) != len(self.uniform.sizes):
             raise UserError(f"the checkpoint's split {saved.sizes} does not fit task.batch_size="
                             f"{self.uniform.sizes[0]} x {len(self.uniform.sizes)} ranks; resume with the same settings")

@@ -77,7 +77,8 @@ class Tracked:
         found = None if self._peeked else self._found()
         if found is not None:
             self._read = checkpoint.read(self._meta_file(found))
-            self._start_world = world_change.start_world(self._read, self._world_size)
+            if self._read.get("task") == self._spec.name:   # else load() says whose it is, first
+                self._start_world = world_change.start_world(self._read, self._world_size)
         self._peeked = True
         return self._read
 

@@ -116,7 +116,8 @@ def global_batch(loader: Any) -> int | None:
         return None
     if hasattr(sampler, "sizes"):   # shard.ShareBatchSampler: its slices of one global batch
         return int(sum(sampler.sizes))
-    return int(sampler.batch_size * sampler.world_size)
+    size, ranks = getattr(sampler, "batch_size", None), getattr(sampler, "world_size", None)
+    return size * ranks if isinstance(size, int) and isinstance(ranks, int) else None
 
 
 def check_feed(state: dict, loader: Any, world: int, path: Any) -> None:
@@ -128,7 +129,8 @@ def check_feed(state: dict, loader: Any, world: int, path: Any) -> None:
     unscaled = getattr(sampler, "unscaled", None)
     if unscaled is not None:
         batch_size, start = unscaled
-        raise UserError(f"checkpoint {path} is of a run " + indivisible("run.loader batch_size", batch_size, start, world))
+        raise UserError(f"checkpoint {path} is of a run "
+                        + indivisible("run.loader batch_size", batch_size, start, world))
     saved, now = state.get("global_batch"), global_batch(loader)
     if saved is not None and now is not None and saved != now:
         raise UserError(f"checkpoint {path} was written with a global batch of {saved} examples per step, this run "

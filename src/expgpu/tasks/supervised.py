@@ -49,8 +49,9 @@ def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, m
               **({"scheduler": sched} if sched is not None else {}),
               **({"scaler": scaler} if scaler is not None else {}))
     ws = run.world_size
+    share = f" (its share of {given} x {run._state.start_world} at the start)" if given != batch_size else ""
     run._extra["step_means"] = (f"one optimizer step of every rank: a global batch of task.batch_size {batch_size}"
-                                f"{f' (its share of {given} x {run._state.start_world} at the start)' if given != batch_size else ''}"
+                                f"{share}"
                                 f"{f' x accumulate {accumulate}' if accumulate > 1 else ''} x {ws} rank(s) = "
                                 f"{batch_size * accumulate * ws} examples")
     held_out = eval_dataset if eval_dataset is not None else (dataset if classification else None)
@@ -136,8 +137,8 @@ def _rank_batch(run: Run, batch_size: int) -> int:
 
     mine = run._state.rank_batch(batch_size, run.cfg.checkpoint.resume)
     if mine is None:
-        raise UserError(f"checkpoint {run._state.path} is of a run " + world_change.indivisible("task.batch_size", batch_size, run._state.start_world,
-                                                 run.world_size))
+        why = world_change.indivisible("task.batch_size", batch_size, run._state.start_world, run.world_size)
+        raise UserError(f"checkpoint {run._state.path} is of a run {why}")
     return mine
 
 
