@@ -84,14 +84,15 @@ def _saved_here(path: Path) -> tuple[sharded_checkpoint.ShardedCheckpoint, dict]
     model(torch.ones(1, 4)).sum().backward()
     opt.step()
     ckpt = sharded_checkpoint.ShardedCheckpoint(path, 0, 1, asynchronous=False, timeout_s=30)
-    ckpt.save(7, b"meta", {"model": model, "opt": opt}, background=False)
+    ckpt.save(7, {"rank": "own"}, {"step": 7}, {"model": model, "opt": opt}, background=False)
     return ckpt, {"model": model, "opt": opt}
 
 
 def test_a_sharded_checkpoint_is_renamed_into_place_and_reads_back(tmp_path):
     ckpt, objects = _saved_here(tmp_path)
     assert ckpt.where() == tmp_path / "checkpoint" and not list(tmp_path.glob(".checkpoint.*"))
-    assert ckpt.meta_path(ckpt.where()).read_bytes() == b"meta"
+    meta = torch.load(ckpt.meta_path(ckpt.where()), weights_only=True)
+    assert meta["step"] == 7 and meta["ranks"] == [{"rank": "own"}]
     want = {k: v.clone() for k, v in objects["model"].state_dict().items()}
     with torch.no_grad():
         for p in objects["model"].parameters():

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
+import datetime
 import logging
 import shutil
 from pathlib import Path
@@ -56,22 +58,24 @@ class ShardedCheckpoint:
         self._async, self._timeout_s = asynchronous, timeout_s
         self._group = None
         self._pending: tuple | None = None   # (a future done once the save in flight is in place, its step)
+        if rank == 0:   # saves cut off before (a crash, then this resume): before any rank saves again,
+            for stale in self.run_dir.glob(f"{_TMP}*"):   # which takes a collective that rank 0 has not reached
+                shutil.rmtree(stale, ignore_errors=True)
 
     # -- saving ------------------------------------------------------------------------------------
 
-    def save(self, step: int, meta: bytes | None, objects: dict[str, Any], background: bool) -> None:
-        """Collective. `meta`: expgpu.pt's bytes (rank 0), None elsewhere. `background`: a periodic
-        save under checkpoint.async_save, else written before this returns."""
+    def save(self, step: int, mine: dict, meta: dict | None, objects: dict[str, Any], background: bool) -> None:
+        """Collective. `mine`: this rank's own state (RNG, data position), gathered into expgpu.pt;
+        `meta`: the rest of expgpu.pt (rank 0), None elsewhere. `background`: a periodic save under
+        checkpoint.async_save, else written before this returns."""
         import torch.distributed.checkpoint as dcp
 
         self.settle()
         tmp = self.run_dir / f"{_TMP}{step}"
-        if self._rank == 0 and tmp.exists():   # a save of this step cut off before (a crash, then a resume)
-            shutil.rmtree(tmp)
-        self._barrier()
         state, _ = state_dicts(objects)
         writer = dcp.FileSystemWriter(str(tmp))
         if background and self._async:
+            mine, meta = copy.deepcopy(mine), copy.deepcopy(meta)   # as they are now: training goes on
             staged = _HostCopy.of(state)   # the copy the training stalls for; written from it in the background
             with _single_process_quiet():
                 future = dcp.async_save(staged.state if staged else state, storage_writer=writer,
@@ -79,12 +83,12 @@ class ShardedCheckpoint:
             # renamed into place as soon as it is written, by the thread that wrote it: a crash
             # before the next save then loses nothing that was saved
             placed = concurrent.futures.Future()
-            future.add_done_callback(lambda done: _place(done, placed, lambda: self._finish(tmp, step, meta)))
+            future.add_done_callback(lambda done: _place(done, placed, lambda: self._finish(tmp, step, mine, meta)))
             self._pending = (placed, step)
             return
         with _single_process_quiet():
             dcp.save(state, storage_writer=writer, process_group=self.group(), no_dist=self._alone())
-        self._finish(tmp, step, meta)
+        self._finish(tmp, step, mine, meta)
 
     def settle(self) -> None:
         """The save in flight (async_save) finished and renamed into place; a wait with a timeout."""
@@ -98,13 +102,17 @@ class ShardedCheckpoint:
             raise RuntimeError(f"checkpoint.async_save: the save of step {step} did not finish within "
                                f"{self._timeout_s:.0f}s (backend.timeout_s)") from None
 
-    def _finish(self, tmp: Path, step: int, meta: bytes | None) -> None:
-        """Every rank's shards are written (the save's last collective): rank 0 renames it into place."""
+    def _finish(self, tmp: Path, step: int, mine: dict, meta: dict | None) -> None:
+        """Every rank's shards are written (the save's last collective): the ranks' own states are
+        gathered (in the thread that saved, on the checkpoint group: off the training's path for an
+        async save), and rank 0 writes expgpu.pt and renames the whole into place."""
+        ranks = self._gather(mine)
         if self._rank != 0:
             return
+        from expgpu import checkpoint
         from expgpu.rundir import atomic_write_bytes
 
-        atomic_write_bytes(tmp / META, meta)   # last: its presence says the rest is there
+        atomic_write_bytes(tmp / META, checkpoint.dumps({**meta, "ranks": ranks}))   # last: the rest is there
         fsync_dir(tmp)
         old = self.run_dir / _OLD
         if self.path.exists():
@@ -129,19 +137,22 @@ class ShardedCheckpoint:
         if self._world_size == 1 or not dist.is_initialized():
             return None
         if self._group is None:
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self._timeout_s))
         return self._group
+
+    def _gather(self, mine: dict) -> list:
+        group = self.group()
+        if group is None:
+            return [mine]
+        import torch.distributed as dist
+
+        every: list = [None] * self._world_size
+        dist.all_gather_object(every, mine, group=group)
+        return every
 
     def _alone(self) -> bool:
         """One process and no group: DCP is told so (else it warns that it assumes it)."""
         return self.group() is None
-
-    def _barrier(self) -> None:
-        group = self.group()
-        if group is not None:
-            import torch.distributed as dist
-
-            dist.barrier(group=group)
 
     # -- loading -----------------------------------------------------------------------------------
 
@@ -244,11 +255,8 @@ def _cloned(value):
 
     if not isinstance(value, torch.Tensor):
         return value
-    if hasattr(value, "to_local"):   # a DTensor: its local shard cloned, its place in the whole kept
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(value.to_local().detach().clone(), value.device_mesh, value.placements,
-                                  run_check=False, shape=value.shape, stride=value.stride())
+    if hasattr(value, "to_local"):   # a DTensor: its local shard cloned, its spec (place in the whole) shared
+        return type(value)(value._local_tensor.detach().clone(), value._spec, requires_grad=False)
     return value.detach().clone()
 
 

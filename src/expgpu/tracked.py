@@ -190,11 +190,11 @@ class Tracked:
         mine = {"rng": rng.capture(self._device), "epoch": where[0], "position": where[1],
                 "tracked": {name: _on_cpu(obj.state_dict()) for name, obj in self.objects.items()
                             if getattr(obj, "per_rank", False)}}
-        ranks = dist.gather_objects(mine, self._world_size)
         shape = {"length": self.length, "world_size": self._world_size, "start_world_size": self._start_world,
                  "global_batch": global_batch}
         if self._format == "dcp":
-            return self._save_sharded(step, ranks, metrics, reason, shape)
+            return self._save_sharded(step, mine, metrics, reason, shape)
+        ranks = dist.gather_objects(mine, self._world_size)
         if metrics is None:
             return
         metrics.write_out()   # the rows up to this step are on disk before the checkpoint is
@@ -210,17 +210,18 @@ class Tracked:
     def _in_shards(self) -> dict[str, Any]:
         return {n: o for n, o in self.objects.items() if sharded.is_sharded_state(o)}
 
-    def _save_sharded(self, step: int, ranks: list, metrics, reason: str, shape: dict) -> None:
-        """checkpoint/: modules and optimizers by every rank (DCP), the rest in rank 0's expgpu.pt."""
+    def _save_sharded(self, step: int, mine: dict, metrics, reason: str, shape: dict) -> None:
+        """checkpoint/: modules and optimizers by every rank (DCP), the rest in rank 0's expgpu.pt
+        (every rank's `mine` joins it there, gathered once the shards are written)."""
         in_shards = self._in_shards()
         meta = None
         if metrics is not None:
             metrics.write_out()
             rest = {n: o for n, o in self.objects.items() if n not in in_shards}
-            meta = checkpoint.dumps(self._meta(step, ranks, metrics, rest, sharded=sorted(in_shards),
-                                               empty_optimizers=sharded.empty_optimizers(in_shards), **shape))
+            meta = self._meta(step, None, metrics, rest, sharded=sorted(in_shards),
+                              empty_optimizers=sharded.empty_optimizers(in_shards), **shape)
         background = reason == "every_steps"
-        self._sharded.save(step, meta, in_shards, background=background)
+        self._sharded.save(step, mine, meta, in_shards, background=background)
         if metrics is not None and not background:   # (a background one may not be in place yet)
             self.path.unlink(missing_ok=True)   # the other format's, now older
 
