@@ -80,6 +80,17 @@ def wait_for_progress(proc: subprocess.Popen, run_dir: Path, timeout: float = 90
     pytest.fail(f"no metrics row in {metrics} after {timeout:.0f}s")
 
 
+def wait_until(what: str, check, timeout: float, every: float = 0.1):
+    """`check()`'s first truthy value, polled every `every` s; a test failure naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
 def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 90) -> Run:
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, wait_until
 from slurm_cluster import slurm_cluster_2n  # noqa: F401
 
 pytestmark = pytest.mark.slurm
@@ -25,16 +24,6 @@ pytestmark = pytest.mark.slurm
 STEPS = 1500
 ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "backend.timeout_s=60"]
 STOPPED = re.compile(r"expgpu: stopped at step (\d+) of \d+ by (\w+); checkpoint saved\.")
-
-
-def _wait_for(what: str, check, timeout: float, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def _fields(cluster, job: str) -> dict:
@@ -54,12 +43,12 @@ def test_two_node_job_requeued_onto_one_node_resumes_on_two_ranks(slurm_cluster_
                           str(REPO / "scripts" / "expgpu.sbatch"), *ARGS], cwd=tmp_path)
     out = tmp_path / f"slurm-{job}.out"
     run_dir = tmp_path / "outputs" / "slurm" / job
-    _wait_for("training progress on 2 nodes",
+    wait_until("training progress on 2 nodes",
               lambda: len(_rows(run_dir)) >= 2 or cluster.state(job) in ("FAILED", "COMPLETED"), timeout=150)
     assert cluster.state(job) == "RUNNING", out.read_text()[-4000:]
     assert _fields(cluster, job)["NumNodes"] == "2"
     cluster.run(["scontrol", "requeuehold", job])
-    _wait_for("the stop line and the held requeue",
+    wait_until("the stop line and the held requeue",
               lambda: STOPPED.findall(out.read_text()) and cluster.state(job) == "PENDING", timeout=90)
     (stopped_at, sig), = STOPPED.findall(out.read_text())
     assert sig == "SIGTERM"

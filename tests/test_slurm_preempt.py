@@ -19,11 +19,10 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, expgpu
+from conftest import REPO, expgpu, wait_until
 from slurm_cluster import slurm_cluster  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("test_slurm_preempt")]
@@ -41,16 +40,6 @@ def reference(tmp_path_factory) -> str:
     run = expgpu(ARGS + ["launch.nproc_per_node=2"], tmp_path_factory.mktemp("ref") / "run", timeout=200)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.result["param_checksum"]
-
-
-def _wait_for(what: str, check, timeout: float, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def _progress(run_dir: Path) -> bool:
@@ -88,7 +77,7 @@ def test_job_requeued_mid_training_resumes_to_the_uninterrupted_parameters(slurm
     job = slurm_cluster.sbatch([*SBATCH, str(REPO / "scripts" / "expgpu.sbatch"), *ARGS], cwd=tmp_path)
     out = tmp_path / f"slurm-{job}.out"
     run_dir = tmp_path / "outputs" / "slurm" / job
-    _wait_for("training progress", lambda: _progress(run_dir) or slurm_cluster.state(job) in ("FAILED", "COMPLETED"),
+    wait_until("training progress", lambda: _progress(run_dir) or slurm_cluster.state(job) in ("FAILED", "COMPLETED"),
               timeout=120)
     assert slurm_cluster.state(job) == "RUNNING", out.read_text()
     if how == "scontrol requeue":
@@ -115,7 +104,7 @@ def test_job_that_cannot_be_requeued_says_so_and_how_to_resume(slurm_cluster, tm
                                cwd=tmp_path)
     out = tmp_path / f"slurm-{job}.out"
     run_dir = tmp_path / "outputs" / "slurm" / job
-    _wait_for("training progress", lambda: _progress(run_dir) or slurm_cluster.state(job) in ("FAILED", "COMPLETED"),
+    wait_until("training progress", lambda: _progress(run_dir) or slurm_cluster.state(job) in ("FAILED", "COMPLETED"),
               timeout=120)
     slurm_cluster.run(["scancel", "--signal=USR2", job])
     assert slurm_cluster.wait_job(job, timeout=120) == "FAILED", out.read_text()[-4000:]
@@ -146,12 +135,12 @@ def test_job_warned_before_its_time_limit_requeues_itself_and_finishes(slurm_clu
     (tmp_path / "max_steps").write_text("10000000")
     job = slurm_cluster.sbatch(["job.sbatch"], cwd=tmp_path)
     out = tmp_path / f"slurm-{job}.out"
-    _wait_for("the time-limit warning and the requeue",
+    wait_until("the time-limit warning and the requeue",
               lambda: _restarts(slurm_cluster, job) >= 1 or slurm_cluster.state(job) in ("FAILED", "TIMEOUT"),
               timeout=120, every=0.05)
     assert _restarts(slurm_cluster, job) == 1, out.read_text()[-4000:]
     # rank 0 prints its line just after its `scontrol requeue` returned
-    stopped = _wait_for("rank 0's stop line", lambda: STOPPED.findall(out.read_text()), timeout=20)
+    stopped = wait_until("rank 0's stop line", lambda: STOPPED.findall(out.read_text()), timeout=20)
     assert len(stopped) == 1, out.read_text()[-4000:]
     step, sig, then = stopped[0]
     assert sig == "SIGUSR2" and then.startswith(f"Requeued SLURM job {job}: "), stopped
@@ -180,7 +169,7 @@ def test_hydra_launcher_job_preempted_by_submitit_resumes(slurm_cluster, tmp_pat
         cwd=REPO, env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         run_dir = sweep / "0"
-        _wait_for("training progress", lambda: _progress(run_dir) or client.poll() is not None, timeout=120)
+        wait_until("training progress", lambda: _progress(run_dir) or client.poll() is not None, timeout=120)
         assert client.poll() is None, client.communicate()[1][-4000:]
         folders = [p for p in (sweep / ".submitit").iterdir() if p.is_dir()]   # .submitit/<job id>
         assert len(folders) == 1, folders
