@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, wait_until
 from slurm_cluster import slurm_cluster  # noqa: F401
 from test_loggers import (SWEEP, SWEEP_JOBS, _history, _mlflow, _mlflow_history, _same_floats, _tensorboard,
                           assert_one_logger_run_per_job)
-from test_slurm_preempt import _restarts, _wait_for
+from test_slurm_preempt import _restarts
 
 pytestmark = pytest.mark.slurm
 
@@ -63,7 +63,7 @@ def test_a_slurm_job_preempted_and_requeued_continues_the_same_logger_runs(slurm
         cwd=REPO, env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # Some rows in the loggers before the preemption
-        _wait_for("training progress", lambda: _rows(run_dir) >= 40 or proc.poll() is not None, timeout=150)
+        wait_until("training progress", lambda: _rows(run_dir) >= 40 or proc.poll() is not None, timeout=150)
         assert proc.poll() is None, proc.communicate()[1][-4000:]
         first = json.loads((run_dir / ".expgpu" / "loggers.json").read_text())
         [folder] = [p for p in (sweep / ".submitit").iterdir() if p.is_dir()]   # .submitit/<job id>
@@ -99,7 +99,7 @@ def test_an_sbatch_job_requeued_by_scontrol_continues_the_same_logger_runs(slurm
     job = slurm_cluster.sbatch(["--cpus-per-task=1", "--gpus-per-node=0", "--ntasks-per-node=1",
                                 str(REPO / "scripts" / "expgpu.sbatch"), *ARGS], cwd=tmp_path)
     out, run_dir = tmp_path / f"slurm-{job}.out", tmp_path / "outputs" / "slurm" / job
-    _wait_for("training progress", lambda: _rows(run_dir) >= 40 or slurm_cluster.state(job) in ("FAILED", "COMPLETED"),
+    wait_until("training progress", lambda: _rows(run_dir) >= 40 or slurm_cluster.state(job) in ("FAILED", "COMPLETED"),
               timeout=150)
     assert slurm_cluster.state(job) == "RUNNING", out.read_text()[-4000:]
     first = json.loads((run_dir / ".expgpu" / "loggers.json").read_text())

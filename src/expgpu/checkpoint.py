@@ -129,6 +129,23 @@ def read(path: Path) -> dict[str, Any]:
     return state
 
 
+def length_keys(params: dict[str, Any], length: int) -> dict[str, int]:
+    """The task keys whose value is the loop's length: the one that trains a finished run on.
+    A loop that runs to its key inclusive (nanoGPT's `run.steps(None, max_iters + 1)`) has it at
+    length - 1. A resume accepts a new value only where the length moved by as much (_lengthens)."""
+    ints = {k: v for k, v in params.items() if isinstance(v, int) and not isinstance(v, bool)}
+    for target in (length, length - 1):
+        keys = {k: v for k, v in ints.items() if v == target}
+        named = {k: v for k, v in keys.items() if _names_a_length(k)}
+        if keys:
+            return named or keys   # max_iters rather than an lr_decay_iters that equals it
+    return {}
+
+
+def _names_a_length(key: str) -> bool:
+    return key.startswith(("max_", "num_", "n_")) or key in ("epochs", "steps", "iters", "iterations")
+
+
 def _lengthens(key: str, old: Any, new: Any, lengths: dict[str, Any] | None, saved: int | None,
                now: int | None) -> bool:
     """Whether `key` going from `old` to `new` is the run's length changing: a length key, moved by

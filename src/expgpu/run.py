@@ -35,12 +35,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from expgpu import dist, loggers, rng, world_change
+from expgpu import checkpoint, dist, loggers, rng, world_change
 from expgpu.carried import names_of
 from expgpu.config import checkpoint_format
 from expgpu.errors import UserError
-from expgpu.feed import END_OF_EPOCH, Feed, rank_loader, rebuild_args
+from expgpu.feed import END_OF_EPOCH, Feed
 from expgpu.metrics import ROW_KEYS, MetricsLog, WindowMeanLog
+from expgpu.rank_loaders import RankLoaders, check_loader_args
 from expgpu.stopping import NEVER
 from expgpu.tracked import KEPT, Tracked
 from expgpu.wrap import wrap
@@ -81,7 +82,7 @@ class Run:
         self._state = Tracked(self.run_dir, spec, self.rank, self.world_size, device, checkpoint_format(self.cfg),
                               self.cfg.checkpoint.get("async_save", False), self.cfg.backend.timeout_s)
         self._feed: Feed | None = None
-        self._rebuilt: dict[int, tuple] = {}   # id(a DataLoader of the script's) -> (it, its rank's rebuild)
+        self._loaders = RankLoaders(self._state, self.cfg, device, self.world_size, self.rank, spec.seed)
         self._epochs: int | None = None    # how many epochs run.epochs loops over
         self._first_epoch = 0              # and the number of its first (run.epochs(start, stop))
         self._epoch = 0                    # under run.epochs: the epoch now (its steps, or its own code)
@@ -126,44 +127,8 @@ class Run:
 
         drop_last=False shares out every example exactly once (ranks may differ by one batch):
         the choice for evaluation."""
-        from torch.utils.data import IterableDataset
-
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise UserError(f"run.loader: a {type(dataset).__name__} has no length to share out between ranks; "
-                            "pass a map-style Dataset, or iterate your own loader with run.steps(your_loader, n)")
-        for key in ("sampler", "batch_sampler", "shuffle", "generator"):
-            if key in kwargs:
-                raise UserError(f"run.loader: {key}= is expgpu's (the rank's share, resumable); build your own "
-                                "DataLoader if you need your own sampler, and pass it to run.steps")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise UserError(f"run.loader: batch_size={batch_size!r} is not allowed: an integer >= 1")
-        return self._rank_loader(dataset, batch_size, shuffle, drop_last, drop_last, **kwargs)
-
-    def _rank_loader(self, dataset, batch_size: int, shuffle: bool, equal_shares: bool, drop_last: bool, **kwargs):
-        kwargs.setdefault("num_workers", self.cfg.data.num_workers)
-        kwargs.setdefault("pin_memory", self.device.type == "cuda")
-        # batch_size is per rank at the world size the run started with (world_change): the global batch stays
-        mine = self._state.rank_batch(batch_size, self.cfg.checkpoint.resume)
-        loader = rank_loader(dataset, mine or batch_size, self.world_size, self.rank, self._spec.seed, shuffle,
-                             equal_shares, drop_last, **kwargs)
-        if mine is None:   # an error only if it drives a resumed run.steps (world_change.check_feed)
-            loader.sampler.unscaled = (batch_size, self._state.start_world)
-        return loader
-
-    def _shared_out(self, loader):
-        """A DataLoader the script built itself (shuffled or in order, no sampler of its own) as
-        run.loader builds one: each rank its share of every epoch, a resume at its place."""
-        given, rebuilt = self._rebuilt.get(id(loader), (None, None))
-        if given is loader and rebuilt is not None:   # once per loader, not every epoch
-            return rebuilt
-        how = rebuild_args(loader)
-        if how is None:
-            return loader
-        rebuilt = self._rank_loader(**how)
-        self._rebuilt[id(loader)] = (loader, rebuilt)
-        log.info("run.steps: the DataLoader given is shared out between the %d rank(s) as run.loader's "
-                 "(%d batches an epoch on this rank)", self.world_size, len(rebuilt))
-        return rebuilt
+        check_loader_args(dataset, batch_size, kwargs)
+        return self._loaders.build(dataset, batch_size, shuffle, drop_last, drop_last, **kwargs)
 
     def track(self, **objects) -> None:
         """Objects whose state_dict() is checkpointed and restored on a resume: modules (wrapped or
@@ -195,7 +160,7 @@ class Run:
                 raise UserError("run.steps(loader, max_steps): inside run.epochs, run.steps(loader) is one epoch, "
                                 "as long as the loader; leave max_steps out (or break out of the loop)")
             self._keep(keep, "run.steps", sys._getframe(1))
-            return self._epoch_steps(Feed(self._shared_out(loader), self.device, accumulate, one_epoch=True))
+            return self._epoch_steps(Feed(self._loaders.shared_out(loader), self.device, accumulate, one_epoch=True))
         if self._feed is not None:
             raise UserError("run.steps: called a second time; a run has one training loop (for a loop over "
                             "epochs: for epoch in run.epochs(n): for step, batch in run.steps(loader): ...)")
@@ -206,7 +171,7 @@ class Run:
             raise UserError(f"run.steps: max_steps={max_steps!r} is not allowed: an integer >= 0")
         self._keep(keep, "run.steps", sys._getframe(1))
         self.max_steps = max_steps
-        self._feed = Feed(self._shared_out(loader), self.device, accumulate)
+        self._feed = Feed(self._loaders.shared_out(loader), self.device, accumulate)
         return self._loop(max_steps)
 
     def epochs(self, n: int, stop: int | None = None, keep: str | Iterable[str] = ()) -> Iterator[int]:
@@ -270,10 +235,10 @@ class Run:
         """Before the first step: tracked state checked, the checkpoint read (restored by
         _resume_into), rows after it trimmed, and a stop requested while starting up acted on."""
         self._state.check_loadable()
-        self.length_keys = sorted(self._length_keys(length))
-        self._state.length = length
+        lengths = checkpoint.length_keys(self._spec.params, length)
+        self.length_keys, self._state.length = sorted(lengths), length
         if self.cfg.checkpoint.resume:
-            self._pending = self._state.load(self._length_keys(length))
+            self._pending = self._state.load(lengths)
         if self._pending is not None:
             self.step = self.resumed_from_step = self._saved_at = self._pending["step"]
             if self._metrics is not None:
@@ -303,18 +268,6 @@ class Run:
                 world_change.check_feed(self._pending, feed.loader, self.world_size, self._state.path)
             feed.resume(epoch, position)
         self._pending = None
-
-    def _length_keys(self, length: int) -> dict[str, int]:
-        """The task keys whose value is the loop's length: the one that trains a finished run on.
-        A loop that runs to its key inclusive (nanoGPT's `run.steps(None, max_iters + 1)`) has it at
-        length - 1. A resume accepts a new value only where the length moved by as much (checkpoint.load)."""
-        ints = {k: v for k, v in self._spec.params.items() if isinstance(v, int) and not isinstance(v, bool)}
-        for target in (length, length - 1):
-            keys = {k: v for k, v in ints.items() if v == target}
-            named = {k: v for k, v in keys.items() if _names_a_length(k)}
-            if keys:
-                return named or keys   # max_iters rather than an lr_decay_iters that equals it
-        return {}
 
     def _run_steps(self, feed: Feed, max_steps: int, index: int | None = None) -> Iterator[tuple[int, Any]]:
         """(the step, or with `index` the batch's index in its epoch counted from it, batch)."""
@@ -441,10 +394,6 @@ class Run:
 
     def _checksum(self) -> str | None:
         return self._state.checksum()
-
-
-def _names_a_length(key: str) -> bool:
-    return key.startswith(("max_", "num_", "n_")) or key in ("epochs", "steps", "iters", "iterations")
 
 
 def _inject_fault(faults: dict, rank: int, step: int) -> None:
