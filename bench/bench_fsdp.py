@@ -6,7 +6,8 @@ A small GPT-like model (examples/my_tasks/charlm.py's CharTransformer, 4 Transfo
 FSDP units) on random tokens:
 (a) run.wrap + run.steps under launch.wrap=fsdp vs the same model sharded by hand with fully_shard
     in a plain loop: both in one launch, taking turns every --chunk steps (bench_run_api.py's
-    interleaving), so that machine noise hits both alike. steps/s ratio (goal >= 0.97)
+    interleaving; which goes first alternates between launches), so that machine noise hits both
+    alike. steps/s ratio (goal >= 0.97)
 (b) the largest parameter + AdamW-state bytes a rank holds, fsdp / ddp (goal <= 0.55)
 (c) checkpoint.every_steps with checkpoint.async_save=true vs false: the training stall per save,
     async / sync (goal <= 0.2), launches alternating.
@@ -47,7 +48,8 @@ def wrap_vs_plain(args, tmp: Path) -> list[float]:
     ratios = []
     for i in range(args.rounds):
         m = run("fsdp_wrap_vs_plain", ["launch.wrap=fsdp", UNITS, f"task.steps={args.steps}",
-                                       f"task.chunk={args.chunk}"], args.nproc, tmp / f"a{i}")
+                                       f"task.chunk={args.chunk}", f"+task.run_first={i % 2 == 1}"],
+                args.nproc, tmp / f"a{i}")
         ratios.append(m["run_steps_per_s"] / m["plain_steps_per_s"])
         print(f"(a) round {i + 1}/{args.rounds}: plain fully_shard {m['plain_steps_per_s']:.1f} steps/s, run.wrap "
               f"{m['run_steps_per_s']:.1f} steps/s; ratio of totals {ratios[-1]:.3f}, median of chunk pairs "

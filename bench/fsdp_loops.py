@@ -89,14 +89,16 @@ def _run_half(run: Run, data, batch: int, width: int, layers: int, block: int, t
 
 
 def wrap_vs_plain(run: Run, steps: int = 300, chunk: int = 25, batch: int = 8, width: int = 64,
-                  layers: int = 4, block: int = 32):
-    """Both loops in the same processes, taking turns every `chunk` steps (as user_loops.interleaved)."""
+                  layers: int = 4, block: int = 32, run_first: bool = False):
+    """Both loops in the same processes, taking turns every `chunk` steps (as user_loops.interleaved);
+    run_first: the Run loop's chunk first in each pair (the bench alternates, against an order bias)."""
     data = _data(block)
     first = _plain_half(run, data, batch, width, layers, block)
     second = _run_half(run, data, batch, width, layers, block, steps)
     times: tuple[list, list] = ([], [])
+    turns = ((first, times[0]), (second, times[1]))
     for _ in range(steps // chunk):
-        for half, spent in ((first, times[0]), (second, times[1])):
+        for half, spent in (turns[::-1] if run_first else turns):
             t0 = time.perf_counter()
             half(chunk)
             spent.append(time.perf_counter() - t0)

@@ -170,7 +170,8 @@ def test_fsdp_on_two_ranks_trains_as_ddp_does(tmp_path, extra, keys):
     _close(sharded, ddp, keys)
     if "grad_norm" in keys:   # the clip acted: the norm it measured was over the limit
         assert max(r["grad_norm"] for r in sharded.metrics()) > 0.05
-    assert (tmp_path / "fsdp" / "checkpoint" / ".metadata").exists() and not (tmp_path / "fsdp" / "checkpoint.pt").exists()
+    run_dir = tmp_path / "fsdp"
+    assert (run_dir / "checkpoint" / ".metadata").exists() and not (run_dir / "checkpoint.pt").exists()
 
 
 @pytest.mark.slow
@@ -291,3 +292,15 @@ def test_the_lm_example_trains_with_fsdp_on_two_ranks(tmp_path):
     _ok(run)
     assert run.result["world_size"] == 2 and math.isfinite(run.result["metrics"]["val_loss"])
     assert (tmp_path / "run" / "checkpoint" / "__1_0.distcp").exists()
+
+
+@pytest.mark.slow
+def test_bf16_cpu_offload_and_gathered_units_train_and_resume(tmp_path):
+    """The launch.fsdp options and task.precision=bf16 (bf16 compute, float32 shards and reductions)."""
+    args = ["task=a", "task.log_every=5", "launch.wrap=fsdp", *TWO, "task.precision=bf16",
+            "launch.fsdp.cpu_offload=true", "launch.fsdp.reshard_after_forward=false"]
+    first = _ok(expgpu([*args, "task.max_steps=20"], tmp_path / "run"))
+    rows = first.metrics()
+    assert rows[-1]["loss"] < rows[0]["loss"], rows
+    on = _ok(expgpu([*args, "task.max_steps=30"], tmp_path / "run"))
+    assert on.result["resumed_from_step"] == 20

@@ -262,12 +262,12 @@ def _cloned(value):
 
 @contextlib.contextmanager
 def _single_process_quiet():
-    """DCP warns on every save of one process without a group, which is what a one-rank run is."""
+    """DCP warns on every save of one process without a group, which is what a one-rank run is
+    (an async save warns from its writer thread: the filter is the process's, for that message)."""
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    yield
 
 
 def state_dicts(objects: dict[str, Any], loading: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
