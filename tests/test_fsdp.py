@@ -22,6 +22,7 @@ from conftest import Run, clean_env, expgpu, finish, start, wait_for_progress
 from expgpu import fsdp, sharded_checkpoint
 from expgpu.errors import UserError
 from test_config import refused
+from test_run_api import error_line
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -128,14 +129,6 @@ def test_another_model_shape_names_the_first_mismatched_key_and_both_shapes():
 
 def probe(args: list[str], run_dir: Path, env: dict | None = None, **kw) -> Run:
     return expgpu(["--config-dir", str(TESTS / "conf"), *args], run_dir, env=env or PROBE_ENV, **kw)
-
-
-def error_line(run: Run) -> str:
-    assert run.returncode == 2, (run.returncode, run.stderr[-3000:])
-    assert "Traceback" not in run.stderr, run.stderr[-3000:]
-    last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("expgpu: error: "), run.stderr[-3000:]
-    return last
 
 
 def _ok(run: Run) -> Run:
