@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 from expgpu import Run
+from expgpu import fsdp
 from my_tasks.charlm import CharTransformer, Chunks
 from user_loops import _ratios
 
@@ -107,15 +108,6 @@ def wrap_vs_plain(run: Run, steps: int = 300, chunk: int = 25, batch: int = 8, w
     return _ratios(times, chunk)
 
 
-def _local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            t = t.to_local() if hasattr(t, "to_local") else t
-            total += t.numel() * t.element_size()
-    return total
-
-
 def held_bytes(run: Run, batch: int = 8, width: int = 256, layers: int = 4, block: int = 64):
     """The parameter and AdamW-state bytes this rank holds after a step (its local shards under fsdp)."""
     model = run.wrap(_model(width, layers, block, seed=0))
@@ -123,8 +115,8 @@ def held_bytes(run: Run, batch: int = 8, width: int = 256, layers: int = 4, bloc
     run.track(model=model, opt=opt)
     for step, (x, y) in run.steps(run.loader(_data(block), batch_size=batch), 2):
         _step(model, opt, x, y)
-    mine = {"params": _local_bytes(model.parameters()),
-            "optimizer": _local_bytes(v for s in opt.state.values() for v in s.values())}
+    params, state = fsdp.held_bytes(model, opt)
+    mine = {"params": params, "optimizer": state}
     every = run.all_reduce({k: float(v) for k, v in mine.items()}, op="max")   # the peak over ranks
     return {f"max_rank_{k}_bytes": v for k, v in every.items()}
 

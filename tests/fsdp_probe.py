@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from expgpu import Run
+from expgpu.fsdp import held_bytes
 
 
 def _mlp(width: int, depth: int, out: int = 1) -> nn.Sequential:
@@ -43,15 +44,6 @@ def two_models(run: Run, max_steps: int = 30, width: int = 16, batch: int = 8, l
     return {"loss_g": float(loss_g.detach())}
 
 
-def _local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            t = t.to_local() if hasattr(t, "to_local") else t
-            total += t.numel() * t.element_size()
-    return total
-
-
 def memory(run: Run, width: int = 256, depth: int = 4, max_steps: int = 1):
     """This rank's parameter and optimizer-state bytes (the local shards) after a step, in bytes<rank>.json."""
     model = run.wrap(_mlp(width, depth, out=width))
@@ -62,7 +54,6 @@ def memory(run: Run, width: int = 256, depth: int = 4, max_steps: int = 1):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    params = _local_bytes(model.parameters())
-    state = _local_bytes(v for s in opt.state.values() for v in s.values())
+    params, state = held_bytes(model, opt)
     (run.run_dir / f"bytes{run.rank}.json").write_text(json.dumps({"params": params, "optimizer": state}))
     return {"params_bytes": params, "optimizer_bytes": state}

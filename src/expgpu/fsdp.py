@@ -70,6 +70,20 @@ def _same_start(model) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
+def held_bytes(model, optimizer) -> tuple[int, int]:
+    """The bytes this rank holds of `model`'s parameters and of `optimizer`'s state: its local
+    shards under fsdp (a DTensor's to_local()), the whole tensors otherwise."""
+    def local(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if hasattr(t, "numel") and hasattr(t, "element_size"):
+                t = t.to_local() if hasattr(t, "to_local") else t
+                total += t.numel() * t.element_size()
+        return total
+
+    return local(model.parameters()), local(v for s in optimizer.state.values() for v in s.values())
+
+
 def is_sharded(module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
