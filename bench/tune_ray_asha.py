@@ -2,7 +2,7 @@
 which pulls no torch), for comparison. The same model, data and loop as expgpu's built-in `digits` task
 (expgpu.tasks: MLP, Digits; Adam, cross-entropy), written plainly in a Ray trainable; the same space and
 budget: 24 trials, 2 at once on 2 CPUs, 3000 steps, the test accuracy every 100 steps reported to Tune;
-TPE through Ray's OptunaSearch (seed 0); ASHA from the 2nd report (step 200), reduction factor 4.
+TPE through Ray's OptunaSearch (seed 0); ASHA as expgpu_asha's: rungs at steps 200, 600, 1800, reduction factor 3.
 
     python bench/tune_ray_asha.py TRIALS STEPS OUT_DIR     (prints one JSON line: best, finished, pruned)
 """
@@ -59,7 +59,7 @@ def main() -> None:
         tune.with_resources(trainable, {"cpu": 1}), param_space=space,
         tune_config=tune.TuneConfig(metric="accuracy", mode="max", num_samples=trials, max_concurrent_trials=2,
                                     search_alg=OptunaSearch(seed=0),
-                                    scheduler=ASHAScheduler(max_t=steps // 100, grace_period=2, reduction_factor=4)),
+                                    scheduler=ASHAScheduler(max_t=steps // 100, grace_period=2, reduction_factor=3)),
         run_config=tune.RunConfig(storage_path=out, verbose=0))
     results = tuner.fit()
     done = [r for r in results if r.metrics and r.metrics.get("step") == steps]
