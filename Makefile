@@ -5,11 +5,11 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.expgpu-setup
-# The suite's tests in this many processes (pytest-xdist): most of a test's time is its
-# subprocesses importing torch or waiting on SLURM, so two share 2 cores well. TEST_WORKERS=0: one.
-# loadgroup: the tests of a module marked xdist_group share one worker, and so its expensive
-# module-scoped fixture (an uninterrupted reference run, a real sweep).
-TEST_WORKERS ?= 2
+# The suite's tests in this many processes (pytest-xdist). The SLURM tests, one group (conftest),
+# mostly wait on the cluster: one worker waits through them while two keep 2 cores busy with the
+# rest. TEST_WORKERS=0: one process. loadgroup: the tests of a module marked xdist_group share one
+# worker, and so its expensive module-scoped fixture (an uninterrupted reference run, a real sweep).
+TEST_WORKERS ?= 3
 
 .PHONY: run test check setup bench slurm-up slurm-down
 run: $(STAMP)

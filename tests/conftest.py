@@ -119,7 +119,15 @@ def write_job(job_dir: Path, overrides: list[str], metrics: dict,
     return job_dir
 
 
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    # The SLURM tests mostly wait on the cluster (scheduling, requeue delays, time limits): one
+    # group, first, so that under `-n 3 --dist loadgroup` one worker waits through them from the
+    # start while the others keep both cores busy (spread, they would idle one core at the end).
+    slurm = [item for item in items if "slurm" in item.keywords]
+    for item in slurm:
+        item.add_marker(pytest.mark.xdist_group("slurm"))
+    items[:] = slurm + [item for item in items if "slurm" not in item.keywords]
     # Decided without touching CUDA in this process (torch.cuda.is_available() may create
     # a context on GPU 0 in the test runner itself).
     from expgpu.gpus import inventory

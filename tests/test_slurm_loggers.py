@@ -47,7 +47,7 @@ def test_a_slurm_sweep_is_one_mlflow_and_tensorboard_run_per_job_from_rank_0(slu
     assert_one_logger_run_per_job(sweep, SWEEP_JOBS)
 
 
-STEPS = 3000   # some seconds of training: the preemption lands mid-way
+STEPS = 1500   # seconds of training: the preemption lands mid-way (a stop lands in ~1 s)
 ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "logger=[tensorboard,mlflow]"]
 
 
