@@ -243,20 +243,22 @@ def test_an_fsdp_checkpoint_resumes_under_ddp(tmp_path, two_models_fsdp):
 
 
 @pytest.mark.slow
-def test_resuming_a_checkpoint_that_cannot_load_is_one_line(tmp_path):
-    args = ["task=probe_fsdp_two_models", *TWO, "task.max_steps=5"]
+@pytest.mark.xdist_group("test_fsdp")
+def test_resuming_a_checkpoint_that_cannot_load_is_one_line(tmp_path, two_models_fsdp):
+    args = [*TWO_MODELS, "task.max_steps=5"]
     _ok(probe([*args, "launch.wrap=ddp"], tmp_path / "ddp"))
     line = error_line(probe([*args, "launch.wrap=fsdp", "task.max_steps=10"], tmp_path / "ddp"))
     assert "holds rank 0's whole model (checkpoint.format=pt" in line and "resume it with launch.wrap=ddp" in line
 
-    _ok(probe([*args, "launch.wrap=fsdp"], tmp_path / "fsdp"))
+    _, at15 = two_models_fsdp   # an fsdp run's sharded checkpoint (its step 15)
+    shutil.copytree(at15, tmp_path / "fsdp")
     narrow = clean_env(PYTHONPATH=str(TESTS), PROBE_WIDTH="8")
-    line = error_line(probe([*args, "launch.wrap=fsdp", "task.max_steps=10"], tmp_path / "fsdp", env=narrow))
+    line = error_line(probe([*args, "launch.wrap=fsdp", "task.max_steps=30"], tmp_path / "fsdp", env=narrow))
     assert "gen.0.weight has shape [16, 16] there, [8, 8] in this run's gen" in line, line
 
-    shutil.copytree(tmp_path / "fsdp", tmp_path / "torn")
+    shutil.copytree(at15, tmp_path / "torn")
     (tmp_path / "torn" / "checkpoint" / "__1_0.distcp").unlink()
-    line = error_line(probe([*args, "launch.wrap=fsdp", "task.max_steps=10"], tmp_path / "torn"))
+    line = error_line(probe([*args, "launch.wrap=fsdp", "task.max_steps=30"], tmp_path / "torn"))
     assert f"checkpoint {tmp_path / 'torn' / 'checkpoint'} is incomplete: the shard __1_0.distcp is missing" in line
 
 
