@@ -179,7 +179,10 @@ def test_each_rank_holds_half_the_parameter_and_optimizer_bytes(tmp_path):
             assert 0.45 <= ratio <= 0.55, (rank, kind, held)
 
 
-STEPS = 1200
+# Long enough that the stop (within max(2 steps, 1 s) of the signal, sent after the first row at
+# step 5: by about step 55 here at ~50 steps/s, at step ~25 in practice) lands mid-run with a wide
+# margin, and that the resumed run goes through an async periodic save (every 100 steps) before its end.
+STEPS = 200
 RESUME = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "launch.wrap=fsdp", *TWO,
           "checkpoint.every_steps=100", "checkpoint.async_save=true"]
 
@@ -203,23 +206,36 @@ def test_a_stopped_fsdp_run_resumes_bitwise(tmp_path):
     assert {s: r["loss"] for s, r in _rows(resumed).items()} == {s: r["loss"] for s, r in _rows(ref).items()}
 
 
+TWO_MODELS = ["task=probe_fsdp_two_models", *TWO]
+
+
+@pytest.fixture(scope="module")
+def two_models_fsdp(tmp_path_factory):
+    """The uninterrupted fsdp run of probe_fsdp_two_models (30 steps) and one that ended at step 15,
+    computed once: a test resumes a copy of the latter's run dir."""
+    root = tmp_path_factory.mktemp("two_models")
+    whole = _ok(probe([*TWO_MODELS, "launch.wrap=fsdp", "task.max_steps=30"], root / "whole"))
+    _ok(probe([*TWO_MODELS, "launch.wrap=fsdp", "task.max_steps=15"], root / "at15"))
+    return whole, root / "at15"
+
+
 @pytest.mark.slow
-def test_two_models_and_two_optimizers_train_on_from_their_checkpoint_exactly(tmp_path):
-    args = ["task=probe_fsdp_two_models", "launch.wrap=fsdp", *TWO]
-    whole = _ok(probe([*args, "task.max_steps=30"], tmp_path / "whole"))
-    _ok(probe([*args, "task.max_steps=15"], tmp_path / "run"))
-    on = _ok(probe([*args, "task.max_steps=30"], tmp_path / "run"))
+@pytest.mark.xdist_group("test_fsdp")
+def test_two_models_and_two_optimizers_train_on_from_their_checkpoint_exactly(tmp_path, two_models_fsdp):
+    whole, at15 = two_models_fsdp
+    shutil.copytree(at15, tmp_path / "run")
+    on = _ok(probe([*TWO_MODELS, "launch.wrap=fsdp", "task.max_steps=30"], tmp_path / "run"))
     assert on.result["resumed_from_step"] == 15
     assert on.result["param_checksum"] == whole.result["param_checksum"]
     assert on.result["metrics"] == whole.result["metrics"]
 
 
 @pytest.mark.slow
-def test_an_fsdp_checkpoint_resumes_under_ddp(tmp_path):
-    args = ["task=probe_fsdp_two_models", *TWO]
-    whole = _ok(probe([*args, "launch.wrap=fsdp", "task.max_steps=30"], tmp_path / "whole"))
-    _ok(probe([*args, "launch.wrap=fsdp", "task.max_steps=15"], tmp_path / "run"))
-    on = _ok(probe([*args, "launch.wrap=ddp", "task.max_steps=30"], tmp_path / "run"))
+@pytest.mark.xdist_group("test_fsdp")
+def test_an_fsdp_checkpoint_resumes_under_ddp(tmp_path, two_models_fsdp):
+    whole, at15 = two_models_fsdp
+    shutil.copytree(at15, tmp_path / "run")
+    on = _ok(probe([*TWO_MODELS, "launch.wrap=ddp", "task.max_steps=30"], tmp_path / "run"))
     assert on.result["resumed_from_step"] == 15
     assert math.isclose(on.result["metrics"]["loss_g"], whole.result["metrics"]["loss_g"], rel_tol=1e-4)
     # the single-file checkpoint ddp writes replaces the sharded one: one checkpoint in the run dir
@@ -227,20 +243,22 @@ def test_an_fsdp_checkpoint_resumes_under_ddp(tmp_path):
 
 
 @pytest.mark.slow
-def test_resuming_a_checkpoint_that_cannot_load_is_one_line(tmp_path):
-    args = ["task=probe_fsdp_two_models", *TWO, "task.max_steps=5"]
+@pytest.mark.xdist_group("test_fsdp")
+def test_resuming_a_checkpoint_that_cannot_load_is_one_line(tmp_path, two_models_fsdp):
+    args = [*TWO_MODELS, "task.max_steps=5"]
     _ok(probe([*args, "launch.wrap=ddp"], tmp_path / "ddp"))
     line = error_line(probe([*args, "launch.wrap=fsdp", "task.max_steps=10"], tmp_path / "ddp"))
     assert "holds rank 0's whole model (checkpoint.format=pt" in line and "resume it with launch.wrap=ddp" in line
 
-    _ok(probe([*args, "launch.wrap=fsdp"], tmp_path / "fsdp"))
+    _, at15 = two_models_fsdp   # an fsdp run's sharded checkpoint (its step 15)
+    shutil.copytree(at15, tmp_path / "fsdp")
     narrow = clean_env(PYTHONPATH=str(TESTS), PROBE_WIDTH="8")
-    line = error_line(probe([*args, "launch.wrap=fsdp", "task.max_steps=10"], tmp_path / "fsdp", env=narrow))
+    line = error_line(probe([*args, "launch.wrap=fsdp", "task.max_steps=30"], tmp_path / "fsdp", env=narrow))
     assert "gen.0.weight has shape [16, 16] there, [8, 8] in this run's gen" in line, line
 
-    shutil.copytree(tmp_path / "fsdp", tmp_path / "torn")
+    shutil.copytree(at15, tmp_path / "torn")
     (tmp_path / "torn" / "checkpoint" / "__1_0.distcp").unlink()
-    line = error_line(probe([*args, "launch.wrap=fsdp", "task.max_steps=10"], tmp_path / "torn"))
+    line = error_line(probe([*args, "launch.wrap=fsdp", "task.max_steps=30"], tmp_path / "torn"))
     assert f"checkpoint {tmp_path / 'torn' / 'checkpoint'} is incomplete: the shard __1_0.distcp is missing" in line
 
 
