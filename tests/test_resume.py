@@ -23,15 +23,15 @@ from conftest import Run, expgpu, finish, start, wait_for_progress
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.xdist_group("test_resume")]
 
 # Task a sized so that a signal sent at its first metrics row (step 5, handed to the OS at once)
-# lands mid-training, not after the end. One rank reads a stop after every step (~1300 steps/s
-# here: it stops within a few steps); two ranks agree on it within two polls (~0.4 s, ~280
-# steps/s here: ~120 steps), so 600 steps leave a margin of 5 there, more on a slower machine.
-STEPS_BY_NPROC = {1: 300, 2: 600}
+# lands mid-training, not after the end: one rank reads a stop after every step (it stops at
+# step 5-6 here), two ranks poll after every step until steps are timed, then every ~0.2 s
+# (they stopped at steps 17-35 here, ~280 steps/s): 300 steps leave a margin of 8 or more.
+STEPS = 300
+ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "backend.timeout_s=60"]
 
 
-def _args(nproc: int) -> list[str]:
-    return ["task=a", f"task.max_steps={STEPS_BY_NPROC[nproc]}", "task.log_every=5", "backend.timeout_s=60",
-            f"launch.nproc_per_node={nproc}"]
+def _nproc(n: int) -> list[str]:
+    return [f"launch.nproc_per_node={n}"]
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +41,9 @@ def reference(tmp_path_factory):
 
     def get(nproc: int) -> Run:
         if nproc not in cache:
-            run = expgpu(_args(nproc), tmp_path_factory.mktemp(f"ref{nproc}") / "run")
+            run = expgpu(ARGS + _nproc(nproc), tmp_path_factory.mktemp(f"ref{nproc}") / "run")
             assert run.returncode == 0, run.stderr
             assert run.result["status"] == "finished" and run.result["resumed_from_step"] is None
-            assert run.result["steps"] == STEPS_BY_NPROC[nproc]
             cache[nproc] = run
         return cache[nproc]
 
@@ -68,7 +67,7 @@ def _interrupt(args: list[str], run_dir: Path, sig: signal.Signals, group: bool)
     return finish(proc, run_dir)
 
 
-def _assert_stopped(run: Run, sig: signal.Signals, steps: int) -> int:
+def _assert_stopped(run: Run, sig: signal.Signals) -> int:
     assert run.returncode == 128 + sig, (run.returncode, run.stderr[-3000:])
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("expgpu: stopped at step ") and f"by {sig.name}" in last, last
@@ -76,7 +75,7 @@ def _assert_stopped(run: Run, sig: signal.Signals, steps: int) -> int:
     assert (run.run_dir / "checkpoint.pt").exists()
     res = run.result
     assert res["status"] == "stopped" and res["stop_signal"] == sig.name, res
-    assert 0 < res["steps"] < steps, f"not stopped mid-training: {res['steps']}"
+    assert 0 < res["steps"] < STEPS, f"not stopped mid-training: {res['steps']}"
     return res["steps"]
 
 
@@ -84,7 +83,7 @@ def _assert_resumes_to_reference(args: list[str], run_dir: Path, stopped_at: int
     resumed = expgpu(args, run_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     res = resumed.result
-    assert res["status"] == "finished" and res["steps"] == ref.result["steps"]
+    assert res["status"] == "finished" and res["steps"] == STEPS
     assert res["resumed_from_step"] == stopped_at
     assert res["param_checksum"] == ref.result["param_checksum"]
     assert len(set(res["rank_checksums"])) == 1
@@ -104,11 +103,11 @@ def _assert_resumes_to_reference(args: list[str], run_dir: Path, stopped_at: int
     (1, signal.SIGUSR2, False),   # SLURM's time-limit warning, outside SLURM: stop, no requeue
 ], ids=["1rank-SIGTERM", "1rank-ctrl-c", "2ranks-SIGTERM", "2ranks-ctrl-c", "1rank-SIGUSR2"])
 def test_interrupted_run_resumes_to_the_uninterrupted_parameters(tmp_path, reference, nproc, sig, group):
-    args = _args(nproc)
+    args = ARGS + _nproc(nproc)
     ref = reference(nproc)
     run_dir = tmp_path / "run"
     stopped = _interrupt(args, run_dir, sig, group)
-    stopped_at = _assert_stopped(stopped, sig, STEPS_BY_NPROC[nproc])
+    stopped_at = _assert_stopped(stopped, sig)
     if nproc > 1:
         assert stopped.result["rank_checksums"][0] == stopped.result["rank_checksums"][1]
     _assert_resumes_to_reference(args, run_dir, stopped_at, ref)
@@ -127,7 +126,7 @@ def test_sigterm_while_starting_up_is_kept(tmp_path, reference):
     """A signal that lands while Hydra composes and torch imports stops the run at its first
     step boundary, with a checkpoint, instead of killing it."""
     run_dir = tmp_path / "run"
-    proc = start(_args(1), run_dir)
+    proc = start(ARGS, run_dir)
     deadline = time.monotonic() + 30
     while not _sig_caught(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
         time.sleep(0.002)
@@ -137,13 +136,13 @@ def test_sigterm_while_starting_up_is_kept(tmp_path, reference):
     assert run.returncode == 143, run.stderr[-3000:]
     assert run.result["status"] == "stopped" and run.result["steps"] == 0
     assert (run_dir / "checkpoint.pt").exists()
-    _assert_resumes_to_reference(_args(1), run_dir, 0, reference(1))
+    _assert_resumes_to_reference(ARGS, run_dir, 0, reference(1))
 
 
 def test_crashed_rank_resumes_from_the_periodic_checkpoint(tmp_path, reference):
     # 2 ranks x 64 examples per batch: an epoch of task a is 32 steps, so the checkpoint at
     # step 64 sits exactly on an epoch boundary (position == batches per epoch).
-    args = _args(2)
+    args = ARGS + _nproc(2)
     run_dir = tmp_path / "run"
     crashed = expgpu(args + ["checkpoint.every_steps=64", "faults.crash_rank=1", "faults.crash_step=100"],
                      run_dir)
