@@ -22,9 +22,11 @@ from conftest import Run, expgpu, finish, start, wait_for_progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.xdist_group("test_resume")]
 
-# Task a sized so that, at full speed on one core, a run still trains for a few seconds
-# after its first metrics row: the signal lands mid-training, not after the end.
-STEPS = 1200
+# Task a sized so that a signal sent at its first metrics row (step 5, handed to the OS at once)
+# lands mid-training, not after the end: one rank reads a stop after every step (it stops at
+# step 5-6 here), two ranks poll after every step until steps are timed, then every ~0.2 s
+# (they stopped at steps 17-35 here, ~280 steps/s): 300 steps leave a margin of 8 or more.
+STEPS = 300
 ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "backend.timeout_s=60"]
 
 
