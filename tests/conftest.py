@@ -119,7 +119,7 @@ def write_job(job_dir: Path, overrides: list[str], metrics: dict,
     return job_dir
 
 
-@pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the xdist_group marks
+@pytest.hookimpl(wrapper=True)   # around pytest-xdist's, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     # The SLURM tests mostly wait on the cluster (scheduling, requeue delays, time limits): one
     # group, first, so that under `-n 3 --dist loadgroup` one worker waits through them from the
@@ -128,6 +128,7 @@ def pytest_collection_modifyitems(config, items):
     for item in slurm:
         item.add_marker(pytest.mark.xdist_group("slurm"))
     items[:] = slurm + [item for item in items if "slurm" not in item.keywords]
+    yield
     # Decided without touching CUDA in this process (torch.cuda.is_available() may create
     # a context on GPU 0 in the test runner itself).
     from expgpu.gpus import inventory

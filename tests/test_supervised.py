@@ -127,6 +127,10 @@ def test_compile_trains_as_eager_does_and_resumes(tmp_path, eager_a):
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
     assert math.isclose(compiled.result["metrics"]["final_loss"], eager.result["metrics"]["final_loss"], rel_tol=1e-4)
     assert _close(_params(tmp_path / "compiled"), _params(eager.run_dir), 1e-4)   # no _orig_mod. prefix
+    # the compiled run's own checkpoint loads into a compiled model again, and it trains on
+    on = expgpu(["task=a", "task.max_steps=25", "task.compile=true"], tmp_path / "compiled", timeout=300)
+    assert on.returncode == 0, on.stderr[-3000:]
+    assert on.result["resumed_from_step"] == 20 and on.result["steps"] == 25
 
 
 @pytest.mark.parametrize("args,says", [

@@ -16,15 +16,29 @@ ours() { # ours NAME [PIDFILE]: print the pid in DIR/run/PIDFILE.pid if it is a 
   pid=$(cat "$DIR/run/${2:-$1}.pid" 2>/dev/null) && [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$1" ]] &&
     cat "/proc/$pid/cmdline" "/proc/$pid/environ" 2>/dev/null | tr '\0' '\n' | grep -qF -- "$DIR/" && echo "$pid"
 }
-stop_one() { # stop_one NAME [PIDFILE]: SIGTERM, up to 20 s, then SIGKILL
-  local pid
-  if pid=$(ours "$1" "${2:-$1}"); then
-    log "stopping $1 (pid $pid)"
-    kill -TERM "$pid" 2>/dev/null
-    for _ in $(seq 200); do [[ -e /proc/$pid ]] || break; sleep 0.1; done
-    if [[ -e /proc/$pid ]]; then log "$1 (pid $pid) ignored SIGTERM, sending SIGKILL"; kill -KILL "$pid" 2>/dev/null; sleep 0.2; fi
-  fi
-  rm -f "$DIR/run/${2:-$1}.pid"
+stop_all() { # stop_all NAME:PIDFILE...: SIGTERM to each at once, up to 20 s for them all, then SIGKILL
+  # (each daemon takes 1-2 s to exit: one after another, a cluster took ~9 s to stop)
+  local spec pid pids=() names=()
+  for spec in "$@"; do
+    if pid=$(ours "${spec%%:*}" "${spec#*:}"); then
+      log "stopping ${spec%%:*} (pid $pid)"
+      kill -TERM "$pid" 2>/dev/null
+      pids+=("$pid"); names+=("${spec%%:*}")
+    fi
+    rm -f "$DIR/run/${spec#*:}.pid"
+  done
+  for _ in $(seq 200); do
+    local left=0
+    for pid in "${pids[@]}"; do [[ -e /proc/$pid ]] && left=1; done
+    ((left)) || return 0
+    sleep 0.1
+  done
+  for i in "${!pids[@]}"; do
+    if [[ -e /proc/${pids[$i]} ]]; then
+      log "${names[$i]} (pid ${pids[$i]}) ignored SIGTERM, sending SIGKILL"; kill -KILL "${pids[$i]}" 2>/dev/null
+    fi
+  done
+  sleep 0.2
 }
 
 # Job processes run under slurmstepd, which outlives slurmd: let slurm end them first.
@@ -38,9 +52,12 @@ if ours slurmctld >/dev/null && command -v squeue >/dev/null; then
   fi
 fi
 
-# one slurmd per node: slurmd.pid, or slurmd-NODE.pid in multiple-slurmd mode
+# The SLURM daemons together (one slurmd per node: slurmd.pid, or slurmd-NODE.pid in
+# multiple-slurmd mode), while the database and munge they talk to on their way out still run.
+daemons=()
 for f in "$DIR"/run/slurmd.pid "$DIR"/run/slurmd-*.pid; do
-  [[ -e $f ]] && stop_one slurmd "$(basename "$f" .pid)"
+  [[ -e $f ]] && daemons+=("slurmd:$(basename "$f" .pid)")
 done
-for name in slurmctld slurmdbd mariadbd munged; do stop_one "$name"; done
+stop_all "${daemons[@]}" slurmctld:slurmctld slurmdbd:slurmdbd
+stop_all mariadbd:mariadbd munged:munged
 log "stopped ($DIR)"
