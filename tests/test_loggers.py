@@ -70,7 +70,11 @@ def _same_floats(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> None
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[tuple[int, float]]:
     """The loss history of an uninterrupted run (no logger at all)."""
-    run = expgpu(ARGS + ["logger=none"], tmp_path_factory.mktemp("ref") / "run")
+    return _uninterrupted(tmp_path_factory.mktemp("ref") / "run", [])
+
+
+def _uninterrupted(run_dir: Path, extra: list[str]) -> list[tuple[int, float]]:
+    run = expgpu(ARGS + extra + ["logger=none"], run_dir)
     assert run.returncode == 0, run.stderr[-3000:]
     assert not (run.run_dir / "metrics.csv").exists()
     return _history(run.run_dir, "loss")
@@ -232,9 +236,7 @@ PACED = ["faults.device_ms_per_example=0.1"]
 
 @pytest.fixture(scope="module")
 def paced_reference(tmp_path_factory) -> list[tuple[int, float]]:
-    run = expgpu(ARGS + PACED + ["logger=none"], tmp_path_factory.mktemp("paced_ref") / "run")
-    assert run.returncode == 0, run.stderr[-3000:]
-    return _history(run.run_dir, "loss")
+    return _uninterrupted(tmp_path_factory.mktemp("paced_ref") / "run", PACED)
 
 
 def test_a_joblib_sweep_stopped_by_ctrl_c_says_so_and_resumes_into_the_same_logger_runs(tmp_path, paced_reference):
