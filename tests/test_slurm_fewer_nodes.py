@@ -21,8 +21,11 @@ from slurm_cluster import slurm_cluster_2n  # noqa: F401
 
 pytestmark = pytest.mark.slurm
 
-STEPS = 1500
-ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "backend.timeout_s=60"]
+# Each step sleeps 6.4 ms per rank (64 examples x 0.1 ms; 12.8 ms on 2 ranks after the requeue):
+# seconds of training, so the requeue lands mid-way, at little CPU.
+STEPS = 600
+ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "backend.timeout_s=60",
+        "faults.device_ms_per_example=0.1"]
 STOPPED = re.compile(r"expgpu: stopped at step (\d+) of \d+ by (\w+); checkpoint saved\.")
 
 

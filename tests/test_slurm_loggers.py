@@ -47,8 +47,12 @@ def test_a_slurm_sweep_is_one_mlflow_and_tensorboard_run_per_job_from_rank_0(slu
     assert_one_logger_run_per_job(sweep, SWEEP_JOBS)
 
 
-STEPS = 1500   # seconds of training: the preemption lands mid-way (a stop lands in ~1 s)
-ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "logger=[tensorboard,mlflow]"]
+# Seconds of training, so the preemption lands mid-way: after the 40 rows (step 200) the tests wait
+# for, a stop lands within 1 s (about 130 steps). Each step sleeps 6.4 ms (64 examples x 0.1 ms),
+# so the wait costs little CPU.
+STEPS = 1000
+ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "logger=[tensorboard,mlflow]",
+        "faults.device_ms_per_example=0.1"]
 
 
 @pytest.mark.timeout(300)

@@ -27,8 +27,12 @@ from slurm_cluster import slurm_cluster  # noqa: F401
 
 pytestmark = pytest.mark.slurm   # conftest runs every slurm test in one xdist group
 
-STEPS = 1500  # seconds of training for 2 CPU ranks: a requeue lands mid-way (a stop lands in ~1 s)
-ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "backend.timeout_s=60"]
+# Seconds of training for 2 CPU ranks, so that a requeue lands mid-way (a stop lands within 1 s):
+# each step sleeps 6.4 ms (64 examples x 0.1 ms, a device computing while the CPU waits), so that
+# the wait costs the cores nothing that the tests beside this one could use.
+PACED = "faults.device_ms_per_example=0.1"
+STEPS = 600
+ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "backend.timeout_s=60", PACED]
 STOPPED = re.compile(r"expgpu: stopped at step (\d+) of \d+ by (\w+); checkpoint saved\. (.*)")
 # The test cluster's 8 declared CPUs are shared by every test running beside this one.
 SBATCH = ["--cpus-per-task=1", "--gpus-per-node=0"]
@@ -122,7 +126,7 @@ JOB_WITH_MOVING_FINISH = """#!/bin/bash
 # requeued (max_steps may change on resume), so the second start ends in seconds.
 echo "restart ${SLURM_RESTART_COUNT:-0}"
 srun --kill-on-bad-exit=1 python -m expgpu task=a task.max_steps=$(cat max_steps) task.log_every=5 \\
-    backend.timeout_s=60
+    backend.timeout_s=60 faults.device_ms_per_example=0.1
 """
 
 
@@ -130,7 +134,7 @@ srun --kill-on-bad-exit=1 python -m expgpu task=a task.max_steps=$(cat max_steps
 def test_job_warned_before_its_time_limit_requeues_itself_and_finishes(slurm_cluster, tmp_path):
     # --time=1 --signal=USR2@20: SLURM checks time limits every 30 s and warns at the first check
     # past end - 20 s - 30 s, i.e. 10 to 40 s after the start. Until then the job trains toward a
-    # finish line it cannot reach in one minute.
+    # finish line it cannot reach in one minute, its steps paced by a sleep (the cores stay free).
     (tmp_path / "job.sbatch").write_text(JOB_WITH_MOVING_FINISH)
     (tmp_path / "max_steps").write_text("10000000")
     job = slurm_cluster.sbatch(["job.sbatch"], cwd=tmp_path)

@@ -172,7 +172,8 @@ def test_cancelled_job_fails_the_sweep_instead_of_hanging(which, request, tmp_pa
     cluster = request.getfixturevalue(which)
     name = f"lost-{uuid.uuid4().hex[:8]}"
     proc = subprocess.Popen([sys.executable, "-m", "expgpu", "-m", "hydra/launcher=slurm", "task=a",
-                             "task.max_steps=10000000", "hydra.launcher.gpus_per_node=0",
+                             "task.max_steps=10000000", "faults.device_ms_per_example=0.1",   # sleeps
+                             "hydra.launcher.gpus_per_node=0",
                              "hydra.launcher.lost_after_s=3", f"hydra.launcher.name={name}",
                              f"hydra.sweep.dir={tmp_path / 'sweep'}"],
                             cwd=REPO, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
