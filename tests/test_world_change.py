@@ -149,7 +149,8 @@ def test_stopped_on_one_world_size_resumed_on_another_trains_on_the_same_samples
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     res = resumed.result
     assert res["resumed_from_step"] == STOP and res["world_size"] == after and res["steps"] == STEPS
-    assert res["metrics"]["batch"] == 16 // after
+    assert res["metrics"]["batch"] == res["metrics"]["rank_batch"] == 16 // after
+    assert res["metrics"]["start_world"] == before and first.result["metrics"]["start_world"] == before
     assert len({r["param_checksum"] for r in res["plan"]}) == 1
     ref = straight[min(before, 2)]   # 4 ranks x 4 take the same global batches as 2 x 8 (asserted above)
     assert _ids(run_dir) == _ids(ref.run_dir)   # no sample repeated or skipped, step for step

@@ -45,7 +45,8 @@ def world_ids(run: Run, max_steps: int = 30, batch_size: int = 8, n: int = 200, 
             counts["steps"] += 1
             run.log(loss=run.all_reduce(loss.detach(), "mean"))   # the whole global batch's loss
     return {"loss": float(run.all_reduce(loss.detach(), "mean")), "batch": loader.batch_size,
-            "steps_here": counts["steps"]}
+            "steps_here": counts["steps"], "rank_batch": run.rank_batch(batch_size),
+            "start_world": run.start_world_size}
 
 
 def _batches(run: Run, loader, max_steps: int, epochs: int):

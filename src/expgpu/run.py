@@ -130,6 +130,23 @@ class Run:
         check_loader_args(dataset, batch_size, kwargs)
         return self._loaders.build(dataset, batch_size, shuffle, drop_last, drop_last, **kwargs)
 
+    def rank_batch(self, batch_size: int, what: str = "batch_size") -> int:
+        """This rank's batch now for `batch_size` per rank at the world size the run started with:
+        the same global batch on this world after a resume on another number of ranks (run.loader
+        applies it itself). A world that cannot share it equally is one line naming `what`, exit 2."""
+        mine = self._state.rank_batch(batch_size, self.cfg.checkpoint.resume)
+        if mine is None:
+            why = world_change.indivisible(what, batch_size, self.start_world_size, self.world_size)
+            raise UserError(f"checkpoint {self._state.path} is of a run {why}")
+        return mine
+
+    @property
+    def start_world_size(self) -> int:
+        """The number of ranks the run started with, which per-rank batch sizes are counted at."""
+        if self.cfg.checkpoint.resume:
+            self._state.peek()   # read once, before the loop (rank_batch, run.loader)
+        return self._state.start_world
+
     def track(self, **objects) -> None:
         """Objects whose state_dict() is checkpointed and restored on a resume: modules (wrapped or
         not), optimizers, schedulers, GradScaler, your own (rank 0's state); a dict of numbers and

@@ -42,14 +42,14 @@ def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, m
     opt = _build(optimizer, "optimizer", net.parameters())
     sched = _build(scheduler, "scheduler", opt) if scheduler is not None else None
     scaler = torch.amp.GradScaler(run.device.type) if run.precision == "16" else None
-    given, batch_size = batch_size, _rank_batch(run, batch_size)   # per rank on this world (world_change)
+    given, batch_size = batch_size, run.rank_batch(batch_size, "task.batch_size")   # per rank on this world
     local, sampler, loader = _data(run, dataset, given, batch_size, loss_fn, hasattr(net, "no_sync"), accumulate)
     split = shard.SplitState(local.split.mode if local else "uniform", local, sampler, batch_size, run.world_size)
     run.track(model=model, optimizer=opt, shard=split,
               **({"scheduler": sched} if sched is not None else {}),
               **({"scaler": scaler} if scaler is not None else {}))
     ws = run.world_size
-    share = f" (its share of {given} x {run._state.start_world} at the start)" if given != batch_size else ""
+    share = f" (its share of {given} x {run.start_world_size} at the start)" if given != batch_size else ""
     run._extra["step_means"] = (f"one optimizer step of every rank: a global batch of task.batch_size {batch_size}"
                                 f"{share}"
                                 f"{f' x accumulate {accumulate}' if accumulate > 1 else ''} x {ws} rank(s) = "
@@ -128,18 +128,6 @@ def _build(factory: Any, key: str, arg: Any) -> Any:
             pass
         raise UserError(f"task.{key}: {getattr(func, '__name__', key)} refused its settings "
                         f"({first_line(e)}){takes}") from None
-
-
-def _rank_batch(run: Run, batch_size: int) -> int:
-    """task.batch_size is per rank at the world size the run started with: on a resume on another
-    world size each rank takes the same global batch's share, or one line when it does not divide."""
-    from expgpu import world_change
-
-    mine = run._state.rank_batch(batch_size, run.cfg.checkpoint.resume)
-    if mine is None:
-        why = world_change.indivisible("task.batch_size", batch_size, run._state.start_world, run.world_size)
-        raise UserError(f"checkpoint {run._state.path} is of a run {why}")
-    return mine
 
 
 def _data(run: Run, dataset, given: int, batch_size: int, loss_fn, ddp: bool, accumulate: int):
