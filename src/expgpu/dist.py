@@ -212,3 +212,11 @@ def barrier() -> None:
 
     if dist.is_initialized():
         dist.barrier()
+
+
+def sync_device(device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously): before a time is read."""
+    if device is not None and getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)

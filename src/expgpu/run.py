@@ -306,7 +306,7 @@ class Run:
             self._in_step = False
             self.step = step = self.step + 1
             if step - start == 10:
-                _sync(self.device)
+                dist.sync_device(self.device)
                 self._timing["t10"] = time.time()   # steps/s is measured after 10 warm-up steps
             if step >= max_steps:
                 break   # done: a signal now changes nothing; the last row is written at the end
@@ -319,7 +319,7 @@ class Run:
 
     def _end(self) -> None:
         self._stopper.settle()   # the stop poll still in flight: finished before the group goes
-        _sync(self.device)
+        dist.sync_device(self.device)
         self._timing["end"] = time.time()
         self._save("end of training")
 
@@ -387,7 +387,7 @@ class Run:
                 self._count_broken_step()
             if finished and self._started and self._saved_at != self.step:
                 self._stopper.settle()
-                _sync(self.device)
+                dist.sync_device(self.device)
                 self._timing["end"] = self._timing["end"] or time.time()
                 self._save("end of training")
         finally:
@@ -418,10 +418,3 @@ def _inject_fault(faults: dict, rank: int, step: int) -> None:
         if faults.get("kind") == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected crash (faults.crash_rank={rank} faults.crash_step={step})")
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from expgpu.dist import sync_device
 from expgpu.errors import UserError
 
 log = logging.getLogger("expgpu")
@@ -238,7 +239,7 @@ class LocalStep:
         """Around one forward and backward of `batch` examples; yields the loss weight to apply."""
         measuring = self.measuring
         if measuring:
-            _sync(self.device)
+            sync_device(self.device)
             t0 = time.perf_counter()
         cpu0 = self.slowness.start() if self.slowness else 0.0
         with model.no_sync() if measuring else contextlib.nullcontext():
@@ -246,7 +247,7 @@ class LocalStep:
         if self.slowness:
             self.slowness.finish(cpu0, batch)
         if measuring:
-            _sync(self.device)
+            sync_device(self.device)
             self.times.append(time.perf_counter() - t0)
             average_gradients(model.parameters(), self.world_size)
         self.steps += 1
@@ -358,10 +359,3 @@ def average_gradients(parameters, world_size: int) -> None:
         n = p.grad.numel()
         p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
         offset += n
-
-
-def _sync(device) -> None:
-    if device is not None and getattr(device, "type", "cpu") == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
