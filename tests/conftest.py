@@ -15,6 +15,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Steps paced by a sleep: every rank sleeps 0.1 ms per example of its batch (6.4 ms a step of task
+# a), a device computing while the CPU waits. For runs that must still be training when a signal,
+# a requeue or a time limit comes, and for sweeps whose jobs must train at the same moment: the
+# wait costs the cores nothing the tests beside them could use. It changes no result, so a paced
+# run is compared with a paced reference.
+PACED = "faults.device_ms_per_example=0.1"
+
 # Variables a launcher around the test run (srun, torchrun, an expgpu spawn) may have
 # set: a test decides for itself who started its processes.
 LAUNCHER_PREFIXES = ("SLURM_", "EXPGPU_", "TORCHELASTIC_", "OMPI_", "PMI_", "MPI_LOCAL")

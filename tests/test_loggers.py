@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, expgpu, finish, start, wait_for_progress
+from conftest import PACED, REPO, clean_env, expgpu, finish, start, wait_for_progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.xdist_group("test_loggers")]
 
@@ -228,22 +228,20 @@ def assert_one_logger_run_per_job(sweep: Path, names: dict[str, str]) -> None:
         _same_floats(_tensorboard(log_dir, "loss"), _history(sweep / num, "loss"))
 
 
-# Steps paced by a sleep (an emulated device: 64 examples x 0.1 ms), so that both of a sweep's jobs
-# are surely training at once although their start-ups drift on a busy machine (unpaced, task a's
-# 1200 steps take ~1 s); sleeping costs no CPU. Its uninterrupted run is paced alike.
-PACED = ["faults.device_ms_per_example=0.1"]
+# Steps paced (conftest.PACED), so that both of a sweep's jobs are surely training at once although
+# their start-ups drift on a busy machine (unpaced, task a's 1200 steps take ~1 s).
 
 
 @pytest.fixture(scope="module")
 def paced_reference(tmp_path_factory) -> list[tuple[int, float]]:
-    return _uninterrupted(tmp_path_factory.mktemp("paced_ref") / "run", PACED)
+    return _uninterrupted(tmp_path_factory.mktemp("paced_ref") / "run", [PACED])
 
 
 def test_a_joblib_sweep_stopped_by_ctrl_c_says_so_and_resumes_into_the_same_logger_runs(tmp_path, paced_reference):
     # Ctrl-C reaches the loky workers too: each job saves and raises Stopped, which the worker
     # pickles back to the sweep (it broke joblib's pool: "A result has failed to un-serialize").
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "expgpu", "-m", "task=a,b", f"task.max_steps={STEPS}", "task.log_every=5", *PACED,
+    cmd = [sys.executable, "-m", "expgpu", "-m", "task=a,b", f"task.max_steps={STEPS}", "task.log_every=5", PACED,
            "logger=[tensorboard,mlflow]", *LAUNCHERS["joblib"], f"hydra.sweep.dir={sweep}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)

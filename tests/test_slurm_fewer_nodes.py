@@ -16,16 +16,15 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import REPO, wait_until
+from conftest import PACED, REPO, wait_until
 from slurm_cluster import slurm_cluster_2n  # noqa: F401
 
 pytestmark = pytest.mark.slurm
 
-# Each step sleeps 6.4 ms per rank (64 examples x 0.1 ms; 12.8 ms on 2 ranks after the requeue):
+# Paced (conftest.PACED; 12.8 ms a step on 2 ranks after the requeue, each with 128 examples):
 # seconds of training, so the requeue lands mid-way, at little CPU.
 STEPS = 600
-ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "backend.timeout_s=60",
-        "faults.device_ms_per_example=0.1"]
+ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "backend.timeout_s=60", PACED]
 STOPPED = re.compile(r"expgpu: stopped at step (\d+) of \d+ by (\w+); checkpoint saved\.")
 
 

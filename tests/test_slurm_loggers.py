@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, wait_until
+from conftest import PACED, REPO, wait_until
 from slurm_cluster import slurm_cluster  # noqa: F401
 from test_loggers import (SWEEP, SWEEP_JOBS, _history, _mlflow, _mlflow_history, _same_floats, _tensorboard,
                           assert_one_logger_run_per_job)
@@ -48,11 +48,9 @@ def test_a_slurm_sweep_is_one_mlflow_and_tensorboard_run_per_job_from_rank_0(slu
 
 
 # Seconds of training, so the preemption lands mid-way: after the 40 rows (step 200) the tests wait
-# for, a stop lands within 1 s (about 130 steps). Each step sleeps 6.4 ms (64 examples x 0.1 ms),
-# so the wait costs little CPU.
+# for, a stop lands within 1 s (about 130 steps of 7-8 ms: paced, conftest.PACED).
 STEPS = 1000
-ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "logger=[tensorboard,mlflow]",
-        "faults.device_ms_per_example=0.1"]
+ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "logger=[tensorboard,mlflow]", PACED]
 
 
 @pytest.mark.timeout(300)

@@ -22,15 +22,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, expgpu, wait_until
+from conftest import PACED, REPO, expgpu, wait_until
 from slurm_cluster import slurm_cluster  # noqa: F401
 
 pytestmark = pytest.mark.slurm   # conftest runs every slurm test in one xdist group
 
-# Seconds of training for 2 CPU ranks, so that a requeue lands mid-way (a stop lands within 1 s):
-# each step sleeps 6.4 ms (64 examples x 0.1 ms, a device computing while the CPU waits), so that
-# the wait costs the cores nothing that the tests beside this one could use.
-PACED = "faults.device_ms_per_example=0.1"
+# Seconds of training for 2 CPU ranks, paced (conftest.PACED), so that a requeue lands mid-way (a
+# stop lands within 1 s).
 STEPS = 600
 ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "backend.timeout_s=60", PACED]
 STOPPED = re.compile(r"expgpu: stopped at step (\d+) of \d+ by (\w+); checkpoint saved\. (.*)")
@@ -126,8 +124,8 @@ JOB_WITH_MOVING_FINISH = """#!/bin/bash
 # requeued (max_steps may change on resume), so the second start ends in seconds.
 echo "restart ${SLURM_RESTART_COUNT:-0}"
 srun --kill-on-bad-exit=1 python -m expgpu task=a task.max_steps=$(cat max_steps) task.log_every=5 \\
-    backend.timeout_s=60 faults.device_ms_per_example=0.1
-"""
+    backend.timeout_s=60 {PACED}
+""".replace("{PACED}", PACED)
 
 
 @pytest.mark.timeout(240)

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, clean_env
+from conftest import PACED, REPO, clean_env
 from slurm_cluster import slurm_cluster, slurm_cluster_2n  # noqa: F401
 
 pytestmark = pytest.mark.slurm
@@ -172,7 +172,7 @@ def test_cancelled_job_fails_the_sweep_instead_of_hanging(which, request, tmp_pa
     cluster = request.getfixturevalue(which)
     name = f"lost-{uuid.uuid4().hex[:8]}"
     proc = subprocess.Popen([sys.executable, "-m", "expgpu", "-m", "hydra/launcher=slurm", "task=a",
-                             "task.max_steps=10000000", "faults.device_ms_per_example=0.1",   # sleeps
+                             "task.max_steps=10000000", PACED,
                              "hydra.launcher.gpus_per_node=0",
                              "hydra.launcher.lost_after_s=3", f"hydra.launcher.name={name}",
                              f"hydra.sweep.dir={tmp_path / 'sweep'}"],
