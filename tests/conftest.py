@@ -30,11 +30,38 @@ LAUNCHER_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
 
 
 def clean_env(**extra: str) -> dict[str, str]:
+    """The environment of a process a test starts. Its launches fork their ranks from this test
+    process's warm server (expgpu.warm_server): most of the suite's CPU was torch's import in
+    each launch. EXPGPU_WARM_SERVER="" in `extra`: this launch starts its ranks as without one."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if "EXPGPU_WARM_SERVER" not in extra:
+        env["EXPGPU_WARM_SERVER"] = warm_server()
     env.update(extra)
     return env
+
+
+_warm: dict = {}
+
+
+def warm_server() -> str:
+    """The socket of this test process's warm server, started on first use, stopped at exit."""
+    if "path" not in _warm:
+        import atexit
+        import tempfile
+
+        from expgpu import procs
+
+        where = Path(tempfile.mkdtemp(prefix="expgpu-warm-"))   # short: a socket path has 107 bytes
+        env = clean_env(EXPGPU_WARM_SERVER="")
+        with open(where / "server.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "expgpu.warm_server", str(where / "s")], cwd=REPO,
+                                    env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    preexec_fn=procs.die_with_parent)
+        atexit.register(lambda: (proc.terminate(), proc.wait(10)))
+        _warm.update(path=str(where / "s"), proc=proc)
+    return _warm["path"]
 
 
 @dataclass

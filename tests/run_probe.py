@@ -57,13 +57,17 @@ def logs_window(run: Run, max_steps: int = 30):
 
 
 def launcher_pid() -> int:
-    """The `python -m expgpu` that started this rank: its parent, or, for a rank forked from the
-    launch's warm process (expgpu.warm_ranks), that one's parent."""
+    """The `python -m expgpu` that started this rank: its parent, or, for a rank forked from a
+    warm process, that one's parent (expgpu.warm_ranks) or the launcher of this run's dir
+    (expgpu.warm_server, which outlives launches)."""
     import psutil
 
     parent = psutil.Process().parent()
     if "expgpu.warm_ranks" in parent.cmdline():
         parent = parent.parent()
+    elif "expgpu.warm_server" in parent.cmdline():
+        run_dir = f"hydra.run.dir={sys.argv[-1]}"
+        parent = next(p for p in psutil.process_iter(["cmdline"]) if run_dir in (p.info["cmdline"] or []))
     return parent.pid
 
 
@@ -432,5 +436,6 @@ def process(run: Run):
     parent = psutil.Process().parent()
     (run.run_dir / f"process{run.rank}.json").write_text(json.dumps({
         "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
-        "forked": "expgpu.warm_ranks" in parent.cmdline(), "rank_env": os.environ.get("EXPGPU_RANK"),
+        "forked": any(warm in parent.cmdline() for warm in ("expgpu.warm_ranks", "expgpu.warm_server")),
+        "rank_env": os.environ.get("EXPGPU_RANK"),
         "argv": sys.argv}))

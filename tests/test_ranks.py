@@ -154,10 +154,11 @@ WELL_FORMED = {
     # spawn.py's contract: port 0 = rank 0 binds a free port and publishes it in the run dir
     "local spawn, port chosen later": (
         {**LOCAL, "EXPGPU_MASTER_PORT": "0"}, info(2, 2, 4, 4, 0, "127.0.0.1", 0, "local")),
+    # one rank of one (a warm server's fork): a single process's run, as the user launched it
     "local single child, port 0": (
         {**LOCAL, "EXPGPU_RANK": "0", "EXPGPU_LOCAL_RANK": "0", "EXPGPU_WORLD_SIZE": "1",
          "EXPGPU_LOCAL_WORLD_SIZE": "1", "EXPGPU_MASTER_PORT": "0"},
-        info(0, 0, 1, 1, 0, "127.0.0.1", 0, "local"),
+        info(0, 0, 1, 1, 0, "127.0.0.1", 0, "single"),
     ),
     "mpi, 1 process, no MASTER_ADDR": (
         {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0",

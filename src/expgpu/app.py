@@ -134,8 +134,13 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
 
 def _train(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int) -> dict | None:
     """Train in `run_dir`, here (one process per rank) or in nproc workers; rank 0's result."""
+    server = None
     if nproc == 1:
-        return rank_process.run(plain, info, run_dir)
+        # One rank trains in this process, unless a warm server (EXPGPU_WARM_SERVER) forks it:
+        # then this process supervises it, as it does several, and never imports torch.
+        server = spawn.rank_server(warm=info.world_size == 1 and not plain.get("script"), nproc=1)
+        if server is None:
+            return rank_process.run(plain, info, run_dir)
     # Supervisor: one plan for the node, written where the workers read it.
     node = placement.compute(plain, nproc)
     _write_plan(run_dir, node, info)
@@ -151,7 +156,7 @@ def _train(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int) -> dict
     grace = script_task["grace_s"] + spawn.GRACE_S if script_task else spawn.GRACE_S
     failure = spawn.run(nproc, run_dir, node_rank=info.rank, nnodes=info.world_size,
                         master_addr=info.master_addr if multi_node else "127.0.0.1", master_port=port,
-                        grace_s=grace, warm=not script_task)
+                        grace_s=grace, warm=not script_task, server=server)
     if failure is not None:
         if failure.user_error:
             raise UserError(failure.message)

@@ -197,7 +197,7 @@ def _metrics(returned, target: str) -> dict:
 
 def setup_logging(run_dir: Path, rank: int) -> None:
     """The logging the user chose with hydra/job_logging (default, stdout, disabled, ...), as in the
-    process that spawned this one, with "[rank N]" before each message; also logs/rank<N>.log
+    process that spawned this one, with "[rank N]" before each message of one of several ranks; also logs/rank<N>.log
     (not under hydra/job_logging=disabled, which disables expgpu's logger itself)."""
     import logging.config
 
@@ -209,7 +209,8 @@ def setup_logging(run_dir: Path, rank: int) -> None:
             record.msg = f"[rank {rank}] {record.msg}"
         return record
 
-    logging.setLogRecordFactory(tagged)
+    if os.environ.get("EXPGPU_WORLD_SIZE", "1") != "1":   # one rank's lines are all its own
+        logging.setLogRecordFactory(tagged)
     try:
         chosen = json.loads(rundir.logging_file(run_dir).read_text())
     except (OSError, ValueError):

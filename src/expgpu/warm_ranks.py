@@ -61,16 +61,21 @@ class WarmRanks:
 
 
 def rank(sock: socket.socket) -> None:
-    """A forked rank (the server's `spare`): take its environment and argv, then run as
-    `python -m expgpu.rank_process RUN_DIR` would."""
+    """A forked rank (the server's `spare`): take its environment and argv, then run."""
     msg = sock.recv(1 << 22)
     sock.close()
     if not msg:
         os._exit(0)   # the supervisor hung up before this rank got its job
     job = json.loads(msg)
+    run_rank(job["env"], job["argv"])
+
+
+def run_rank(env: dict[str, str], argv: list[str]) -> None:
+    """In a fork (of this launch's server, or of expgpu.warm_server's): run as
+    `python -m expgpu.rank_process RUN_DIR` would, in a fresh process with this environment."""
     os.environ.clear()
-    os.environ.update(job["env"])
-    sys.argv = job["argv"]
+    os.environ.update(env)
+    sys.argv = argv
     import random
 
     random.seed()   # seeded from the OS, as a fresh process; the server's state is every fork's

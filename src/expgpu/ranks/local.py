@@ -36,5 +36,7 @@ def detect(env: Mapping[str, str]) -> RankInfo | None:
     }
     fields["master_addr"] = env_str(env, VARIABLES["master_addr"])
     fields["master_port"] = env_port(env, VARIABLES["master_port"])
-    return build("local", VARIABLES, **fields)
+    # One rank of one is a single process's run, as the user launched it: expgpu's spawn only
+    # supervises it (the rank forked from a warm server, expgpu.warm_server).
+    return build("single" if fields["world_size"] == 1 else "local", VARIABLES, **fields)
 
