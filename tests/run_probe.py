@@ -434,8 +434,8 @@ def process(run: Run):
     import psutil
 
     parent = psutil.Process().parent()
+    by = next((warm for warm in ("expgpu.warm_ranks", "expgpu.warm_server") if warm in parent.cmdline()), None)
     (run.run_dir / f"process{run.rank}.json").write_text(json.dumps({
         "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
-        "forked": any(warm in parent.cmdline() for warm in ("expgpu.warm_ranks", "expgpu.warm_server")),
-        "rank_env": os.environ.get("EXPGPU_RANK"),
-        "argv": sys.argv}))
+        "forked": by is not None, "forked_by": by, "rank_env": os.environ.get("EXPGPU_RANK"),
+        "argv": sys.argv, "cwd": os.getcwd(), "path": sys.path[:3]}))

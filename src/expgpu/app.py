@@ -134,14 +134,23 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
 
 def _train(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int) -> dict | None:
     """Train in `run_dir`, here (one process per rank) or in nproc workers; rank 0's result."""
-    server = None
-    if nproc == 1:
-        # One rank trains in this process, unless a warm server (EXPGPU_WARM_SERVER) forks it:
-        # then this process supervises it, as it does several, and never imports torch.
-        server = spawn.rank_server(warm=info.world_size == 1 and not plain.get("script"), nproc=1)
-        if server is None:
-            return rank_process.run(plain, info, run_dir)
-    # Supervisor: one plan for the node, written where the workers read it.
+    script_task = plain.get("script")
+    # A warm server (EXPGPU_WARM_SERVER) may fork the ranks of a launch started here by hand, not
+    # those of an srun step, torchrun or mpirun: they stay in the processes (and cgroup) those started.
+    server = spawn.rank_server(warm=not script_task, nproc=nproc, shared=info.source == "single")
+    if nproc == 1 and server is None:
+        return rank_process.run(plain, info, run_dir)
+    # Else this process supervises: one rank forked by a warm server (this process then never
+    # imports torch), or several.
+    try:
+        return _supervise(plain, info, run_dir, nproc, server)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _supervise(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int, server) -> dict | None:
+    """Start the node's ranks and wait for them: one plan for the node, written where they read it."""
     node = placement.compute(plain, nproc)
     _write_plan(run_dir, node, info)
     rundir.state_dir(run_dir).mkdir(parents=True, exist_ok=True)
@@ -156,7 +165,7 @@ def _train(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int) -> dict
     grace = script_task["grace_s"] + spawn.GRACE_S if script_task else spawn.GRACE_S
     failure = spawn.run(nproc, run_dir, node_rank=info.rank, nnodes=info.world_size,
                         master_addr=info.master_addr if multi_node else "127.0.0.1", master_port=port,
-                        grace_s=grace, warm=not script_task, server=server)
+                        grace_s=grace, server=server)
     if failure is not None:
         if failure.user_error:
             raise UserError(failure.message)

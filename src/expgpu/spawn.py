@@ -101,11 +101,10 @@ def _threads_per_worker(nproc: int) -> dict[str, str]:
 
 def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
         node_rank: int = 0, nnodes: int = 1, master_addr: str = "127.0.0.1",
-        master_port: int = 0, grace_s: float = GRACE_S, warm: bool = True, server=None) -> Failure | None:
+        master_port: int = 0, grace_s: float = GRACE_S, server=None) -> Failure | None:
     """Start nproc workers and wait; None when all succeeded, else the first failure. When one fails,
-    the others get SIGTERM and grace_s to exit. `warm`: fork them from one process that imported
-    torch (expgpu.warm_ranks); a script task's ranks, which never import it, are started fresh.
-    `server`: what forks them, when the caller has it already (rank_server's)."""
+    the others get SIGTERM and grace_s to exit. `server`: what forks them from a process that
+    imported torch (rank_server's; the caller closes it), None: each starts fresh."""
     launch = uuid.uuid4().hex[:12]
     world = nproc * nnodes
     procs.atexit_grace_s()   # a bad EXPGPU_ATEXIT_GRACE_S: one line now, not at every rank's exit
@@ -114,7 +113,6 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
     stopper = stopping.current()
     early = stopper.received if stopper else None  # a signal while Hydra composed: pass it on
     threads = _threads_per_worker(nproc)
-    server = server or rank_server(warm, nproc)
     workers: list = []
     for local_rank in range(nproc):
         env = dict(os.environ, **(env_extra or {}), **threads)
@@ -161,26 +159,25 @@ def run(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
             time.sleep(0.05)
     finally:
         _stop(workers, signal.SIGKILL)  # nothing outlives the parent, whatever happened
-        if server is not None:
-            server.close()
         for s, h in old.items():
             signal.signal(s, h)
 
 
-def rank_server(warm: bool, nproc: int):
-    """What forks this launch's ranks, or None (a script task's; EXPGPU_WARM_RANKS=0): the server
-    named by EXPGPU_WARM_SERVER (expgpu.warm_server), else one of this launch's own
-    (expgpu.warm_ranks) when there are several ranks to share its import. A server that does not
-    start or refuses the launch leaves the ranks to start one by one, or on one of its own."""
+def rank_server(warm: bool, nproc: int, shared: bool):
+    """What forks this launch's ranks, or None (not `warm`: a script task's, whose ranks never
+    import torch; EXPGPU_WARM_RANKS=0): the server that EXPGPU_WARM_SERVER names
+    (expgpu.warm_server) when it may be `shared`, else one of this launch's own (expgpu.warm_ranks)
+    when there are several ranks to share its import. A shared server that refuses the launch
+    leaves it to the latter, after a warning that says why."""
     if not warm or os.environ.get("EXPGPU_WARM_RANKS", "1") == "0":
         return None
-    from expgpu import warm_server
+    from expgpu import warm_client
 
-    if os.environ.get(warm_server.ENV):
+    if shared and os.environ.get(warm_client.ENV):
         try:
-            return warm_server.WarmServer(os.environ[warm_server.ENV], dict(os.environ))
-        except (warm_server.Refused, OSError) as e:
-            log.warning("%s=%s not used for this launch: %s", warm_server.ENV, os.environ[warm_server.ENV], e)
+            return warm_client.WarmServer(os.environ[warm_client.ENV], dict(os.environ))
+        except (warm_client.Refused, OSError) as e:
+            log.warning("%s=%s not used for this launch: %s", warm_client.ENV, os.environ[warm_client.ENV], e)
     if nproc < 2:
         return None
     from expgpu.warm_ranks import WarmRanks

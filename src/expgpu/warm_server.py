@@ -40,123 +40,17 @@ import signal
 import socket
 import struct
 import sys
-import time
 from pathlib import Path
 
 from expgpu import procs, stopping
 from expgpu.errors import UserError
 
-ENV = "EXPGPU_WARM_SERVER"
-REPLY_TIMEOUT_S = 120.0   # the server may still be importing torch when the first launch asks
+from expgpu.warm_client import ENV
 # Read when an interpreter, torch or its libraries start: a fork keeps the server's values.
 START_VARS = ("PYTHON", "TORCH", "PYTORCH", "LD_", "MKL_", "KMP_", "OMP_", "GOMP_", "OPENBLAS_", "MALLOC_")
 # ...but these a rank sets for itself (sys.path; torch's threads), as a fork of expgpu.warm_ranks does.
 PER_LAUNCH = {"PYTHONPATH", *procs.THREAD_VARS, procs.BLAS_VAR}
 
-
-# ---------------------------------------------------------------------------------------------
-# The launcher's side
-
-class WarmServer:
-    """The server at `path`, checked for this launch's environment (raises Refused, or UserError
-    when nothing listens there)."""
-
-    def __init__(self, path: str, env: dict[str, str]):
-        self.path = path
-        self.ranks: list[RemoteRank] = []
-        sock = self._connect()
-        try:
-            sock.send(json.dumps({"check": _launch(env, [])}).encode())
-            answer = _reply(sock)
-        finally:
-            sock.close()
-        if "refused" in answer:
-            raise Refused(answer["refused"])
-
-    def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            sock.connect(self.path)
-        except OSError as e:
-            sock.close()
-            raise UserError(f"{ENV}={self.path!r}: no warm server listens there ({e.strerror}); start one with "
-                            f"`python -m expgpu.warm_server {self.path}`, or unset {ENV}") from None
-        return sock
-
-    def start(self, env: dict[str, str], argv: list[str]) -> "RemoteRank":
-        """A rank forked by the server, on this process's stdin, stdout and stderr."""
-        sock = self._connect()
-        try:
-            socket.send_fds(sock, [json.dumps({"job": _launch(env, argv)}).encode()], [0, 1, 2])
-            answer = _reply(sock)
-        except BaseException:
-            sock.close()
-            raise
-        if "pid" not in answer:
-            sock.close()
-            raise OSError(answer.get("refused", "no answer"))
-        rank = RemoteRank(sock, answer["pid"])
-        self.ranks.append(rank)
-        return rank
-
-    def close(self) -> None:
-        """Hang up: a rank still running is then killed by the server."""
-        for rank in self.ranks:
-            rank.sock.close()
-
-
-class Refused(Exception):
-    """The server cannot stand in for this launch (the message says why)."""
-
-
-class RemoteRank:
-    """A forked rank, as much of subprocess.Popen as expgpu.spawn uses (pid, poll, wait, signals)."""
-
-    def __init__(self, sock: socket.socket, pid: int):
-        self.sock, self.pid, self.code = sock, pid, None
-
-    def poll(self) -> int | None:
-        while self.code is None and select.select([self.sock], [], [], 0)[0]:
-            try:
-                msg = self.sock.recv(4096)
-            except OSError:
-                msg = b""
-            self.code = json.loads(msg)["code"] if msg else -signal.SIGKILL   # no word: died with the server
-        return self.code
-
-    def wait(self, timeout: float = 30.0) -> int | None:
-        deadline = time.monotonic() + timeout
-        while self.poll() is None and time.monotonic() < deadline:
-            select.select([self.sock], [], [], max(0.0, min(0.5, deadline - time.monotonic())))
-        return self.code
-
-    def send_signal(self, sig: int) -> None:
-        """Not to one known to have exited; reads nothing (it may run in a signal handler)."""
-        if self.code is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-def _launch(env: dict[str, str], argv: list[str]) -> dict:
-    return {"python": sys.executable, "cwd": os.getcwd(), "env": env, "argv": argv}
-
-
-def _reply(sock: socket.socket) -> dict:
-    if not select.select([sock], [], [], REPLY_TIMEOUT_S)[0]:
-        raise OSError(f"the warm server did not answer in {REPLY_TIMEOUT_S:.0f} s")
-    msg = sock.recv(1 << 16)
-    if not msg:
-        raise OSError("the warm server hung up")
-    return json.loads(msg)
-
-
-# ---------------------------------------------------------------------------------------------
-# The server's side
 
 _BASE_PATH: list[str] = []   # sys.path at start, and its PYTHONPATH part
 _OWN_PYTHONPATH: list[str] = []
@@ -188,16 +82,18 @@ def refusal(launch: dict) -> str | None:
     for name in sorted(set(env) | set(_START_ENV)):
         if name.startswith(START_VARS) and name not in PER_LAUNCH and env.get(name) != _START_ENV.get(name):
             return f"{name}={env.get(name)!r} here, {_START_ENV.get(name)!r} in the server (read at start-up)"
-    imported = {name.partition(".")[0]: mod for name, mod in list(sys.modules.items())}
+    # Modules from files (a built-in or frozen one comes first in any process): a fresh process
+    # would import one from the launch's directory or PYTHONPATH if it holds it.
+    imported = {name: mod.__file__ for name, mod in list(sys.modules.items())
+                if "." not in name and getattr(mod, "__file__", None)}
     for entry in [launch["cwd"], *_pythonpath(env, launch["cwd"])]:
         if entry in _BASE_PATH:
             continue
-        for name, mod in imported.items():
-            where = getattr(mod, "__file__", None) or ""
+        for name, where in imported.items():
             if not where.startswith(entry + os.sep) and (
                     os.path.exists(os.path.join(entry, name, "__init__.py"))
                     or os.path.exists(os.path.join(entry, name + ".py"))):
-                return f"{os.path.join(entry, name)} would shadow {name}, which it imported from {where or 'its build'}"
+                return f"{os.path.join(entry, name)} would shadow {name}, which it imported from {where}"
     return None
 
 
@@ -273,9 +169,16 @@ def _loop(listener: socket.socket) -> None:
             elif ready == r:
                 os.read(r, 4096)
                 _reap(ranks)
-            elif ready in ranks and not ready.recv(16):   # the launcher hung up first: it died
+            elif ready in ranks and not _said(ready):   # the launcher hung up first: it died
                 procs.kill_group(ranks.pop(ready))
                 ready.close()
+
+
+def _said(conn: socket.socket) -> bytes:
+    try:
+        return conn.recv(16)
+    except OSError:
+        return b""
 
 
 def _quit(signum, frame):
