@@ -20,14 +20,18 @@ from conftest import REPO, clean_env, expgpu, start, wait_until
 from expgpu import warm_server
 
 TESTS = REPO / "tests"
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.xdist_group("warm_server")]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("warm_server")]
 
 
 def _serve(path: Path) -> subprocess.Popen:
-    """A server of this module's own (the test kills and inspects it), started as a user would."""
-    return subprocess.Popen([sys.executable, "-m", "expgpu.warm_server", str(path)], cwd=REPO,
+    """A server of this module's own (the test kills and inspects it), started as a user would,
+    once it is ready."""
+    proc = subprocess.Popen([sys.executable, "-m", "expgpu.warm_server", str(path)], cwd=REPO,
                             env=clean_env(EXPGPU_WARM_SERVER=""), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    ready = proc.stderr.readline()   # bounded by the module's timeout
+    assert f"ready: export EXPGPU_WARM_SERVER={path}" in ready, ready + proc.stderr.read()
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +48,7 @@ def _processes(run_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(run_dir.glob("process*.json"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_its_ranks_run_as_fresh_ones_in_the_launch_directory_and_path(tmp_path, server, nproc):
     """Forked ranks see the launch's working directory, PYTHONPATH (the probe task imports from
@@ -55,17 +60,18 @@ def test_its_ranks_run_as_fresh_ones_in_the_launch_directory_and_path(tmp_path, 
         env = clean_env(PYTHONPATH=str(TESTS), EXPGPU_WARM_SERVER=where, EXPGPU_WARM_RANKS="1" if where else "0")
         run = expgpu(args, tmp_path / mode, env=env, cwd=tmp_path)
         assert run.returncode == 0, run.stderr[-3000:]
-        assert "not used for this launch" not in run.stderr, run.stderr
+        assert "not used for this launch" not in run.output, run.output
         seen[mode] = _processes(run.run_dir)
         assert len(seen[mode]) == nproc
     for rank, (forked, fresh) in enumerate(zip(seen["server"], seen["own"])):
         assert forked["forked_by"] == "expgpu.warm_server" and not fresh["forked"]
         assert forked["cwd"] == fresh["cwd"] == str(tmp_path)
         assert forked["path"][:2] == fresh["path"][:2] == [str(tmp_path), str(TESTS)], (forked, fresh)
-        assert forked["rank_env"] == fresh["rank_env"] == str(rank)
+        assert forked["rank_env"] == str(rank)
         assert forked["threads"] == fresh["threads"] and forked["argv"][-1] == str(tmp_path / "server")
 
 
+@pytest.mark.slow
 def test_a_one_rank_launch_trains_as_without_it(tmp_path, server):
     """Its one rank is forked (the launcher only supervises it) and trains to the same losses,
     with the same console lines and result as a run in the launcher's own process."""
@@ -78,12 +84,14 @@ def test_a_one_rank_launch_trains_as_without_it(tmp_path, server):
     assert [m["loss"] for m in forked.metrics()] == [m["loss"] for m in alone.metrics()]
     assert forked.result["source"] == alone.result["source"] == "single"
     assert (forked.run_dir / "logs" / "rank0.log").exists()   # the fork's: its launcher did not train
+    assert not (alone.run_dir / "logs" / "rank0.log").exists()
     lines = [ln.split(" - ", 1)[1] for ln in forked.stderr.splitlines() + forked.stdout.splitlines()
              if " - step " in ln]
     assert lines == [ln.split(" - ", 1)[1] for ln in alone.stderr.splitlines() + alone.stdout.splitlines()
                      if " - step " in ln] and lines
 
 
+@pytest.mark.slow
 def test_a_launch_it_cannot_stand_in_for_runs_without_it_and_says_why(tmp_path, server):
     """PYTHONHASHSEED is read when an interpreter starts: a fork would keep the server's."""
     _, path = server
@@ -91,11 +99,12 @@ def test_a_launch_it_cannot_stand_in_for_runs_without_it_and_says_why(tmp_path, 
     run = expgpu(["--config-dir", str(TESTS / "conf"), "task=probe_process", "launch.nproc_per_node=2"],
                  tmp_path / "run", env=env)
     assert run.returncode == 0, run.stderr[-3000:]
-    said = [ln for ln in run.stderr.splitlines() if "not used for this launch" in ln]
-    assert len(said) == 1 and "PYTHONHASHSEED='7' here, None in the server" in said[0], run.stderr
+    said = [ln for ln in run.output.splitlines() if "not used for this launch" in ln]
+    assert len(said) == 1 and "PYTHONHASHSEED='7' here, None in the server" in said[0], run.output
     assert [p["forked_by"] for p in _processes(run.run_dir)] == ["expgpu.warm_ranks"] * 2   # the launch's own
 
 
+@pytest.mark.slow
 def test_a_killed_launcher_takes_its_forked_rank_with_it(tmp_path, server):
     proc, path = server
     env = clean_env(PYTHONPATH=str(TESTS), EXPGPU_WARM_SERVER=path)
@@ -109,9 +118,10 @@ def test_a_killed_launcher_takes_its_forked_rank_with_it(tmp_path, server):
     wait_until("the orphaned rank's end", lambda: not ranks[0].is_running() or
                ranks[0].status() == psutil.STATUS_ZOMBIE, 10)
     again = expgpu(["task=a", "task.max_steps=5"], tmp_path / "again", env=env)   # and it serves on
-    assert again.returncode == 0 and "not used" not in again.stderr, again.stderr[-2000:]
+    assert again.returncode == 0 and "not used" not in again.output, again.output[-2000:]
 
 
+@pytest.mark.slow
 def test_a_path_where_nothing_listens_is_one_line(tmp_path):
     where = tmp_path / "nothing"
     run = expgpu(["task=a", "task.max_steps=5"], tmp_path / "run", env=clean_env(EXPGPU_WARM_SERVER=str(where)))
@@ -119,8 +129,13 @@ def test_a_path_where_nothing_listens_is_one_line(tmp_path):
     last = run.stderr.strip().splitlines()[-1]
     assert f"EXPGPU_WARM_SERVER='{where}': no warm server listens there" in last, last
     assert "python -m expgpu.warm_server" in last
+    # Inside a SLURM job (here a bare sbatch shell's variables) ranks stay in the job: never asked.
+    in_job = expgpu(["task=a", "task.max_steps=5"], tmp_path / "job",
+                    env=clean_env(EXPGPU_WARM_SERVER=str(where), SLURM_JOB_ID="7"))
+    assert in_job.returncode == 0, in_job.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_stopping_the_server_ends_its_ranks_and_a_second_one_is_refused(tmp_path):
     path = Path(tempfile.mkdtemp(prefix="expgpu-warm-")) / "s"
     proc = _serve(path)
@@ -161,9 +176,9 @@ def started(monkeypatch, tmp_path):
 @pytest.mark.parametrize("env, why", [
     ({"PATH": "/bin", "OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "PYTHONPATH": "/x"}, None),  # a rank's own
     ({"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "EXPGPU_RANK": "3"}, None),   # read later
-    ({"PATH": "/bin", "PYTHONHASHSEED": "0"}, "PYTHONHASHSEED='0' here, None in the server"),
-    ({"PATH": "/bin", "TORCH_LOGS": "dynamo"}, "TORCH_LOGS='dynamo' here, None in the server"),
-    ({"PATH": "/bin", "LD_PRELOAD": "/lib/x.so"}, "LD_PRELOAD='/lib/x.so' here, None in the server"),
+    ({"PATH": "/bin", "PYTHONHASHSEED": "0"}, "PYTHONHASHSEED='0' here, None in the server (read at start-up)"),
+    ({"PATH": "/bin", "TORCH_LOGS": "dynamo"}, "TORCH_LOGS='dynamo' here, None in the server (read at start-up)"),
+    ({"PATH": "/bin", "LD_PRELOAD": "/lib/x.so"}, "LD_PRELOAD='/lib/x.so' here, None in the server (read at start-up)"),
 ])
 def test_it_refuses_a_launch_whose_start_up_variables_differ(started, env, why):
     assert started(env) == why

@@ -136,8 +136,10 @@ def _train(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int) -> dict
     """Train in `run_dir`, here (one process per rank) or in nproc workers; rank 0's result."""
     script_task = plain.get("script")
     # A warm server (EXPGPU_WARM_SERVER) may fork the ranks of a launch started here by hand, not
-    # those of an srun step, torchrun or mpirun: they stay in the processes (and cgroup) those started.
-    server = spawn.rank_server(warm=not script_task, nproc=nproc, shared=info.source == "single")
+    # those of torchrun, mpirun or a SLURM job (its steps, or a bare sbatch script): they stay in the
+    # processes, cgroup and node those gave them.
+    shared = info.source == "single" and "SLURM_JOB_ID" not in os.environ
+    server = spawn.rank_server(warm=not script_task, nproc=nproc, shared=shared)
     if nproc == 1 and server is None:
         return rank_process.run(plain, info, run_dir)
     # Else this process supervises: one rank forked by a warm server (this process then never
