@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,7 +60,13 @@ def warm_server() -> str:
             proc = subprocess.Popen([sys.executable, "-m", "expgpu.warm_server", str(where / "s")], cwd=REPO,
                                     env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                     preexec_fn=procs.die_with_parent)
-        atexit.register(lambda: (proc.terminate(), proc.wait(10)))
+
+        def stop():
+            proc.terminate()
+            if proc.wait(10) == 0:   # else its log says why
+                shutil.rmtree(where, ignore_errors=True)
+
+        atexit.register(stop)
         _warm.update(path=str(where / "s"), proc=proc)
     return _warm["path"]
 
