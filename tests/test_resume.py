@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Run, expgpu, finish, start, wait_for_progress
+from conftest import Run, clean_env, expgpu, finish, start, wait_for_progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.xdist_group("test_resume")]
 
@@ -28,6 +28,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.xdist_grou
 # (they stopped at steps 17-35 here, ~280 steps/s): 300 steps leave a margin of 8 or more.
 STEPS = 300
 ARGS = ["task=a", f"task.max_steps={STEPS}", "task.log_every=5", "backend.timeout_s=60"]
+# Launches as most users start them, without a warm server (conftest.clean_env): one rank trains in
+# its launcher, which takes the signals itself. (tests/test_warm_server.py stops a forked one.)
+ENV = clean_env(EXPGPU_WARM_SERVER="")
 
 
 def _nproc(n: int) -> list[str]:
@@ -41,7 +44,7 @@ def reference(tmp_path_factory):
 
     def get(nproc: int) -> Run:
         if nproc not in cache:
-            run = expgpu(ARGS + _nproc(nproc), tmp_path_factory.mktemp(f"ref{nproc}") / "run")
+            run = expgpu(ARGS + _nproc(nproc), tmp_path_factory.mktemp(f"ref{nproc}") / "run", env=ENV)
             assert run.returncode == 0, run.stderr
             assert run.result["status"] == "finished" and run.result["resumed_from_step"] is None
             cache[nproc] = run
@@ -58,7 +61,7 @@ def _losses(run: Run) -> dict[int, float]:
 
 
 def _interrupt(args: list[str], run_dir: Path, sig: signal.Signals, group: bool) -> Run:
-    proc = start(args, run_dir)
+    proc = start(args, run_dir, env=ENV)
     wait_for_progress(proc, run_dir)
     if group:
         os.killpg(proc.pid, sig)  # what a terminal does on Ctrl-C: every process of the job
@@ -80,7 +83,7 @@ def _assert_stopped(run: Run, sig: signal.Signals) -> int:
 
 
 def _assert_resumes_to_reference(args: list[str], run_dir: Path, stopped_at: int, ref: Run) -> None:
-    resumed = expgpu(args, run_dir)
+    resumed = expgpu(args, run_dir, env=ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     res = resumed.result
     assert res["status"] == "finished" and res["steps"] == STEPS
@@ -126,7 +129,7 @@ def test_sigterm_while_starting_up_is_kept(tmp_path, reference):
     """A signal that lands while Hydra composes and torch imports stops the run at its first
     step boundary, with a checkpoint, instead of killing it."""
     run_dir = tmp_path / "run"
-    proc = start(ARGS, run_dir)
+    proc = start(ARGS, run_dir, env=ENV)
     deadline = time.monotonic() + 30
     while not _sig_caught(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
         time.sleep(0.002)
@@ -145,7 +148,7 @@ def test_crashed_rank_resumes_from_the_periodic_checkpoint(tmp_path, reference):
     args = ARGS + _nproc(2)
     run_dir = tmp_path / "run"
     crashed = expgpu(args + ["checkpoint.every_steps=64", "faults.crash_rank=1", "faults.crash_step=100"],
-                     run_dir)
+                     run_dir, env=ENV)
     assert crashed.returncode == 1, crashed.stderr[-3000:]
     assert "injected crash" in crashed.stderr.strip().splitlines()[-1]
     assert not (run_dir / "result.json").exists()
@@ -159,7 +162,7 @@ def test_crashed_rank_resumes_from_the_periodic_checkpoint(tmp_path, reference):
 @pytest.fixture(scope="module")
 def good_checkpoint(tmp_path_factory) -> bytes:
     run_dir = tmp_path_factory.mktemp("good") / "run"
-    run = expgpu(["task=a", "task.max_steps=20"], run_dir)
+    run = expgpu(["task=a", "task.max_steps=20"], run_dir, env=ENV)
     assert run.returncode == 0, run.stderr
     return (run_dir / "checkpoint.pt").read_bytes()
 
@@ -186,7 +189,7 @@ def test_bad_checkpoint_is_one_line_naming_the_file(tmp_path, good_checkpoint, k
     ckpt = run_dir / "checkpoint.pt"
     ckpt.write_bytes(_bad(good_checkpoint, kind))
     before = hashlib.sha256(ckpt.read_bytes()).hexdigest()
-    run = expgpu(args + ["task.max_steps=40"], run_dir, timeout=120)
+    run = expgpu(args + ["task.max_steps=40"], run_dir, env=ENV, timeout=120)
     assert run.returncode == 2, (run.returncode, run.stderr[-3000:])
     errors = [line for line in run.stderr.splitlines() if line.startswith("expgpu: error:")]
     assert len(errors) == 1 and errors[0] == run.stderr.strip().splitlines()[-1], run.stderr[-3000:]
@@ -200,7 +203,7 @@ def test_resume_false_starts_over_and_replaces_the_checkpoint(tmp_path, good_che
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "checkpoint.pt").write_bytes(os.urandom(100))
-    run = expgpu(["task=a", "task.max_steps=20", "checkpoint.resume=false"], run_dir)
+    run = expgpu(["task=a", "task.max_steps=20", "checkpoint.resume=false"], run_dir, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.result["resumed_from_step"] is None
     assert (run_dir / "checkpoint.pt").read_bytes() == good_checkpoint  # same seed, same weights

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, clean_env, expgpu, start, wait_until
+from conftest import PACED, REPO, clean_env, expgpu, finish, start, wait_for_progress, wait_until
 from expgpu import warm_server
 
 TESTS = REPO / "tests"
@@ -89,6 +89,26 @@ def test_a_one_rank_launch_trains_as_without_it(tmp_path, server):
              if " - step " in ln]
     assert lines == [ln.split(" - ", 1)[1] for ln in alone.stderr.splitlines() + alone.stdout.splitlines()
                      if " - step " in ln] and lines
+
+
+@pytest.mark.slow
+def test_a_one_rank_launch_stops_on_the_launchers_signal_and_resumes(tmp_path, server):
+    """SIGTERM to the launcher (`kill PID`, SLURM's signal): passed on to the forked rank, which
+    stops with a checkpoint; the launch exits 143, and the next one resumes it to the end."""
+    _, path = server
+    env = clean_env(EXPGPU_WARM_SERVER=path)
+    args = ["task=a", "task.max_steps=600", "task.log_every=5", PACED]
+    proc = start(args, tmp_path / "run", env=env)
+    wait_for_progress(proc, tmp_path / "run")
+    proc.send_signal(signal.SIGTERM)
+    run = finish(proc, tmp_path / "run")
+    assert run.returncode == 143, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1].startswith("expgpu: stopped at step "), run.stderr[-2000:]
+    stopped = run.result
+    assert stopped["status"] == "stopped" and 0 < stopped["steps"] < 600
+    resumed = expgpu(args, tmp_path / "run", env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.result["resumed_from_step"] == stopped["steps"] and resumed.result["steps"] == 600
 
 
 @pytest.mark.slow
