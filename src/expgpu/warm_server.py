@@ -40,17 +40,17 @@ import signal
 import socket
 import struct
 import sys
+import traceback
 from pathlib import Path
 
 from expgpu import procs, stopping
 from expgpu.errors import UserError
-
 from expgpu.warm_client import ENV
+
 # Read when an interpreter, torch or its libraries start: a fork keeps the server's values.
 START_VARS = ("PYTHON", "TORCH", "PYTORCH", "LD_", "MKL_", "KMP_", "OMP_", "GOMP_", "OPENBLAS_", "MALLOC_")
 # ...but these a rank sets for itself (sys.path; torch's threads), as a fork of expgpu.warm_ranks does.
 PER_LAUNCH = {"PYTHONPATH", *procs.THREAD_VARS, procs.BLAS_VAR}
-
 
 _BASE_PATH: list[str] = []   # sys.path at start, and its PYTHONPATH part
 _OWN_PYTHONPATH: list[str] = []
@@ -261,7 +261,9 @@ def _fork(launch: dict, fds: list[int], socks: list, pipe: tuple[int, int]) -> i
             sys.modules["numpy"].random.seed()
         from expgpu.warm_ranks import run_rank
 
-        run_rank(launch["env"], launch["argv"])
+        run_rank(launch["env"], launch["argv"])   # ends in procs.fast_exit
+    except BaseException:   # before the rank's own handling (its directory is gone): on the launch's stderr
+        traceback.print_exc()
     finally:
         os._exit(1)
 
