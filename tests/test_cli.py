@@ -21,7 +21,9 @@ MIXED_NODE = ("inventory.simulate=[{name:V100,memory_mb:16384},{name:H100,memory
 
 @pytest.mark.slow
 def test_single_rank_trains_and_writes_result(tmp_path):
-    run = expgpu(["task=a", "task.max_steps=60", "gpu_map=ranked"], tmp_path / "run")
+    # The main job as a user starts it: no warm server (conftest.clean_env), trained in the launcher.
+    run = expgpu(["task=a", "task.max_steps=60", "gpu_map=ranked"], tmp_path / "run",
+                 env=clean_env(EXPGPU_WARM_SERVER=""))
     assert run.returncode == 0, run.stderr
     res = run.result
     assert res["status"] == "finished" and res["source"] == "single" and res["world_size"] == 1
