@@ -48,6 +48,18 @@ def die_with_parent(parent: int | None = None) -> None:
         os._exit(137)
 
 
+def reaped():
+    """(pid, exit code as Popen's) of each child that has exited, reaped without waiting."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, os.waitstatus_to_exitcode(status)
+
+
 def kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
     """Signal the process group that `pid` leads (started with start_new_session=True)."""
     try:

@@ -113,9 +113,7 @@ def _listen(path: str) -> socket.socket:
         pass
     finally:
         probe.close()
-    with_stale = Path(path)
-    if with_stale.is_socket():
-        with_stale.unlink()
+    _remove_socket(path)   # a server's that died without cleaning up
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     old = os.umask(0o077)   # 0600: a connection can run code as this user
     try:
@@ -149,9 +147,12 @@ def serve(path: str) -> None:
         pass
     finally:
         listener.close()
-        with_ours = Path(path)
-        if with_ours.is_socket():
-            with_ours.unlink()
+        _remove_socket(path)
+
+
+def _remove_socket(path: str) -> None:
+    if Path(path).is_socket():
+        Path(path).unlink()
 
 
 def _loop(listener: socket.socket) -> None:
@@ -214,21 +215,15 @@ def _answer(listener: socket.socket, ranks: dict, pipe: tuple[int, int]) -> None
 
 
 def _reap(ranks: dict) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        for conn, rank in list(ranks.items()):
-            if rank == pid:
-                del ranks[conn]
-                try:
-                    conn.send(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode())
-                except OSError:
-                    pass
-                conn.close()
+    """Tell each exited rank's launcher its exit code, and hang up."""
+    for pid, code in procs.reaped():
+        for conn in [conn for conn, rank in ranks.items() if rank == pid]:
+            del ranks[conn]
+            try:
+                conn.send(json.dumps({"code": code}).encode())
+            except OSError:
+                pass
+            conn.close()
 
 
 def _fork(launch: dict, fds: list[int], socks: list, pipe: tuple[int, int]) -> int:

@@ -189,14 +189,8 @@ def serve(sock: socket.socket, warm_up, spare) -> None:
 
 
 def _reap(sock: socket.socket) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        sock.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+    for pid, code in procs.reaped():
+        sock.send(json.dumps({"exited": pid, "code": code}).encode())
 
 
 def _fork(sock: socket.socket, request: int, fd: int, pipe: tuple[int, int], spare) -> None:
