@@ -197,8 +197,9 @@ def _metrics(returned, target: str) -> dict:
 
 def setup_logging(run_dir: Path, rank: int) -> None:
     """The logging the user chose with hydra/job_logging (default, stdout, disabled, ...), as in the
-    process that spawned this one, with "[rank N]" before each message of one of several ranks; also logs/rank<N>.log
-    (not under hydra/job_logging=disabled, which disables expgpu's logger itself)."""
+    process that spawned this one, with "[rank N]" before each message when there are several
+    ranks; also logs/rank<N>.log (not under hydra/job_logging=disabled, which disables expgpu's
+    logger itself)."""
     import logging.config
 
     make_record = logging.getLogRecordFactory()
