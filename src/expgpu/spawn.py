@@ -3,10 +3,11 @@
 Each worker runs expgpu.rank_process on RUN_DIR: it learns its rank from EXPGPU_* variables and
 isolates its GPU before CUDA starts. It is forked from a process that imported torch (rank_server:
 this launch's own, expgpu.warm_ranks, or one shared by launches, expgpu.warm_server), or started
-fresh (`python -m expgpu.rank_process RUN_DIR`). The parent never imports torch and only watches: when one worker fails,
-the others are stopped at once (SIGTERM, then SIGKILL after a grace period) and the
-failure is reported with the rank and its error. Workers die with the parent
-(PR_SET_PDEATHSIG), so a killed parent leaves nothing behind.
+fresh (`python -m expgpu.rank_process RUN_DIR`). The parent never imports torch and only
+watches: when one worker fails, the others are stopped at once (SIGTERM, then SIGKILL after a
+grace period) and the failure is reported with the rank and its error. Workers die with the
+parent (PR_SET_PDEATHSIG; a warm server's kills them when the parent's connection closes), so a
+killed parent leaves nothing behind.
 """
 
 from __future__ import annotations
