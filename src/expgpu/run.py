@@ -42,6 +42,7 @@ from expgpu.errors import UserError
 from expgpu.feed import END_OF_EPOCH, Feed
 from expgpu.metrics import ROW_KEYS, MetricsLog, WindowMeanLog
 from expgpu.rank_loaders import RankLoaders, check_loader_args
+from expgpu.run_args import check_steps, epochs_range
 from expgpu.stopping import NEVER
 from expgpu.tracked import KEPT, Tracked
 from expgpu.wrap import wrap
@@ -170,23 +171,10 @@ class Run:
         seen), or None (batch is None: loops that draw their own data). `accumulate` > 1: batch
         is a list of that many batches (micro-batches of one optimizer step). `keep`: the names of
         the calling function's variables the loop carries across steps (expgpu.carried)."""
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise UserError(f"run.steps: accumulate={accumulate!r} is not allowed: an integer >= 1")
-        if self._epochs is not None:
-            if max_steps is not None:
-                raise UserError("run.steps(loader, max_steps): inside run.epochs, run.steps(loader) is one epoch, "
-                                "as long as the loader; leave max_steps out (or break out of the loop)")
-            self._keep(keep, "run.steps", sys._getframe(1))
-            return self._epoch_steps(Feed(self._loaders.shared_out(loader), self.device, accumulate, one_epoch=True))
-        if self._feed is not None:
-            raise UserError("run.steps: called a second time; a run has one training loop (for a loop over "
-                            "epochs: for epoch in run.epochs(n): for step, batch in run.steps(loader): ...)")
-        if max_steps is None:
-            raise UserError("run.steps(loader): max_steps is missing; run.steps(loader, max_steps), or "
-                            "run.steps(loader) inside `for epoch in run.epochs(n)` for one epoch at a time")
-        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0:
-            raise UserError(f"run.steps: max_steps={max_steps!r} is not allowed: an integer >= 0")
+        check_steps(max_steps, accumulate, in_epochs=self._epochs is not None, begun=self._feed is not None)
         self._keep(keep, "run.steps", sys._getframe(1))
+        if self._epochs is not None:
+            return self._epoch_steps(Feed(self._loaders.shared_out(loader), self.device, accumulate, one_epoch=True))
         self.max_steps = max_steps
         self._feed = Feed(self._loaders.shared_out(loader), self.device, accumulate)
         return self._loop(max_steps)
@@ -198,12 +186,7 @@ class Run:
         `range(1, epochs + 1)`). Steps count on across epochs; a stop mid-epoch resumes at that step
         of that epoch (what the epoch's start did to tracked objects is restored as it was at the stop).
         `keep`: the names of the calling function's variables the epochs carry (expgpu.carried)."""
-        if self._feed is not None or self._epochs is not None:
-            raise UserError("run.epochs: the run's training loop has begun already; a run has one")
-        start, stop = (0, n) if stop is None else (n, stop)
-        for name, value in (("start", start), ("stop", stop)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise UserError(f"run.epochs: {name}={value!r} is not allowed: an integer >= 0")
+        start, stop = epochs_range(n, stop, begun=self._feed is not None or self._epochs is not None)
         self._keep(keep, "run.epochs", sys._getframe(1))
         self._epochs, self._first_epoch = max(0, stop - start), start
         return self._epoch_loop(self._epochs)
