@@ -125,6 +125,20 @@ def test_a_launch_it_cannot_stand_in_for_runs_without_it_and_says_why(tmp_path, 
 
 
 @pytest.mark.slow
+def test_a_gpu_pool_job_trains_its_one_rank_in_its_own_warm_process(tmp_path, server):
+    """The pool's job process imported torch already: forking the rank elsewhere would gain nothing."""
+    _, path = server
+    sweep = tmp_path / "sweep"
+    done = subprocess.run([sys.executable, "-m", "expgpu", "-m", "--config-dir", str(TESTS / "conf"),
+                           "task=probe_process", "hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=1",
+                           f"hydra.sweep.dir={sweep}", "gpu_map=sequential,ranked"], cwd=REPO, capture_output=True,
+                          text=True, env=clean_env(PYTHONPATH=str(TESTS), EXPGPU_WARM_SERVER=path), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [p for job in ("0", "1") for p in _processes(sweep / job)]
+    assert [p["forked_by"] for p in seen] == [None, None], seen
+
+
+@pytest.mark.slow
 def test_a_killed_launcher_takes_its_forked_rank_with_it(tmp_path, server):
     proc, path = server
     env = clean_env(PYTHONPATH=str(TESTS), EXPGPU_WARM_SERVER=path)

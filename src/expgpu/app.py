@@ -137,8 +137,8 @@ def _train(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int) -> dict
     script_task = plain.get("script")
     # A warm server (EXPGPU_WARM_SERVER) may fork the ranks of a launch started here by hand, not
     # those of torchrun, mpirun or a SLURM job (its steps, or a bare sbatch script): they stay in the
-    # processes, cgroup and node those gave them. A process warm already (a gpu_pool job's, a
-    # sweep's later jobs under Hydra's basic launcher) trains its one rank itself.
+    # processes, cgroup and node those gave them. A process warm already (a gpu_pool job's) trains
+    # its one rank itself.
     shared = (info.source == "single" and "SLURM_JOB_ID" not in os.environ
               and (nproc > 1 or "torch" not in sys.modules))
     server = spawn.rank_server(warm=not script_task, nproc=nproc, shared=shared)
