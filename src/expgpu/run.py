@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from expgpu import checkpoint, dist, loggers, rng, world_change
+from expgpu import checkpoint, dist, faults, loggers, rng, world_change
 from expgpu.carried import names_of
 from expgpu.config import checkpoint_format
 from expgpu.errors import UserError
@@ -279,7 +277,7 @@ class Run:
             if batch is END_OF_EPOCH:
                 return
             if crash_step == self.step:
-                _inject_fault(self._faults, self.rank, self.step)
+                faults.crash(self._faults, self.rank, self.step)
             self._in_step = True
             if index is None:
                 yield self.step, batch
@@ -394,10 +392,3 @@ class Run:
 
     def _checksum(self) -> str | None:
         return self._state.checksum()
-
-
-def _inject_fault(faults: dict, rank: int, step: int) -> None:
-    if faults.get("crash_rank") == rank:
-        if faults.get("kind") == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"injected crash (faults.crash_rank={rank} faults.crash_step={step})")

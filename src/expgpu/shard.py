@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 from expgpu.dist import sync_device
 from expgpu.errors import UserError
+from expgpu.faults import Slowness, slowness_of
 
 log = logging.getLogger("expgpu")
 
@@ -187,27 +188,6 @@ def gpu_speed(scores: dict, gpus: Sequence[Any], ranked: bool) -> float | None:
 
 
 @dataclass
-class Slowness:
-    """Test and bench/ knobs that stand in for slower devices on a CPU machine.
-
-    faults.slow_rank / faults.slow_factor: that rank sleeps (factor - 1) x the CPU time its
-    forward and backward took, so the extra time shrinks with its batch as a slower device's
-    would. faults.device_ms_per_example: every rank also sleeps this long per example of its
-    batch (x slow_factor on the slow rank), a device that computes while the CPU waits, as a
-    GPU does; it makes a bench on a small, shared CPU box measure the balancing rather than the
-    neighbours' load. Sleeping keeps the other ranks' cores free."""
-    factor: float = 1.0
-    ms_per_example: float = 0.0
-
-    def start(self) -> float:
-        return time.process_time()
-
-    def finish(self, started: float, batch: int) -> None:
-        cpu = time.process_time() - started
-        time.sleep((self.factor - 1.0) * cpu + self.factor * self.ms_per_example * batch / 1000.0)
-
-
-@dataclass
 class LocalStep:
     """The forward/backward of one rank when batches are unequal, measured or slowed.
 
@@ -287,9 +267,7 @@ def prepare(cfg: dict, world_size: int, rank: int, batch_size: int, loss_fn: Any
     """
     data, faults = cfg["data"], cfg.get("faults") or {}
     mode = data.get("shard", "uniform")
-    factor = float(faults.get("slow_factor") or 1.0) if faults.get("slow_rank") == rank else 1.0
-    ms = float(faults.get("device_ms_per_example") or 0.0)
-    slow = Slowness(factor, ms) if factor > 1.0 or ms > 0 else None
+    slow = slowness_of(faults, rank)
     if mode != "uniform" and world_size == 1:
         log.info("data.shard=%s with one rank: nothing to balance, the whole batch is this rank's", mode)
         mode = "uniform"
