@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
@@ -52,7 +51,7 @@ def _processes(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_its_ranks_run_as_fresh_ones_in_the_launch_directory_and_path(tmp_path, server, nproc):
     """Forked ranks see the launch's working directory, PYTHONPATH (the probe task imports from
-    it), environment and argv, and train to the same result as ranks started without it."""
+    it), rank variables, threads and argv, as ranks started without the server do."""
     _, path = server
     args = ["--config-dir", str(TESTS / "conf"), "task=probe_process", f"launch.nproc_per_node={nproc}"]
     seen = {}
