@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -69,9 +70,18 @@ def test_digits_reaches_test_accuracy(tmp_path):
     assert run.result["metrics"]["accuracy"] > 0.9
 
 
-def _descendants_alive(pid_file_pattern: str) -> list:
-    return [p for p in psutil.process_iter(["cmdline"])
-            if p.info["cmdline"] and pid_file_pattern in " ".join(p.info["cmdline"])]
+def _descendants_alive(run_dir: str) -> list:
+    """Processes of the run still alive: named by their command line (a fresh rank's) or by a file
+    they hold open in the run dir (a forked rank keeps its server's command line, but its log)."""
+    alive = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if run_dir in " ".join(p.info["cmdline"] or []) or any(
+                    f.path.startswith(run_dir + os.sep) for f in p.open_files()):
+                alive.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return alive
 
 
 @pytest.mark.slow
