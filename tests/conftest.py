@@ -52,14 +52,12 @@ def warm_server() -> str:
         import atexit
         import tempfile
 
-        from expgpu import procs
-
         where = Path(tempfile.mkdtemp(prefix="expgpu-warm-"))   # short: a socket path has 107 bytes
-        env = clean_env(EXPGPU_WARM_SERVER="")
+        # It dies with this process (no preexec_fn: this process has threads, pytest-xdist's)
+        env = clean_env(EXPGPU_WARM_SERVER="", EXPGPU_WARM_PARENT=str(os.getpid()))
         with open(where / "server.log", "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", "expgpu.warm_server", str(where / "s")], cwd=REPO,
-                                    env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    preexec_fn=procs.die_with_parent)
+                                    env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
 
         def stop():
             proc.terminate()

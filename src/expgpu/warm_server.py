@@ -19,7 +19,8 @@ A launch's own modules (its task, its configs' targets) are imported in the fork
 
 Lifetimes: a rank dies with the server (PR_SET_PDEATHSIG) and with its launcher. A rank's
 connection stays open until it exits; when it closes first (the launcher died), the server kills
-the rank's process group. The server ends on SIGTERM or SIGINT, and so do the ranks it runs then.
+the rank's process group. The server ends on SIGTERM or SIGINT, and so do the ranks it runs then;
+with EXPGPU_WARM_PARENT=PID, also when that process (a program that owns it: the tests) dies.
 Only processes of the server's own user may connect (SO_PEERCRED; the socket is 0600).
 
 One SOCK_SEQPACKET connection per request:
@@ -268,6 +269,9 @@ def main() -> None:
         print("usage: python -m expgpu.warm_server PATH   (a socket path; then export "
               f"{ENV}=PATH for the launches that should use it)", file=sys.stderr)
         sys.exit(2)
+    parent = os.environ.pop("EXPGPU_WARM_PARENT", None)   # a program that owns it (the tests): die with it
+    if parent:
+        procs.die_with_parent(int(parent))
     try:
         serve(os.path.abspath(sys.argv[1]))
     except UserError as e:
