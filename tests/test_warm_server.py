@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ def server():
     proc.terminate()
     assert proc.wait(20) == 0, proc.stderr.read()
     assert not path.exists(), "the server left its socket behind"
+    path.parent.rmdir()
 
 
 def _processes(run_dir: Path) -> list[dict]:
@@ -190,6 +192,7 @@ def test_stopping_the_server_ends_its_ranks_and_a_second_one_is_refused(tmp_path
         assert "killed by SIGKILL" in err.strip().splitlines()[-1], err[-2000:]
     finally:
         proc.kill()
+        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
