@@ -184,7 +184,7 @@ class Run:
         `range(1, epochs + 1)`). Steps count on across epochs; a stop mid-epoch resumes at that step
         of that epoch (what the epoch's start did to tracked objects is restored as it was at the stop).
         `keep`: the names of the calling function's variables the epochs carry (expgpu.carried)."""
-        start, stop = epochs_range(n, stop, begun=self._feed is not None or self._epochs is not None)
+        start, stop = epochs_range(n, stop, begun=self._started)
         self._keep(keep, "run.epochs", sys._getframe(1))
         self._epochs, self._first_epoch = max(0, stop - start), start
         return self._epoch_loop(self._epochs)
