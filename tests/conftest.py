@@ -43,7 +43,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-_warm: dict = {}
+_warm: dict[str, str] = {}   # "path": the socket of this process's warm server, once started
 
 
 def warm_server() -> str:
@@ -65,7 +65,7 @@ def warm_server() -> str:
                 shutil.rmtree(where, ignore_errors=True)
 
         atexit.register(stop)
-        _warm.update(path=str(where / "s"), proc=proc)
+        _warm["path"] = str(where / "s")
     return _warm["path"]
 
 
