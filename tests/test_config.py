@@ -58,6 +58,16 @@ def test_the_default_config_is_task_a_on_the_sequential_map_with_ddp():
     assert plain["logger"]["csv"] == {"file": "metrics.csv"} and plain["logger"]["mlflow"] is None
 
 
+def test_a_config_is_expgpus_with_its_task_gpu_map_and_launch_sections():
+    from omegaconf import OmegaConf
+
+    # expgpu's launchers check and place a job only then; another app's job gets hydra.launcher's keys
+    assert config.is_expgpu(composed("task=b"))
+    # Hydra's own example apps sweep task=1,2,3: a number, not expgpu's task section
+    assert not config.is_expgpu(OmegaConf.create({"task": 1, "gpu_map": {}, "launch": {}}))
+    assert not config.is_expgpu(OmegaConf.create({"task": {"lr": 0.1}, "launch": {}}))
+
+
 def test_groups_and_overrides_land_typed():
     plain = config.plain(composed("task=b", "gpu_map=ranked", "launch.nproc_per_node=2", "checkpoint.poll_every=7",
                                   "logger=[csv,tensorboard]", "objective=[eval_loss,accuracy]"))

@@ -236,6 +236,16 @@ def register() -> None:
     ConfigStore.instance().store(name="expgpu_schema", node=schema)
 
 
+# What makes a composed config expgpu's (this schema, as conf/config.yaml composes it): expgpu's launchers
+# also launch any other Hydra app's jobs, and read a job's task, gpu_map and launch only when it has them.
+SECTIONS = ("task", "gpu_map", "launch")
+
+
+def is_expgpu(cfg) -> bool:
+    """Whether `cfg` is an expgpu config, not another Hydra app's (whose `task` may well be a number)."""
+    return all(isinstance(OmegaConf.select(cfg, key, default=None), DictConfig) for key in SECTIONS)
+
+
 def check(cfg: DictConfig) -> None:
     """Range checks that types cannot express; one line naming the key on failure."""
     def need(ok: bool, key: str, allowed: str) -> None:

@@ -92,16 +92,14 @@ def pool_gpus(s: Settings, simulate: Any = None) -> list:
 
 def job_need(cfg: Any, s: Settings, pool_size: int) -> int:
     """GPUs a job needs: hydra.launcher.gpus_per_job, else what its expgpu config asks for."""
-    from omegaconf import OmegaConf
+    from expgpu import config
 
     if pool_size == 0:
         return 0
     if s.gpus_per_job is not None:
         return s.gpus_per_job
-    nproc = OmegaConf.select(cfg, "launch.nproc_per_node", default=None)
-    per_rank = OmegaConf.select(cfg, "gpu_map.gpus_per_rank", default=None)
-    if nproc is None and per_rank is None:
-        return 1   # not an expgpu app: one GPU per job
-    nproc, per_rank = int(nproc or 1), int(per_rank or 1)
+    if not config.is_expgpu(cfg):
+        return 1   # another Hydra app: one GPU per job
+    nproc, per_rank = int(cfg.launch.nproc_per_node), int(cfg.gpu_map.gpus_per_rank)
     # share: ranks take turns on the GPUs they are given, so a job can run on one rank's worth
-    return per_rank if OmegaConf.select(cfg, "gpu_map.share", default=False) else nproc * per_rank
+    return per_rank if cfg.gpu_map.share else nproc * per_rank

@@ -138,9 +138,11 @@ def task_modules(cfg, own_code: bool) -> list[str]:
     no GPU. Imported after the hand-over, as without spares, it sees the job's GPUs."""
     from omegaconf import OmegaConf
 
-    task = OmegaConf.select(cfg, "task", default=None)
-    if task is None or OmegaConf.select(cfg, "launch", default=None) is None:
+    from expgpu import config
+
+    if not config.is_expgpu(cfg):
         return []
+    task = cfg.task
     if is_script(task):   # the job only supervises the script's own process, which imports torch itself
         return ["expgpu.rank_process", "expgpu.script.rank"]
     # torch._dynamo: the first torch.optim optimizer built in a process imports it (2 s on 2 cores)
