@@ -3,7 +3,8 @@
 hydra-submitit-launcher's own launch() submits first and asks questions later: a bad tasks_per_node
 fails in every rank after the job waited in the queue, an unknown partition fails with sbatch's
 multi-line error, and without accounting (sacct) a cancelled job is waited for forever. Here:
-1. every job's config is composed and checked, and its tasks/GPUs per node derived (resources.py);
+1. every job's config is composed; an expgpu config is checked and its tasks/GPUs per node derived
+   from its gpu_map, another Hydra app's job asks for what hydra.launcher says (resources.py);
 2. the cluster is asked (cluster.py): tools on PATH, controller answering, partition known;
 3. dry_run=true prints the sbatch script and the plans (preview.py) and submits nothing;
 4. jobs are submitted as one array per distinct resource shape (usually one); if a later sbatch
@@ -47,10 +48,11 @@ class Job:
     num: int                 # hydra.job.num
     overrides: list[str]
     cfg: Any                 # the composed sweep config
-    parts: dict              # resolved gpu_map / launch / inventory sections
+    parts: dict | None       # resolved gpu_map / launch / inventory sections; None: another Hydra app's job
     res: resources.Resources
     visible: tuple[int, ...] = ()   # local launcher: the GPUs (NVML indices) the job may see
     script: dict | None = None      # a script task's ScriptSpec (as a dict): the dry run shows its commands
+    dry_run: bool = False           # expgpu's dry_run=true: print what would be submitted
     handle: Any = None
 
     @property
@@ -84,19 +86,30 @@ def plan(launcher) -> Plan:
 
 
 def compose(launcher, p: Plan, overrides: Sequence[str], num: int) -> Job:
-    """Job number `num`, composed and checked, its tasks and GPUs per node derived."""
+    """Job number `num`, composed. An expgpu config is checked, and its tasks and GPUs per node derived
+    from its gpu_map; another Hydra app's job gets what hydra.launcher asks for (resources.requested)."""
     from expgpu import config
 
     cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+    if not config.is_expgpu(cfg):
+        visible = _visible(p, None)
+        res = resources.requested(p.params, p.name, len(visible) if p.kind == "local" else None)
+        return Job(num, list(overrides), cfg, None, res, visible)
     config.check(cfg)
     parts = {k: _resolved(cfg, k) for k in ("gpu_map", "launch", "inventory")}
-    visible: tuple[int, ...] = ()
-    if p.kind == "local":
-        from expgpu.gpus import inventory
-
-        visible = tuple(g.index for g in inventory(parts["inventory"]["simulate"]))
+    visible = _visible(p, parts["inventory"]["simulate"])
     res = resources.derive(p.params, parts, p.name, visible_gpus=len(visible) if p.kind == "local" else None)
-    return Job(num, list(overrides), cfg, parts, res, visible, _script(cfg))
+    return Job(num, list(overrides), cfg, parts, res, visible, _script(cfg), bool(cfg.dry_run))
+
+
+def _visible(p: Plan, simulate) -> tuple[int, ...]:
+    """The local launcher's jobs may see the GPUs this process sees (NVML indices; `simulate`: expgpu's
+    inventory.simulate); a SLURM job gets its GPUs from SLURM."""
+    if p.kind != "local":
+        return ()
+    from expgpu.gpus import inventory
+
+    return tuple(g.index for g in inventory(simulate))
 
 
 def _script(cfg) -> dict | None:
@@ -134,7 +147,7 @@ def _groups(jobs: list[Job]) -> dict[tuple, list[Job]]:
 def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
     p = plan(launcher)
     jobs = [compose(launcher, p, overrides, initial_job_idx + i) for i, overrides in enumerate(job_overrides)]
-    dry = any(bool(j.cfg.dry_run) for j in jobs)
+    dry = any(j.dry_run for j in jobs)
     check_cluster(p, dry)
     if dry:
         return _dry_run(_groups(jobs), p.params, p.init, p.kind, p.partition)
@@ -165,9 +178,7 @@ def _dry_run(groups, params, init, kind, partition) -> list:
     memory = preview.memory_lines([job for group in groups.values() for job in group])
     for (res, _), group in groups.items():
         for job in group:
-            gpus = "GPUs from gres" if res.gpus_per_node is None else f"{res.gpus_per_node} GPU(s)"
-            out.append(f"job {job.label}: {res.nodes} node(s) x {res.tasks_per_node} task(s), {gpus} per node"
-                       + (f", partition {partition}" if partition else ""))
+            out.append(f"job {job.label}: {res}" + (f", partition {partition}" if partition else ""))
             out.append(preview.plan_table(job.parts, res, job.script))
             out.append(memory[job.num])
             returns[job.num] = JobReturn(overrides=job.overrides, status=JobStatus.COMPLETED,
@@ -214,10 +225,7 @@ def _submit(launcher, groups, params, init, kind) -> None:
             for job, handle in zip(group, handles):
                 job.handle = handle
                 submitted.append(job)
-                res = job.res
-                log.info("%s -> %s job %s: %d node(s) x %d task(s), %s GPU(s) per node; log %s", job.label, kind,
-                         handle.job_id, res.nodes, res.tasks_per_node,
-                         "gres" if res.gpus_per_node is None else res.gpus_per_node, handle.paths.stdout)
+                log.info("%s -> %s job %s: %s; log %s", job.label, kind, handle.job_id, job.res, handle.paths.stdout)
     except submitit.core.utils.FailedJobError as e:
         _cancel([j.handle for j in submitted], kind)
         lines = [ln for ln in str(e).splitlines() if ln.strip()]

@@ -1,4 +1,5 @@
-"""Tasks and GPUs per node for one job: the launcher's settings, completed from the job's gpu_map, checked.
+"""Tasks and GPUs per node for one job: the launcher's settings, completed from the job's gpu_map, checked
+(derive); for another Hydra app's job, the launcher's settings alone (requested).
 
 A rank needs gpu_map.gpus_per_rank GPUs. With SLURM, one srun task is one rank, so by default a job
 asks for one task per rank and gpus_per_rank GPUs per task; launch.nproc_per_node=N instead starts
@@ -24,16 +25,47 @@ class Resources:
     gpus_per_node: int | None  # None: leave GPUs to gres / gpus_per_task / the local mask
     ranks_per_node: int        # tasks_per_node x launch.nproc_per_node
 
+    def __str__(self) -> str:
+        gpus = ("GPUs: gres / gpus_per_task (if set)" if self.gpus_per_node is None
+                else f"{self.gpus_per_node} GPU(s) per node")
+        return f"{self.nodes} node(s) x {self.tasks_per_node} task(s), {gpus}"
 
-def _count(params: Mapping, key: str, low: int, launcher: str) -> int | None:
+
+def _count(params: Mapping, key: str, low: int, launcher: str, null: str | None = None) -> int | None:
+    """hydra.launcher.<key>, an integer >= low or None; `null`: what null means, for the message."""
     value = params.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: an integer >= {low}"
-                        + (" or null (derived from gpu_map)" if key in ("tasks_per_node", "gpus_per_node") else "")
-                        + f" (hydra/launcher={launcher})")
+                        + (f" or null ({null})" if null else "") + f" (hydra/launcher={launcher})")
     return value
+
+
+def _local_gpus(gpus: int | None, visible_gpus: int | None) -> int | None:
+    """GPUs a job of the local launcher sees: all this process sees unless fewer are asked for."""
+    if gpus is None:
+        return visible_gpus   # all this process sees, as without a launcher (hydra#2602)
+    if visible_gpus is not None and gpus > visible_gpus:
+        raise UserError(f"hydra.launcher.gpus_per_node={gpus} is more than the {visible_gpus} GPU(s) "
+                        "this process sees; allowed: 0.." + str(visible_gpus) + " or null (all of them)")
+    return gpus
+
+
+def requested(params: Mapping, launcher: str = "slurm", visible_gpus: int | None = None) -> Resources:
+    """A job of another Hydra app (no gpu_map, no launch section): what hydra.launcher asks for, read as
+    hydra-submitit-launcher reads it: tasks_per_node 1 unless given, gpus_per_node as given (null: no GPU
+    request; the local launcher: all this process sees). Each task runs the app's task function once."""
+    nodes = _count(params, "nodes", 1, launcher) or 1
+    tasks = _count(params, "tasks_per_node", 1, launcher, "1") or 1
+    gpus = _count(params, "gpus_per_node", 0, launcher,
+                  "no GPU request" if launcher == "slurm" else "all the GPUs this process sees")
+    if launcher != "slurm":
+        if nodes > 1:
+            raise UserError(f"hydra.launcher.nodes={nodes} is not allowed: hydra/launcher={launcher} runs every "
+                            "job on this machine (1 node); for several nodes use hydra/launcher=slurm")
+        gpus = _local_gpus(gpus, visible_gpus)
+    return Resources(nodes, tasks, gpus, tasks)
 
 
 def derive(params: Mapping, cfg: Mapping, launcher: str = "slurm", visible_gpus: int | None = None) -> Resources:
@@ -42,18 +74,14 @@ def derive(params: Mapping, cfg: Mapping, launcher: str = "slurm", visible_gpus:
     gpu_map, nproc = cfg["gpu_map"], cfg["launch"]["nproc_per_node"]
     k, share, strategy = gpu_map["gpus_per_rank"], gpu_map["share"], str(gpu_map["strategy"])
     nodes = _count(params, "nodes", 1, launcher) or 1
-    tasks = _count(params, "tasks_per_node", 1, launcher)
-    gpus = _count(params, "gpus_per_node", 0, launcher)
+    tasks = _count(params, "tasks_per_node", 1, launcher, "derived from gpu_map")
+    gpus = _count(params, "gpus_per_node", 0, launcher, "derived from gpu_map")
     if launcher != "slurm":
         if nodes > 1 or (tasks or 1) > 1:
             raise UserError(f"hydra.launcher.nodes={nodes}, tasks_per_node={tasks}: hydra/launcher={launcher} runs "
                             "one process per job on this machine; for several ranks use launch.nproc_per_node=N")
         tasks = 1
-        if gpus is None:
-            gpus = visible_gpus   # all this process sees, as without a launcher (hydra#2602)
-        elif visible_gpus is not None and gpus > visible_gpus:
-            raise UserError(f"hydra.launcher.gpus_per_node={gpus} is more than the {visible_gpus} GPU(s) "
-                            "this process sees; allowed: 0.." + str(visible_gpus) + " or null (all of them)")
+        gpus = _local_gpus(gpus, visible_gpus)
     if tasks is not None and tasks > 1 and nproc > 1:
         raise UserError(f"hydra.launcher.tasks_per_node={tasks} and launch.nproc_per_node={nproc}: let one of them "
                         "start the ranks of a node; set launch.nproc_per_node=1 (srun starts them) or tasks_per_node=1")
