@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+import sys
 
 
 class UserError(Exception):
@@ -17,6 +19,18 @@ class UserError(Exception):
 
 
 EXIT_USER_ERROR = 2
+
+
+@contextlib.contextmanager
+def exit_on_user_error():
+    """Around what Hydra calls inside any app (a launcher's launch()): a UserError ends the process as
+    expgpu's CLI ends it, `expgpu: error: <message>` and exit code 2, where another app's @hydra.main
+    would print Hydra's report with a traceback and exit 1 (SystemExit passes through run_and_report)."""
+    try:
+        yield
+    except UserError as e:
+        print(f"expgpu: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USER_ERROR) from None
 
 
 def first_line(e: BaseException) -> str:

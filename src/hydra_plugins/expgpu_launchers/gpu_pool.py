@@ -63,6 +63,8 @@ class GpuPoolLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
         from expgpu import pool
+        from expgpu.errors import exit_on_user_error
 
-        return pool.launch(self.params, self.hydra_context, self.task_function, self.config,
-                           job_overrides, initial_job_idx)
+        with exit_on_user_error():   # a bad setting: one line and exit code 2, in any Hydra app
+            return pool.launch(self.params, self.hydra_context, self.task_function, self.config,
+                               job_overrides, initial_job_idx)
