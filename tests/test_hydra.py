@@ -122,7 +122,7 @@ def test_the_launcher_list_shows_launchers_only():
     line = next(x for x in proc.stdout.splitlines() if x.startswith("hydra/launcher:"))
     shown = line.split(": ", 1)[1].split(", ")
     # joblib: Hydra's own, listed where hydra-joblib-launcher is installed (the dev extra); never
-    # expgpu_slurm, the node of expgpu's slurm launcher that users do not pick themselves.
+    # slurm_site, the group of slurm's site defaults, nor a schema node of expgpu's.
     assert [x for x in shown if x != "joblib"] == ["basic", "gpu_pool", "slurm", "submitit_local", "submitit_slurm"], line
 
 

@@ -1,39 +1,83 @@
-"""`hydra/launcher=slurm` and `hydra/launcher=submitit_local`: hydra-submitit-launcher, plus expgpu's
-checks before anything is submitted and a dry run.
+"""`hydra/launcher=slurm` and `hydra/launcher=submitit_local`, in any Hydra app: hydra-submitit-launcher,
+plus expgpu's checks before anything is submitted and a dry run.
 
     python -m expgpu -m hydra/launcher=slurm task=a,b gpu_map=sequential,ranked hydra.launcher.partition=gpu
+    python my_app.py -m hydra/launcher=slurm lr=0.1,0.01 hydra.launcher.gpus_per_node=1
 
 Submission, job arrays, pickling and each task's run_job stay hydra-submitit-launcher's; only launch()
-differs (expgpu.slurm.launch): it derives tasks/GPUs per node from the gpu_map, checks the cluster
-(sbatch on PATH, controller answering, partition known) and every job's config first, prints instead
-of submitting under dry_run=true, and notices a job that left the queue without a result.
+differs (expgpu.slurm.launch): it checks the cluster (sbatch on PATH, controller answering, partition
+known), notices a job that left the queue without a result, and for an expgpu config also derives
+tasks/GPUs per node from the gpu_map, checks every job's config first and prints instead of submitting
+under dry_run=true. Another app's jobs ask for what hydra.launcher says, as with submitit_slurm.
 
 Hydra imports this module on every start, so it imports nothing heavy (expgpu.slurm lazily, inside
 launch()), and it must not use `from __future__ import annotations`: Hydra's plugin scan executes
 modules without registering them in sys.modules, where dataclasses look up string annotations.
 """
 
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
 
+from hydra.core.config_search_path import ConfigSearchPath
 from hydra.core.config_store import ConfigStore
-from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+from hydra.plugins.search_path_plugin import SearchPathPlugin
+from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 
 
 @dataclass
 class ExpgpuSlurmConf(SlurmQueueConf):
+    """One job per combination of a sweep (a job array), each job nodes x tasks_per_node srun tasks; an
+    expgpu job's ranks find their place from SLURM itself.
+      python -m expgpu -m hydra/launcher=slurm task=a,b hydra.launcher.partition=gpu hydra.launcher.gpus_per_node=4
+    Before submitting: the partition and the controller, and for an expgpu config tasks/GPUs against the
+    gpu_map; expgpu's dry_run=true prints the sbatch script and the plans instead.
+    Site defaults (partition, account, qos, ...) go in hydra/launcher/slurm_site/default.yaml of a config
+    dir on the search path (expgpu's conf/, a --config-dir, your app's own): read by SLURM sweeps only,
+    so local runs never see them. Keys not listed here are hydra-submitit-launcher's (SlurmQueueConf)."""
+
+    # Site defaults over the values below; command-line overrides over both.
+    defaults: List[Any] = field(default_factory=lambda: ["_self_", {"optional slurm_site@_here_": "default"}])
     _target_: str = "hydra_plugins.expgpu_launchers.slurm.ExpgpuSlurmLauncher"
-    # GPUs per node. null: what the ranks need, tasks_per_node x gpu_map.gpus_per_rank;
-    # 0: ask for no GPU (ranks run on CPU).
+    partition: Optional[str] = None        # null: the cluster's default partition
+    nodes: int = 1
+    # GPUs per node. An expgpu config: null asks for what the ranks need, tasks_per_node x
+    # gpu_map.gpus_per_rank; 0 asks for none (CPU ranks). Another app: as given, null asks for none.
     gpus_per_node: Optional[int] = None
-    # Ranks (srun tasks) per node. null: one per gpu_map.gpus_per_rank of gpus_per_node (1 without GPUs).
+    # srun tasks (ranks) per node. An expgpu config: null gives one per gpu_map.gpus_per_rank GPUs of
+    # gpus_per_node (1 without GPUs). Another app: null is 1 (each task runs the task function).
     tasks_per_node: Optional[int] = None
+    cpus_per_task: Optional[int] = None    # CPUs per rank (data loader workers + 1 is a good start)
+    mem_gb: Optional[int] = None           # memory per node (GB)
+    timeout_min: int = 60                  # time limit of each job
+    # Times a job may be requeued after its time-limit warning (USR2): it checkpoints and resumes.
+    max_num_timeout: int = 3
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None       # node features, e.g. a100|h100
+    # Any other sbatch option, without the dashes: {reservation: mine, mail-type: END, exclusive: true}
+    additional_parameters: Dict[str, Any] = field(default_factory=dict)
+    # Where submitit keeps each job's pickles and stdout/stderr (%j: the job id)
+    submitit_folder: str = "${hydra.sweep.dir}/.submitit/%j"
     # Seconds `scontrol ping` may take before the controller counts as unreachable.
     ping_timeout_s: float = 15.0
     # A job that left the queue this long ago without writing its result (scancel, node failure,
     # SIGKILL) fails the sweep instead of being waited for (submitit would wait forever without sacct).
     lost_after_s: float = 60.0
+
+
+@dataclass
+class ExpgpuLocalConf(LocalQueueConf):
+    """submitit's local executor: each job of a sweep in its own process on this machine, all at once
+    (no queue); an expgpu job's several ranks: launch.nproc_per_node=N.
+      python -m expgpu -m hydra/launcher=submitit_local task=a,b
+    hydra-submitit-launcher's keys (LocalQueueConf); the launcher is expgpu's: checks, dry run, and the
+    GPUs this process sees kept visible."""
+
+    _target_: str = "hydra_plugins.expgpu_launchers.slurm.ExpgpuLocalLauncher"
+    # GPUs each job sees; null: all those this process sees (submitit's own default hides them all,
+    # hydra#2602).
+    gpus_per_node: Optional[int] = None
 
 
 def _register_expgpu() -> None:
@@ -46,12 +90,15 @@ def _register_expgpu() -> None:
 
 class _Expgpu:
     """What both submitit launchers do differently: expgpu's submission (checks, dry run, waiting
-    for lost jobs) and, in the job, expgpu's resolvers before the config is read."""
+    for lost jobs; a bad setting is one line and exit code 2 in any app) and, in the job, expgpu's
+    resolvers before the config is read."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
+        from expgpu.errors import exit_on_user_error
         from expgpu.slurm import launch
 
-        return launch.launch(self, job_overrides, initial_job_idx)
+        with exit_on_user_error():
+            return launch.launch(self, job_overrides, initial_job_idx)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _register_expgpu()
@@ -66,9 +113,17 @@ class ExpgpuLocalLauncher(_Expgpu, LocalLauncher):
     pass
 
 
-# Stored outside hydra/launcher (a root config, not a group option): it is conf/hydra/launcher/
-# slurm.yaml's schema, not a launcher a user would pick; as an option it was listed beside slurm.
-ConfigStore.instance().store(name="expgpu_slurm_launcher_schema", node=ExpgpuSlurmConf, provider="expgpu")
-# conf/hydra/launcher/submitit_local.yaml keeps hydra-submitit-launcher's schema (same name: Hydra
-# matches them) and only points _target_ at ExpgpuLocalLauncher. Hydra's warning about that matching
-# is silenced in expgpu.__main__: filters set here would not last (the plugin scan records warnings).
+ConfigStore.instance().store(group="hydra/launcher", name="slurm", node=ExpgpuSlurmConf, provider="expgpu")
+
+
+class SubmititLocalIsExpgpus(SearchPathPlugin):
+    """Makes `hydra/launcher=submitit_local` expgpu's (ExpgpuLocalConf) in every app. Not stored when this
+    module is imported: hydra-submitit-launcher stores its own under that name, and Hydra's plugin scan
+    runs every plugin module again in the order it finds them (site-packages before an editable
+    checkout, names sorted within one directory), so the last store would depend on how each is
+    installed. Hydra calls this while it builds the search path: after the scan, before anything is
+    composed. The search path itself is left as it is."""
+
+    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        ConfigStore.instance().store(group="hydra/launcher", name="submitit_local", node=ExpgpuLocalConf,
+                                     provider="expgpu")
