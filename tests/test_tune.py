@@ -137,7 +137,9 @@ def test_under_the_basic_launcher_trials_run_in_batches_and_are_pruned_too(tmp_p
     (["hydra.sweeper.sampler._target_=optuna.samplers.Nope"], "hydra.sweeper.sampler._target_=optuna.samplers.Nope: "
                                                                "cannot be imported"),
     (["hydra.sweeper.direction=up"], "hydra.sweeper.direction='up' is not allowed: minimize or maximize"),
-    (["+hydra.sweeper.params.x=0.5"], "hydra.sweeper.params.x=0.5 is not a sweep expression"),
+    (["+hydra.sweeper.params.x='interval(0'"], "hydra.sweeper.params.x=interval(0: not a sweep expression Hydra can"),
+    (["hydra/sweeper/sampler=grid"], "hydra/sweeper/sampler=grid: task.x is sampled from a continuous"),
+    (["hydra.sweeper.max_failure_rate=2"], "hydra.sweeper.max_failure_rate=2.0 is not allowed: a fraction from 0 to 1"),
     (["objective=null"], "objective=None: hydra/sweeper=expgpu_optuna needs the metric to optimize"),
     (["hydra.sweeper.storage=sqlite:////nonexistent/dir/s.db"], "hydra.sweeper.storage=sqlite:////nonexistent/"
                                                                 "dir/s.db: cannot be opened"),

@@ -27,15 +27,15 @@ def trial_file(sweep_dir: Path, number: int) -> Path:
     return Path(sweep_dir).absolute() / STATE / f"trial-{number}.json"
 
 
-def open_study(s: Settings, sweep_dir: Path):
-    """(the study, where it is stored), created or continued; a study of that name with other
-    directions is one line."""
+def open_study(s: Settings, sweep_dir: Path, sampler):
+    """(the study, where it is stored), created or continued, with `sampler` (None: Optuna's
+    default); a study of that name with other directions is one line."""
     import optuna
 
     where = storage.spelled(s.storage, sweep_dir)
     st = storage.open_storage(where)
     name = s.study_name or str(sweep_dir)
-    sampler, pruner = build(s.sampler, "sampler"), build(s.pruner, "pruner") or optuna.pruners.NopPruner()
+    pruner = build(s.pruner, "pruner") or optuna.pruners.NopPruner()
     try:
         study = optuna.load_study(study_name=name, storage=st, sampler=sampler, pruner=pruner)
     except KeyError:
@@ -51,12 +51,13 @@ def open_study(s: Settings, sweep_dir: Path):
 
 def attach(study, trial, sweep_dir: Path, where: str, s: Settings, overrides: list[str]) -> Path:
     """Write the trial's file, before its job starts, and note the job's overrides on the trial (a
-    rerun starts it again with them); the file's path (the job's TRIAL_ENV)."""
+    rerun starts it again with them); the file's path (the job's TRIAL_ENV). The file holds the
+    trial's parameters too: the job checks that it composed them (check.py)."""
     trial.set_user_attr(OVERRIDES, list(overrides))
     path = trial_file(sweep_dir, trial.number)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"storage": where, "study": study.study_name, "trial_id": trial._trial_id, "number": trial.number,
-           "objective": s.objective[0] if len(s.objective) == 1 else None, "pruner": s.pruner}
+           "objective": s.metric, "pruner": s.pruner, "params": trial.params}
     atomic_write_bytes(path, json.dumps(doc).encode())
     return path
 
@@ -67,7 +68,14 @@ def tell(study, trial, state: str, values: list[float] | None = None, reason: st
 
     if reason:
         trial.set_user_attr(REASON, reason[:500])
-    study.tell(trial, values=values if state == "COMPLETE" else None, state=TrialState[state], skip_if_finished=True)
+    try:
+        study.tell(trial, values=values if state == "COMPLETE" else None, state=TrialState[state],
+                   skip_if_finished=True)
+    except RuntimeError as e:
+        # GridSampler calls study.stop() once its grid is covered, which Optuna only allows inside
+        # optimize(): the tell itself is stored by then, and the grid's end is a normal end.
+        if "Study.stop" not in str(e):
+            raise
 
 
 def summary(study, s: Settings) -> dict:
@@ -82,7 +90,7 @@ def summary(study, s: Settings) -> dict:
                        "reason": t.user_attrs.get(REASON),
                        "start": t.datetime_start.timestamp() if t.datetime_start else None,
                        "end": t.datetime_complete.timestamp() if t.datetime_complete else None})
-    return {"study": study.study_name, "objective": list(s.objective), "directions": list(s.directions),
+    return {"study": study.study_name, "objective": list(s.objective or ()), "directions": list(s.directions),
             "pruner": (s.pruner or {}).get("_target_"), "sampler": (s.sampler or {}).get("_target_"),
             "n_trials": s.n_trials, "trials": trials}
 

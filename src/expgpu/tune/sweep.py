@@ -5,13 +5,24 @@ their state, so a rerun of the sweep dir counts what it finds) have ended.
 A rerun of the same sweep dir (hydra.sweep.dir=...) continues the study: finished, pruned and failed
 trials are kept, and a trial still RUNNING in it (its sweeper died: Ctrl-C, a node lost, the sweeping
 job's time limit) is started again in its own job dir, where expgpu resumes it from its checkpoint.
+The sweep's first line says which it is ("continuing study X: N trials done, M to go").
+
+Failures: when more than max_failure_rate of the last n_jobs trials that ended failed (Hydra's optuna
+sweeper judges each batch of n_jobs), the search stops: running trials save and stay RUNNING for a
+rerun, and the sweep ends in SweepFailed, whose line ends with the first failure's reason.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import functools
 import logging
+import math
 import shlex
+import sys
 import time
+import traceback
 from pathlib import Path
 
 from expgpu.errors import Stopped, UserError, one_line
@@ -26,29 +37,38 @@ log = logging.getLogger("expgpu")
 WAIT_S = 1.0   # a wait for any job to end returns at least this often (stop requests are checked)
 
 
+class SweepFailed(Exception):
+    """Too many trials failed: the search stopped (exit code 1)."""
+
+
 class Sweep:
-    def __init__(self, s: Settings, space: Space, study, where: str, runner: Runner, sweep_dir: Path, cfg):
+    def __init__(self, s: Settings, space: Space, study, where: str, runner: Runner, sweep_dir: Path, cfg,
+                 custom=None):
         self.s, self.space, self.study, self.where, self.runner = s, space, study, where, runner
-        self.sweep_dir, self.cfg = Path(sweep_dir), cfg
+        self.sweep_dir, self.cfg, self.custom = Path(sweep_dir), cfg, custom
         self.active: dict[int, object] = {}   # job number -> the trial it runs
         self.warned_unlogged = False
         self._stop_sent = False
+        # whether each of the last n_jobs trials that ended failed (max_failure_rate's window)
+        self.window = max(1, min(runner.capacity, s.n_trials))
+        self.recent: collections.deque[bool] = collections.deque(maxlen=self.window)
+        self.first_failure: tuple[int, str, object] | None = None
+        self.failures = 0
 
     def run(self) -> None:
         from optuna.trial import TrialState
 
         resumed = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                    if _under(t.user_attrs.get(studies.JOB_DIR), self.sweep_dir)]
-        ended = len(self.study.get_trials(deepcopy=False)) - len(resumed)
-        if ended or resumed:
-            log.info("study %s: %d trial(s) kept, %d resumed from their job dirs, %d to go", self.study.study_name,
-                     ended, len(resumed), max(0, self.s.n_trials - ended - len(resumed)))
+        self._first_line(len(self.study.get_trials(deepcopy=False)) - len(resumed), len(resumed))
         try:
             from optuna.trial import Trial
 
             for frozen in resumed:   # Optuna's handle on a trial asked by an earlier sweeper process
                 self._start(Trial(self.study, frozen._trial_id), frozen.user_attrs[studies.OVERRIDES])
             self._loop()
+            if not self.runner.stopping():
+                self._judge(final=True)
         finally:
             self.runner.close()
             studies.write_summary(self.study, self.s, self.sweep_dir)
@@ -57,6 +77,22 @@ class Sweep:
                         "hydra.sweep.dir=%s to continue the study", len(self.active), self.sweep_dir)
             raise KeyboardInterrupt
         self._finish()
+
+    def _first_line(self, done: int, resumed: int) -> None:
+        s, study = self.s, self.study
+        how = (f"{self.runner.capacity} at once ({type(self.runner).__name__}), "
+               f"{'objective ' + ','.join(s.objective) if s.objective else 'the returned value'} "
+               f"({','.join(s.directions)}), sampler {type(study.sampler).__name__}, "
+               f"pruner {type(study.pruner).__name__}")
+        if done or resumed:
+            head = (f"continuing study {study.study_name} in {self.where}: {done} trial(s) done, "
+                    f"{max(0, s.n_trials - done)} to go ({resumed} of them resumed from their job dirs)")
+        else:
+            head = f"study {study.study_name} in {self.where}: {s.n_trials} trials"
+        searched = ", ".join(self.space.distributions) or "nothing (every trial runs the same overrides)"
+        taken = (f"; not searched, as set on the command line: {' '.join(self.space.taken_out)}"
+                 if self.space.taken_out else "")
+        log.info("%s, %s; searching %s%s", head, how, searched, taken)
 
     def _loop(self) -> None:
         while True:
@@ -81,10 +117,8 @@ class Sweep:
         room = self.runner.capacity + self.runner.ahead - len(self.active)
         for _ in range(max(0, min(room, self.s.n_trials - total))):
             trial = self.study.ask(self.space.distributions)
-            if self.s.custom_search_space:
-                from hydra.utils import get_method
-
-                get_method(self.s.custom_search_space)(self.cfg, trial)
+            if self.custom is not None:
+                self.custom(self.cfg, trial)
             self._start(trial, self.space.overrides(trial.params))
 
     def _start(self, trial, overrides: list[str]) -> None:
@@ -96,13 +130,12 @@ class Sweep:
 
     def _ended(self, num: int, ret) -> None:
         trial = self.active.pop(num)
-        state, values, reason = outcome(ret, len(self.s.objective))
+        state, values, reason = outcome(ret, len(self.s.directions), self.s.objective)
         if state == "STOPPED" or (state == "FAIL" and self.runner.stopping()):
             return   # the sweeper is stopping: the trial stays RUNNING, and a rerun resumes it
         if state == "USER_ERROR":
             studies.tell(self.study, trial, "FAIL", reason=reason)
-            self.runner.stop()
-            self._drain()
+            self._halt()
             raise UserError(f"trial {num}: {reason}")
         studies.tell(self.study, trial, state, values, reason)
         shown = {"COMPLETE": lambda: f"{', '.join(f'{v:.6g}' for v in values)}",
@@ -111,6 +144,32 @@ class Sweep:
         if state == "COMPLETE" and self.s.pruner and not self.warned_unlogged:
             self._check_logged(num)
         studies.write_summary(self.study, self.s, self.sweep_dir)
+        self.recent.append(state == "FAIL")
+        if state == "FAIL":
+            self.failures += 1
+            self.first_failure = self.first_failure or (num, reason, ret._return_value)
+        self._judge()
+
+    def _judge(self, final: bool = False) -> None:
+        """Stop the search once more than max_failure_rate of the last n_jobs trials failed (at the
+        end, the last trials ended count over their own number, as Hydra's last, smaller batch)."""
+        failed = sum(self.recent)
+        over = failed / (len(self.recent) if final else self.window) if self.recent else 0.0
+        if failed == 0 or over <= self.s.max_failure_rate:
+            return
+        if not final:
+            self._halt()
+        num, reason, err = self.first_failure
+        if isinstance(err, BaseException) and err.__traceback__ is not None:   # a job that ran in this process
+            traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+        raise SweepFailed(f"the search stopped: {failed} of the last {len(self.recent)} trial(s) failed, more than "
+                          f"hydra.sweeper.max_failure_rate={self.s.max_failure_rate:g} allows; first failure: "
+                          f"trial {num}: {reason}")
+
+    def _halt(self) -> None:
+        """Ask the running trials to stop, and wait for them to save (they stay RUNNING for a rerun)."""
+        self.runner.stop()
+        self._drain()
 
     def _check_logged(self, num: int) -> None:
         """A pruner that was never told anything prunes nothing: say so after the first trial."""
@@ -119,7 +178,7 @@ class Sweep:
         if frozen is not None and frozen.number == num and not frozen.intermediate_values:
             log.warning("hydra.sweeper.pruner: trial %d never logged %s with run.log, so the pruner has nothing to "
                         "go on and prunes no trial; log it where you evaluate (run.log(%s=...))", num,
-                        self.s.objective[0], self.s.objective[0])
+                        self.s.metric, self.s.metric)
 
     def _drain(self) -> None:
         """Wait for the stopped trials' jobs to end (they save); they stay RUNNING for a rerun."""
@@ -130,17 +189,23 @@ class Sweep:
 
     def _finish(self) -> None:
         doc = studies.write_results(self.study, self.sweep_dir)
+        if doc is None and self.first_failure is not None:   # nothing learnt, and not for want of trying
+            num, reason, _ = self.first_failure
+            raise SweepFailed(f"no trial completed: {self.failures} failed; first failure: trial {num}: "
+                              f"{reason}")
         if doc is None:
             log.warning("study %s: no trial completed", self.study.study_name)
         elif "best_value" in doc:
-            log.info("best: %s=%g with %s", self.s.objective[0], doc["best_value"],
+            log.info("best: %s=%g with %s", self.s.metric or "value", doc["best_value"],
                      " ".join(f"{k}={v}" for k, v in doc["best_params"].items()))
         else:
             log.info("Pareto front: %d trial(s)", len(doc["solutions"]))
 
 
-def outcome(ret, n_objectives: int) -> tuple[str, list[float] | None, str]:
-    """(COMPLETE | PRUNED | FAIL | STOPPED | USER_ERROR, values, reason) of a job's JobReturn."""
+def outcome(ret, n_objectives: int, names: tuple[str, ...] | None = None) -> tuple[str, list[float] | None, str]:
+    """(COMPLETE | PRUNED | FAIL | STOPPED | USER_ERROR, values, reason) of a job's JobReturn. The
+    objective is the returned value (a number, or one per direction), or the `names` metrics of a
+    returned dict."""
     from hydra.core.utils import JobStatus
 
     if ret.status is not JobStatus.COMPLETED:
@@ -157,14 +222,25 @@ def outcome(ret, n_objectives: int) -> tuple[str, list[float] | None, str]:
     if isinstance(value, dict):
         if value.get("status") == "pruned":
             return "PRUNED", None, ""
-        return "FAIL", None, f"the job returned no objective (status {value.get('status')})"
+        if "status" in value and value["status"] != "finished":   # an expgpu result: it ended otherwise
+            return "FAIL", None, f"the job returned no objective (status {value.get('status')})"
+        if not names:
+            return "USER_ERROR", None, (f"the task returned a dict ({', '.join(map(str, value)) or 'empty'}), not a "
+                                        "number: name the metric(s) to optimize with objective=<key> (+objective=<key> "
+                                        "where the config has no such key), or return the value itself")
+        missing = [n for n in names if not isinstance(value.get(n), (int, float))]
+        if missing:
+            return "USER_ERROR", None, (f"objective={missing[0]}: the task returned no metric {missing[0]!r}; it "
+                                        f"returned {', '.join(map(str, value)) or 'nothing'}")
+        value = [value[n] for n in names]
     values = list(value) if isinstance(value, (list, tuple)) else [value]
     try:
         values = [float(v) for v in values]
     except (TypeError, ValueError):
-        return "FAIL", None, f"the job returned {value!r}, not a number"
+        return "FAIL", None, f"the task returned {value!r}, not a number (or one per direction)"
     if len(values) != n_objectives:
-        return "FAIL", None, f"the job returned {len(values)} value(s) for {n_objectives} objective(s)"
+        return "USER_ERROR", None, (f"the task returned {len(values)} value(s), but hydra.sweeper.direction has "
+                                    f"{n_objectives}: give one direction per value (a list for several)")
     return "COMPLETE", values, ""
 
 
@@ -180,24 +256,52 @@ def _under(path: str | None, sweep_dir: Path) -> bool:
 
 def sweep(params, config, launcher, arguments: list[str]) -> None:
     """hydra/sweeper=expgpu_optuna's sweep(): check everything, open the study, run it."""
+    from expgpu.tune.settings import check_optuna
+
+    check_optuna()
     import optuna
     from omegaconf import OmegaConf
 
     from expgpu.tune import space as spaces
     from expgpu.tune.runners import runner_for
-    from expgpu.tune.settings import check
+    from expgpu.tune.settings import build, check
 
     s = check(params, OmegaConf.select(config, "objective", default=None))
+    if s.objective is None and _is_expgpu(config):
+        raise UserError("objective=None: hydra/sweeper=expgpu_optuna needs the metric to optimize, e.g. "
+                        "objective=accuracy (a metric the task returns), or a list of them")
     space = spaces.parse(s.params, list(arguments))
-    if not space.distributions and not s.custom_search_space:
-        raise UserError("hydra/sweeper=expgpu_optuna: nothing to search; give parameters as hydra.sweeper.params "
-                        "or sweeps on the command line, e.g. 'task.optimizer.lr=tag(log, interval(1e-4,1e-1))'")
+    custom = _custom(s.custom_search_space)
+    sampler = build(s.sampler, "sampler")
+    if isinstance(sampler, functools.partial):   # GridSampler: its grid is the search space
+        grid = spaces.grid_of(space)
+        sampler = sampler(search_space=grid)
+        size = math.prod(len(v) for v in grid.values())
+        if size < s.n_trials:
+            log.info("n_trials %d -> %d: GridSampler's grid has %d point(s)", s.n_trials, size, size)
+            s = dataclasses.replace(s, n_trials=size)
     optuna.logging.set_verbosity(optuna.logging.WARNING)   # the sweep's own lines say what a trial did
     sweep_dir = Path(str(config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    study, where = studies.open_study(s, sweep_dir)
+    study, where = studies.open_study(s, sweep_dir, sampler)
     runner = runner_for(launcher, s.n_jobs)
-    log.info("study %s in %s: %d trials, %d at once (%s), objective %s (%s), sampler %s, pruner %s",
-             study.study_name, where, s.n_trials, runner.capacity, type(runner).__name__, ",".join(s.objective),
-             ",".join(s.directions), type(study.sampler).__name__, type(study.pruner).__name__)
-    Sweep(s, space, study, where, runner, sweep_dir, config).run()
+    Sweep(s, space, study, where, runner, sweep_dir, config, custom).run()
+
+
+def _custom(path: str | None):
+    """custom_search_space's function, found before any trial (one line when it is not there)."""
+    if path is None:
+        return None
+    from hydra.utils import get_method
+
+    try:
+        return get_method(path)
+    except Exception as e:
+        raise UserError(f"hydra.sweeper.custom_search_space={path}: cannot be found ({one_line(e.__cause__ or e)}); "
+                        "allowed: the dotted path of a function (cfg, trial) -> None, importable from the "
+                        "directory you launch from") from None
+
+
+def _is_expgpu(config) -> bool:
+    """An expgpu app's config (python -m expgpu): its tasks return dicts, so `objective` must name the metric."""
+    return all(k in config for k in ("task", "gpu_map", "launch"))

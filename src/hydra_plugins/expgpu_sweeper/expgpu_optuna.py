@@ -5,21 +5,27 @@ run.log, resumable by rerunning the sweep dir. The work lives in expgpu.tune (im
         hydra.sweeper.direction=maximize hydra.sweeper.n_trials=24 hydra/sweeper/pruner=median \\
         'task.optimizer.lr=tag(log, interval(1e-4,1e-1))'
 
-The keys are Hydra's optuna sweeper's, plus `pruner`, so switching is one line. No
-`from __future__ import annotations`: Hydra executes plugin modules without registering them in
+The keys are Hydra's optuna sweeper's, plus `pruner`, so switching is one line, from any Hydra app:
+the config lives here, in the ConfigStore, with its sampler and pruner groups (samplers.py, pruners.py).
+No `from __future__ import annotations`: Hydra executes plugin modules without registering them in
 sys.modules, and dataclasses cannot resolve string annotations there.
 """
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.plugins.sweeper import Sweeper
+from omegaconf import MISSING
 
 
 @dataclass
 class ExpgpuOptunaConf:
     _target_: str = "hydra_plugins.expgpu_sweeper.expgpu_optuna.ExpgpuOptunaSweeper"
+    # hydra/sweeper/sampler=tpe (default), random, grid, cmaes, nsgaii, nsgaiii, qmc, gp, bruteforce, motpe;
+    # hydra/sweeper/pruner=median, percentile, successive_halving, hyperband, threshold, patient, nop
+    defaults: List[Any] = field(default_factory=lambda: ["_self_", {"sampler": "tpe"}, {"pruner": None}])
     # The sampler and pruner are built by the sweeper (a bad _target_ is one line), not by Hydra.
     _recursive_: bool = False
     # Trials in all: those a rerun of the sweep dir finds in the study count too.
@@ -27,7 +33,7 @@ class ExpgpuOptunaConf:
     # Trials at once. null: what the launcher runs at once (gpu_pool: its GPUs over a job's, or its
     # CPU slots; slurm: hydra.launcher.array_parallelism; the basic launcher: 1; joblib: its n_jobs).
     n_jobs: Optional[int] = None
-    # minimize or maximize the root `objective` metric; a list, one per metric, for several objectives.
+    # minimize or maximize; a list, one per value, for several objectives.
     direction: Any = "minimize"
     # null: the sweep dir's path. A study of that name found in the storage is continued.
     study_name: Optional[str] = None
@@ -35,20 +41,24 @@ class ExpgpuOptunaConf:
     # nodes reach through a shared file system; or any Optuna storage URL (sqlite:///study.db, ...).
     storage: Optional[str] = None
     # Any Optuna sampler: its _target_ and its arguments (seed: the study's proposals repeat).
-    sampler: Any = field(default_factory=lambda: {"_target_": "optuna.samplers.TPESampler", "seed": None})
-    # Any Optuna pruner (hydra/sweeper/pruner=median|successive_halving|hyperband|percentile, or a
-    # _target_ of your own); null: no pruning. It judges what run.log wrote for the objective.
+    sampler: Any = MISSING
+    # Any Optuna pruner, or null: no pruning. It judges what run.log wrote for the objective.
     pruner: Any = None
     # The search space in Hydra's sweep syntax: {key: interval(a,b) | tag(log, interval(a,b)) |
-    # choice(...) | range(a,b[,s])}; sweeps on the command line join it.
-    params: Dict[str, str] = field(default_factory=dict)
+    # choice(...) | range(a,b[,s])}; sweeps on the command line join it, and a plain value there
+    # (key=value) takes its key out of it.
+    params: Optional[Dict[str, Any]] = field(default_factory=dict)
+    # Deprecated (Hydra 1.2): {key: {type: int|float|categorical, low, high, step, log, choices}};
+    # read with a warning, unless params has entries too.
+    search_space: Optional[Dict[str, Any]] = None
     # The dotted path of fn(cfg, trial) suggesting more parameters (Optuna's define-by-run).
     custom_search_space: Optional[str] = None
-    # Kept for Hydra's optuna sweeper's configs; a failed trial is FAILED in the study and the search goes on.
-    max_failure_rate: float = 1.0
+    # Stop the search (exit 1) when more than this fraction of the last n_jobs trials failed.
+    max_failure_rate: float = 0.0
 
 
-ConfigStore.instance().store(name="expgpu_optuna_sweeper_schema", node=ExpgpuOptunaConf, provider="expgpu")
+ConfigStore.instance().store(group="hydra/sweeper", name="expgpu_optuna", node=ExpgpuOptunaConf,
+                             provider="expgpu")
 
 
 class ExpgpuOptunaSweeper(Sweeper):
@@ -60,11 +70,27 @@ class ExpgpuOptunaSweeper(Sweeper):
     def setup(self, *, hydra_context, task_function, config) -> None:
         from hydra.core.plugins import Plugins
 
+        from expgpu.tune.check import TrialChecked
+
         self.config = config
-        self.launcher = Plugins.instance().instantiate_launcher(config=config, hydra_context=hydra_context,
-                                                                task_function=task_function)
+        # Each job checks, before the task runs, that it composed the parameters its trial records.
+        self.launcher = Plugins.instance().instantiate_launcher(
+            config=config, hydra_context=hydra_context, task_function=TrialChecked(task_function))
 
     def sweep(self, arguments: List[str]) -> None:
-        from expgpu.tune.sweep import sweep
+        from expgpu.errors import EXIT_USER_ERROR, UserError
+        from expgpu.tune.sweep import SweepFailed, sweep
 
-        return sweep(self.params, self.config, self.launcher, arguments)
+        # Any Hydra app, not only `python -m expgpu`: what ends the sweep is one line, never Hydra's
+        # report with a traceback (SystemExit passes through Hydra's run_and_report).
+        try:
+            return sweep(self.params, self.config, self.launcher, arguments)
+        except UserError as e:
+            print(f"expgpu: error: {e}", file=sys.stderr)
+            sys.exit(EXIT_USER_ERROR)
+        except SweepFailed as e:
+            print(f"expgpu: {e}", file=sys.stderr)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            print("expgpu: interrupted", file=sys.stderr)
+            sys.exit(130)
