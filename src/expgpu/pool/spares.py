@@ -8,6 +8,7 @@ CUDA call could not land on another job's card.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import socket
@@ -122,7 +123,8 @@ def primable(hydra_context, task_function, own_code: bool) -> bool:
     job's GPUs (task_modules says why); expgpu's imports the task's modules only after the hand-over."""
     if any(not type(cb).__module__.startswith(("hydra.", "expgpu.")) for cb in hydra_context.callbacks.callbacks):
         return False
-    code = getattr(task_function, "__code__", None)   # expgpu's is a closure in expgpu/__main__.py
+    # expgpu's is a closure in expgpu/__main__.py (under expgpu_optuna, inside the trial check's wrapper)
+    code = getattr(inspect.unwrap(task_function), "__code__", None)
     return own_code or (code is not None and Path(code.co_filename).parent == Path(procs.__file__).parent)
 
 

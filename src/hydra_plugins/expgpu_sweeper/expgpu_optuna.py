@@ -78,19 +78,17 @@ class ExpgpuOptunaSweeper(Sweeper):
             config=config, hydra_context=hydra_context, task_function=TrialChecked(task_function))
 
     def sweep(self, arguments: List[str]) -> None:
-        from expgpu.errors import EXIT_USER_ERROR, UserError
+        from expgpu.errors import exit_on_user_error
         from expgpu.tune.sweep import SweepFailed, sweep
 
         # Any Hydra app, not only `python -m expgpu`: what ends the sweep is one line, never Hydra's
         # report with a traceback (SystemExit passes through Hydra's run_and_report).
-        try:
-            return sweep(self.params, self.config, self.launcher, arguments)
-        except UserError as e:
-            print(f"expgpu: error: {e}", file=sys.stderr)
-            sys.exit(EXIT_USER_ERROR)
-        except SweepFailed as e:
-            print(f"expgpu: {e}", file=sys.stderr)
-            sys.exit(1)
-        except KeyboardInterrupt:
-            print("expgpu: interrupted", file=sys.stderr)
-            sys.exit(130)
+        with exit_on_user_error():
+            try:
+                return sweep(self.params, self.config, self.launcher, arguments)
+            except SweepFailed as e:
+                print(f"expgpu: {e}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
+            except KeyboardInterrupt:
+                print("expgpu: interrupted", file=sys.stderr, flush=True)
+                raise SystemExit(130) from None
