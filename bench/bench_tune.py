@@ -10,21 +10,29 @@ a held-out 20 %) on 2 CPU slots, four ways, with fixed seeds:
   4. expgpu_prune  the same with a pruner (median of the earlier trials' accuracy at each evaluation)
      expgpu_asha   the same with asynchronous successive halving (rungs at 200, 600, 1800 steps, 1/3 go on)
   5. ray_asha      Ray Tune's ASHA with TPE (OptunaSearch), the same loop in a Ray trainable
-                   (bench/tune_ray_asha.py), when ray[tune] is installed; idle and overhead not measured
+                   (bench/tune_ray_asha.py), run by --ray-python (a venv with ray[tune]: Ray pins its own
+                   dependencies) or this python when it has ray; idle and overhead not measured
 
-    python bench/bench_tune.py [--trials 24] [--steps 3000] [--only expgpu,expgpu_prune]
+    python bench/bench_tune.py [--trials 24] [--steps 3000] [--seeds 0,1,2] [--only expgpu,expgpu_prune]
+                               [--ray-python /path/to/ray-venv/bin/python]
 
 Search space (3 parameters): task.optimizer.lr in tag(log, interval(1e-4, 3e-1)), task.model.hidden in
 choice(16,32,64,128,256), task.batch_size in choice(8,16,32,64); objective=accuracy (maximize), evaluated
-every 100 steps (what the pruner judges; from step 200 on). Sampler: TPE, seed 0, the same in all four.
+every 100 steps (what the pruner judges; from step 200 on). Sampler: TPE, the same seeds in every way: each
+way runs once per seed (--seeds), and its figures are the medians over them (a search's best depends on its
+seed more than on anything compared here).
 3000 steps make a trial ~1.5 s of training on one core: long enough that the search, not each job's
 fixed start-up and Hydra's own start, is what is compared (at 400 steps a trial trains ~0.25 s).
 
 Printed per way: wall time (the whole command), best accuracy, trials finished / pruned, idle slot-time
-(1 - the time the 2 slots held a trial / (2 x the sweep's span): gpu_pool's jobs from hand-over to exit,
-pool.json; the basic launcher's trials back to back on one slot), and the sweeper's overhead: for each
+before the tail (1 - the time the 2 slots held a trial / (2 x the span from the first trial's start to the
+last trial's start): gpu_pool's jobs from hand-over to exit, pool.json; the basic launcher's trials back to
+back on one slot), the tail apart (from the last trial's start to the sweep's end: no scheduler fills a slot
+there without trials beyond n_trials), and the sweeper's overhead: for each
 trial after the first two, its first step minus the end of the latest training that ended before it
-(median; result.json's timing: the next trial's own start-up, e.g. its dataset, counts too). Then the ratios the goals are about: (4) against (1) and (2).
+(median; result.json's timing: the next trial's own start-up, e.g. its dataset, counts too). Then the ratios
+the goals are about, medians against medians: (4) against (1), (2) and (5); the pruned asynchronous way's
+median best within 0.5 points of (2)'s at <= 0.4x its wall time.
 Hydra's optuna sweeper pins optuna<3: it runs from a directory of its own (tests/hydra_optuna.py), put
 first on its commands' PYTHONPATH. Runs once (each way is minutes): on a shared machine the figures are
 noisy; say so when quoting them.
@@ -33,6 +41,7 @@ noisy; say so when quoting them.
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -63,27 +72,29 @@ WAYS = {
 }
 
 
-def run_ray(trials: int, steps: int, where: Path) -> dict:
+def run_ray(trials: int, steps: int, seed: int, where: Path, python: str) -> dict:
     """Ray Tune's ASHA on the same search (bench/tune_ray_asha.py); wall time of the whole command."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "tune_ray_asha.py"), str(trials), str(steps),
-                           str(where / "ray")], cwd=REPO, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run([python, str(REPO / "bench" / "tune_ray_asha.py"), str(trials), str(steps),
+                           str(where / f"ray-{seed}"), str(seed)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=3600)
     wall = time.monotonic() - t0
     if proc.returncode != 0:
         sys.exit(f"ray_asha failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
-    return {"wall": wall, "idle": float("nan"), "overhead": float("nan"),
+    return {"wall": wall, "idle": float("nan"), "tail": float("nan"), "overhead": float("nan"),
             **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
-def run_way(name: str, trials: int, steps: int, where: Path, hydra_optuna: str) -> dict:
+def run_way(name: str, trials: int, steps: int, seed: int, where: Path, hydra_optuna: str, ray: str) -> dict:
     if name == "ray_asha":
-        return run_ray(trials, steps, where)
-    sweep = where / name
+        return run_ray(trials, steps, seed, where, ray)
+    sweep = where / f"{name}-{seed}"
     args = [sys.executable, "-m", "expgpu", "-m", *WAYS[name], *SPACE, "task=digits", f"task.max_steps={steps}",
             "task.eval_every=100", "objective=accuracy", "hydra.sweeper.direction=maximize",
-            f"hydra.sweeper.n_trials={trials}", "hydra.sweeper.sampler.seed=0", f"hydra.sweep.dir={sweep}",
+            f"hydra.sweeper.n_trials={trials}", f"hydra.sweeper.sampler.seed={seed}", f"hydra.sweep.dir={sweep}",
             "~hydra.callbacks.report"]
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("SLURM_", "EXPGPU_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_"))}
     if name.startswith("hydra"):
         env = with_path(env, hydra_optuna)
     if name.endswith("_1t"):
@@ -106,55 +117,77 @@ def _read(sweep: Path) -> dict:
         if before:
             gaps.append(first - max(before))
     best = max((r["metrics"]["accuracy"] for r in jobs if r["status"] == "finished"), default=float("nan"))
+    idle, tail = _idle(sweep, trained)
     return {"best": best, "finished": sum(r["status"] == "finished" for r in jobs),
-            "pruned": sum(r["status"] == "pruned" for r in jobs), "idle": _idle(sweep, trained),
+            "pruned": sum(r["status"] == "pruned" for r in jobs), "idle": idle, "tail": tail,
             "overhead": statistics.median(gaps) if gaps else float("nan")}
 
 
-def _idle(sweep: Path, trained: list[tuple[float, float]]) -> float:
-    """1 - the slots' occupied time / (2 slots x the sweep's span). Occupied: gpu_pool's jobs from their
-    hand-over to their process's exit (pool.json); the basic launcher's trials, one after another in its
-    own process, each from the end of the one before."""
+def _idle(sweep: Path, trained: list[tuple[float, float]]) -> tuple[float, float]:
+    """(idle slot-time before the tail, the tail in seconds). Idle: 1 - the slots' occupied time / (2 slots x
+    the span from the first trial's start to the last one's). Occupied: gpu_pool's jobs from their hand-over
+    to their process's exit (pool.json); the basic launcher's trials, one after another in its own process,
+    each from the end of the one before. The tail: from the last trial's start to the sweep's end."""
     try:
         spans = [(j["started"], j["ended"]) for j in json.loads((sweep / "pool.json").read_text())["jobs"]]
     except OSError:
         spans = [(prev_end, end) for (_, prev_end), (_, end) in zip([trained[0]] + trained, trained)]
         spans[0] = trained[0]
-    window = max(e for _, e in spans) - min(s for s, _ in spans)
-    return 1 - sum(e - s for s, e in spans) / (2 * window)
+    t0, cut, end = min(s for s, _ in spans), max(s for s, _ in spans), max(e for _, e in spans)
+    held = sum(max(0.0, min(e, cut) - s) for s, e in spans)
+    return (1 - held / (2 * (cut - t0)) if cut > t0 else float("nan")), end - cut
+
+
+def _median(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def _ray_python(given: str | None) -> str | None:
+    if given:
+        return given
+    return sys.executable if importlib.util.find_spec("ray") is not None else None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=24)
     ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--seeds", default="0,1,2", help="the sampler's seeds: each way runs once per seed")
     ap.add_argument("--only", default=",".join([*WAYS, "ray_asha"]))
+    ap.add_argument("--ray-python", help="a python with ray[tune] (and torch 2.13, optuna, scikit-learn)")
     a = ap.parse_args()
-    ways = a.only.split(",")
-    if "ray_asha" in ways and importlib.util.find_spec("ray") is None:
-        print("ray_asha: skipped (pip install 'ray[tune]': it pulls no torch)")
+    ways, seeds, ray = a.only.split(","), [int(x) for x in a.seeds.split(",")], _ray_python(a.ray_python)
+    if "ray_asha" in ways and ray is None:
+        print("ray_asha: skipped (no ray: give --ray-python, a venv's python with ray[tune])")
         ways.remove("ray_asha")
     hydra_optuna = str(install())
-    out = {}
+    out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_tune_") as tmp:
         for name in ways:
-            out[name] = run_way(name, a.trials, a.steps, Path(tmp), hydra_optuna)
-            r = out[name]
-            print(f"{name:13s} wall {r['wall']:6.1f} s  best accuracy {r['best']:.4f}  finished {r['finished']:2d}  "
-                  f"pruned {r['pruned']:2d}  idle slot-time {100 * r['idle']:5.1f} %  "
-                  f"overhead (trial end -> next first step, median) {r['overhead']:.3f} s", flush=True)
+            runs = [run_way(name, a.trials, a.steps, seed, Path(tmp), hydra_optuna, ray) for seed in seeds]
+            out[name] = r = _median(runs)
+            bests = " ".join(f"{x['best']:.4f}" for x in runs)
+            print(f"{name:14s} wall {r['wall']:6.1f} s  best accuracy {r['best']:.4f} ({bests})  finished {r['finished']:4.1f}  "
+                  f"pruned {r['pruned']:4.1f}  idle before the tail {100 * r['idle']:5.1f} %  tail {r['tail']:5.1f} s  "
+                  f"overhead {r['overhead']:.3f} s   [medians over seeds {a.seeds}]", flush=True)
+    _goals(out)
+
+
+def _goals(out: dict[str, dict]) -> None:
     for pruned in ("expgpu_prune", "expgpu_asha"):
         p = out.get(pruned)
-        for base, goal in (("hydra_basic", 0.33), ("hydra_basic_1t", 0.33), ("hydra_pool", 0.5), ("ray_asha", None)):
+        for base, wall_goal in (("hydra_basic", None), ("hydra_basic_1t", None), ("hydra_pool", 0.4), ("ray_asha", None)):
             if p and base in out:
                 b = out[base]
-                print(f"{pruned} / {base}: wall {p['wall'] / b['wall']:.2f}" + (f" (goal <= {goal})" if goal else "")
-                      + f", best accuracy {100 * (p['best'] - b['best']):+.2f} points"
-                      + (" (goal >= -0.5)" if goal else ""))
+                points = 100 * (p["best"] - b["best"])
+                print(f"{pruned} / {base}: wall {p['wall'] / b['wall']:.2f}" + (f" (goal <= {wall_goal})" if wall_goal else "")
+                      + f", median best accuracy {points:+.2f} points" + (" (goal >= -0.5)" if wall_goal else "")
+                      + (f": goal {'met' if points >= -0.5 and p['wall'] / b['wall'] <= wall_goal else 'NOT met'}"
+                         if wall_goal else ""))
     for name in ("expgpu", "expgpu_prune", "expgpu_asha"):
         if name in out:
-            print(f"{name}: idle {100 * out[name]['idle']:.1f} % (goal < 5 %), overhead "
-                  f"{out[name]['overhead']:.3f} s (goal <= 0.3 s)")
+            print(f"{name}: idle before the tail {100 * out[name]['idle']:.1f} % (goal < 5 %), tail "
+                  f"{out[name]['tail']:.1f} s, overhead {out[name]['overhead']:.3f} s (goal <= 0.3 s)")
 
 
 if __name__ == "__main__":

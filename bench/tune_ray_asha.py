@@ -2,9 +2,12 @@
 which pulls no torch), for comparison. The same model, data and loop as expgpu's built-in `digits` task
 (expgpu.tasks: MLP, Digits; Adam, cross-entropy), written plainly in a Ray trainable; the same space and
 budget: 24 trials, 2 at once on 2 CPUs, 3000 steps, the test accuracy every 100 steps reported to Tune;
-TPE through Ray's OptunaSearch (seed 0); ASHA as expgpu_asha's: rungs at steps 200, 600, 1800, reduction factor 3.
+TPE through Ray's OptunaSearch (seeded); ASHA as expgpu_asha's: rungs at steps 200, 600, 1800, reduction factor 3.
 
-    python bench/tune_ray_asha.py TRIALS STEPS OUT_DIR     (prints one JSON line: best, finished, pruned)
+    python bench/tune_ray_asha.py TRIALS STEPS OUT_DIR [SEED]   (prints one JSON line: best, finished, pruned)
+
+Ray pins its own dependencies: run it from a venv of its own (torch==2.13.0, ray[tune], optuna, scikit-learn,
+and this checkout's src on PYTHONPATH); bench_tune.py's --ray-python names that venv's python.
 """
 
 import json
@@ -47,6 +50,7 @@ def trainable(config: dict) -> None:
 
 def main() -> None:
     trials, steps, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    seed = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     import ray
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
@@ -58,7 +62,7 @@ def main() -> None:
     tuner = tune.Tuner(
         tune.with_resources(trainable, {"cpu": 1}), param_space=space,
         tune_config=tune.TuneConfig(metric="accuracy", mode="max", num_samples=trials, max_concurrent_trials=2,
-                                    search_alg=OptunaSearch(seed=0),
+                                    search_alg=OptunaSearch(seed=seed),
                                     scheduler=ASHAScheduler(max_t=steps // 100, grace_period=2, reduction_factor=3)),
         run_config=tune.RunConfig(storage_path=out, verbose=0))
     results = tuner.fit()
