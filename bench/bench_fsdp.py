@@ -30,6 +30,7 @@ UNITS = "launch.fsdp.units=[TransformerEncoderLayer]"
 
 def run(task: str, args: list[str], nproc: int, run_dir: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_", "TORCHELASTIC_"))}
+    env["CUDA_VISIBLE_DEVICES"] = ""   # the CPU benchmark it says it is, on a GPU node too
     env.update(OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(str(p) for p in (BENCH, REPO / "examples", REPO / "src")))
     done = subprocess.run([sys.executable, "-m", "expgpu", "--config-dir", str(BENCH / "conf"), f"task={task}", *args,

@@ -28,6 +28,7 @@ BENCH = REPO / "bench"
 
 def run(task: str, args: list[str], nproc: int, run_dir: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_", "TORCHELASTIC_"))}
+    env["CUDA_VISIBLE_DEVICES"] = ""   # the CPU benchmark it says it is, on a GPU node too
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=f"{BENCH}{os.pathsep}{REPO / 'src'}")
     subprocess.run([sys.executable, "-m", "expgpu", "--config-dir", str(BENCH / "conf"), f"task={task}", *args,
                     f"launch.nproc_per_node={nproc}", "checkpoint.resume=false", f"hydra.run.dir={run_dir}"],

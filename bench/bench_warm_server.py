@@ -57,6 +57,7 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="expgpu-bench-warm-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EXPGPU_", "SLURM_"))}
+    env["CUDA_VISIBLE_DEVICES"] = ""   # the CPU benchmark it says it is, on a GPU node too
     env.update(OMP_NUM_THREADS="1")
     path = str(tmp / "s")
     proc = subprocess.Popen([sys.executable, "-m", "expgpu.warm_server", path], cwd=REPO, env=env,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import expgpu
+from conftest import clean_env, expgpu
 from expgpu import memory_estimate as me
 
 MLP_A = {"_target_": "expgpu.tasks.models.MLP", "in_features": 32, "out_features": 4, "hidden": 128}
@@ -53,7 +53,9 @@ def test_what_cannot_be_known_is_unknown_not_guessed():
 
 
 def test_dry_run_shows_each_ranks_memory_under_ddp_and_fsdp(tmp_path):
-    run = expgpu(["dry_run=true", "task=a", "launch.nproc_per_node=4"], tmp_path / "run")
+    # 4 CPU ranks on any machine (a node with 1-3 GPUs would refuse 4 ranks under gpu_map=sequential)
+    run = expgpu(["dry_run=true", "task=a", "launch.nproc_per_node=4"], tmp_path / "run",
+                 env=clean_env(CUDA_VISIBLE_DEVICES=""))
     assert run.returncode == 0, run.stderr
     lines = [x for x in run.stdout.splitlines() if x.startswith("memory per rank")]
     assert lines == ["memory per rank for parameters + optimizer state, 4 rank(s): ddp 249.0 KiB (83.0 KiB + "
