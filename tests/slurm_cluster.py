@@ -76,6 +76,21 @@ class Cluster:
         lines = out.stdout.split()
         return lines[-1].split()[0] if lines else None   # "CANCELLED by 0" -> CANCELLED
 
+    def sweep_cancelled(self, cmd: list[str], cwd: Path, name: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+        """Run the sweep `cmd`, whose jobs are named `name`, and scancel them as soon as squeue lists them:
+        how the sweep ended (its exit code, stdout, stderr) and the ids of the jobs cancelled."""
+        proc = subprocess.Popen(cmd, cwd=cwd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not (jobs := self.run(["squeue", "-h", "-o", "%i", "--name", name]).stdout.split()):
+                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+                time.sleep(0.5)
+            self.run(["scancel", *jobs])
+            out, err = proc.communicate(timeout=90)
+        finally:
+            proc.kill()
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), jobs
+
     def wait_job(self, job_id: str, timeout: float = 120) -> str:
         """Wait until the job reaches a final state and return it (COMPLETED, FAILED, ...)."""
         deadline = time.monotonic() + timeout

@@ -171,21 +171,11 @@ def test_cancelled_job_fails_the_sweep_instead_of_hanging(which, request, tmp_pa
     # (scripts/slurm-local/README.md, pitfall 8); expgpu notices the job left the queue.
     cluster = request.getfixturevalue(which)
     name = f"lost-{uuid.uuid4().hex[:8]}"
-    proc = subprocess.Popen([sys.executable, "-m", "expgpu", "-m", "hydra/launcher=slurm", "task=a",
-                             "task.max_steps=10000000", PACED,
-                             "hydra.launcher.gpus_per_node=0",
-                             "hydra.launcher.lost_after_s=3", f"hydra.launcher.name={name}",
-                             f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                            cwd=REPO, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (jobs := cluster.run(["squeue", "-h", "-o", "%i", "--name", name]).stdout.split()):
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.5)
-        cluster.run(["scancel", *jobs])
-        out, err = proc.communicate(timeout=90)
-    finally:
-        proc.kill()
+    proc, jobs = cluster.sweep_cancelled([sys.executable, "-m", "expgpu", "-m", "hydra/launcher=slurm", "task=a",
+                                          "task.max_steps=10000000", PACED, "hydra.launcher.gpus_per_node=0",
+                                          "hydra.launcher.lost_after_s=3", f"hydra.launcher.name={name}",
+                                          f"hydra.sweep.dir={tmp_path / 'sweep'}"], REPO, name)
+    err = proc.stderr
     assert proc.returncode == 1 and "Traceback" not in err, err
     line = err.strip().splitlines()[-1]
     assert line.startswith("expgpu: ") and f"job {jobs[0]}" in line and "without a result" in line, err
