@@ -1,4 +1,5 @@
-"""A normal (non-editable) install finds its configs: conf/ ships inside the wheel."""
+"""A normal (non-editable) install finds its configs: conf/ ships inside the wheel, and its launchers
+are every Hydra app's choices."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +16,10 @@ from conftest import REPO, clean_env
 pytestmark = pytest.mark.slow
 
 
-def test_wheel_ships_conf_and_runs_outside_the_checkout(tmp_path):
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> tuple[Path, dict]:
+    """The wheel, installed in a directory of its own; the environment that puts it first."""
+    tmp_path = tmp_path_factory.mktemp("install")
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(REPO)],
                    check=True, capture_output=True, timeout=300)
@@ -27,15 +32,32 @@ def test_wheel_ships_conf_and_runs_outside_the_checkout(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                    check=True, capture_output=True, timeout=300)
     # PYTHONPATH comes before the editable checkout on sys.path: the installed copy wins.
-    env = clean_env(PYTHONPATH=str(site))
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    where = subprocess.run([sys.executable, "-c", "import expgpu; print(expgpu.__file__)"], cwd=elsewhere, env=env,
+    return site, clean_env(PYTHONPATH=str(site))
+
+
+def test_wheel_ships_conf_and_runs_outside_the_checkout(installed, tmp_path):
+    site, env = installed
+    where = subprocess.run([sys.executable, "-c", "import expgpu; print(expgpu.__file__)"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(site)), where
     run = subprocess.run([sys.executable, "-m", "expgpu", "task=digits", "task.max_steps=20",
-                          f"hydra.run.dir={elsewhere / 'run'}"], cwd=elsewhere, env=env, capture_output=True,
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=240)
     assert run.returncode == 0, run.stderr
-    result = json.loads((elsewhere / "run" / "result.json").read_text())
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["task"] == "digits" and result["steps"] == 20
+
+
+@pytest.mark.parametrize("launcher, target", [("slurm", "slurm.ExpgpuSlurmLauncher"),
+                                              ("submitit_local", "slurm.ExpgpuLocalLauncher"),
+                                              ("gpu_pool", "gpu_pool.GpuPoolLauncher")])
+def test_wheel_launchers_are_choices_of_any_app(installed, tmp_path, launcher, target):
+    # Here the wheel's plugins are found before hydra-submitit-launcher's (site-packages), so Hydra's
+    # plugin scan runs that one's config module last: submitit_local is still expgpu's.
+    (tmp_path / "my_app.py").write_text("import hydra\n\n\n@hydra.main(version_base='1.3', config_path=None)\n"
+                                        "def main(cfg):\n    pass\n\n\nmain()\n")
+    shown = subprocess.run([sys.executable, "my_app.py", f"hydra/launcher={launcher}", "--cfg", "hydra",
+                            "-p", "hydra.launcher._target_"], cwd=tmp_path, env=installed[1],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == f"hydra_plugins.expgpu_launchers.{target}", shown.stdout
