@@ -48,16 +48,16 @@ def test_wheel_ships_conf_and_runs_outside_the_checkout(installed, tmp_path):
     assert result["task"] == "digits" and result["steps"] == 20
 
 
-@pytest.mark.parametrize("launcher, target", [("slurm", "slurm.ExpgpuSlurmLauncher"),
-                                              ("submitit_local", "slurm.ExpgpuLocalLauncher"),
-                                              ("gpu_pool", "gpu_pool.GpuPoolLauncher")])
+@pytest.mark.parametrize("launcher, target", [("slurm", "expgpu_launchers.slurm.ExpgpuSlurmLauncher"),
+                                              ("gpu_pool", "expgpu_launchers.gpu_pool.GpuPoolLauncher"),
+                                              # another plugin's name stays that plugin's
+                                              ("submitit_local", "hydra_submitit_launcher.submitit_launcher."
+                                                                 "LocalLauncher")])
 def test_wheel_launchers_are_choices_of_any_app(installed, tmp_path, launcher, target):
-    # Here the wheel's plugins are found before hydra-submitit-launcher's (site-packages), so Hydra's
-    # plugin scan runs that one's config module last: submitit_local is still expgpu's.
     (tmp_path / "my_app.py").write_text("import hydra\n\n\n@hydra.main(version_base='1.3', config_path=None)\n"
                                         "def main(cfg):\n    pass\n\n\nmain()\n")
     shown = subprocess.run([sys.executable, "my_app.py", f"hydra/launcher={launcher}", "--cfg", "hydra",
                             "-p", "hydra.launcher._target_"], cwd=tmp_path, env=installed[1],
                            capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.strip() == f"hydra_plugins.expgpu_launchers.{target}", shown.stdout
+    assert shown.stdout.strip() == f"hydra_plugins.{target}", shown.stdout

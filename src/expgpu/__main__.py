@@ -122,6 +122,11 @@ def main() -> None:
     stopping.install()
     faulthandler.enable(all_threads=True)  # a rank killed in C++ still says where Python was
     os.environ.setdefault("EXPGPU_START_TIME", str(_T0))
+    import warnings
+
+    # conf/hydra/launcher/submitit_local.yaml has the name of hydra-submitit-launcher's schema, so
+    # Hydra checks it against that schema and warns, three times, that such matching is deprecated.
+    warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_local' is validated against")
     # Let Hydra's errors reach us instead of its multi-line report with exit code 1.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     import hydra

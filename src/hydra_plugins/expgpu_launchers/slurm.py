@@ -1,5 +1,6 @@
-"""`hydra/launcher=slurm` and `hydra/launcher=submitit_local`, in any Hydra app: hydra-submitit-launcher,
-plus expgpu's checks before anything is submitted and a dry run.
+"""`hydra/launcher=slurm`, in any Hydra app: hydra-submitit-launcher, plus expgpu's checks before anything
+is submitted and a dry run; and, in expgpu's own app, `hydra/launcher=submitit_local` (its conf dir's
+submitit_local.yaml names ExpgpuLocalLauncher: other apps keep hydra-submitit-launcher's own, untouched).
 
     python -m expgpu -m hydra/launcher=slurm task=a,b gpu_map=sequential,ranked hydra.launcher.partition=gpu
     python my_app.py -m hydra/launcher=slurm lr=0.1,0.01 hydra.launcher.gpus_per_node=1
@@ -18,10 +19,8 @@ modules without registering them in sys.modules, where dataclasses look up strin
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from hydra.core.config_search_path import ConfigSearchPath
 from hydra.core.config_store import ConfigStore
-from hydra.plugins.search_path_plugin import SearchPathPlugin
-from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
+from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 
 
@@ -66,20 +65,6 @@ class ExpgpuSlurmConf(SlurmQueueConf):
     lost_after_s: float = 60.0
 
 
-@dataclass
-class ExpgpuLocalConf(LocalQueueConf):
-    """submitit's local executor: each job of a sweep in its own process on this machine, all at once
-    (no queue); an expgpu job's several ranks: launch.nproc_per_node=N.
-      python -m expgpu -m hydra/launcher=submitit_local task=a,b
-    hydra-submitit-launcher's keys (LocalQueueConf); the launcher is expgpu's: checks, dry run, and the
-    GPUs this process sees kept visible."""
-
-    _target_: str = "hydra_plugins.expgpu_launchers.slurm.ExpgpuLocalLauncher"
-    # GPUs each job sees; null: all those this process sees (submitit's own default hides them all,
-    # hydra#2602).
-    gpus_per_node: Optional[int] = None
-
-
 def _register_expgpu() -> None:
     # In the job: the unpickled config uses expgpu's resolvers, which live in the submitting process only.
     from expgpu import config, rundir
@@ -115,15 +100,3 @@ class ExpgpuLocalLauncher(_Expgpu, LocalLauncher):
 
 ConfigStore.instance().store(group="hydra/launcher", name="slurm", node=ExpgpuSlurmConf, provider="expgpu")
 
-
-class SubmititLocalIsExpgpus(SearchPathPlugin):
-    """Makes `hydra/launcher=submitit_local` expgpu's (ExpgpuLocalConf) in every app. Not stored when this
-    module is imported: hydra-submitit-launcher stores its own under that name, and Hydra's plugin scan
-    runs every plugin module again in the order it finds them (site-packages before an editable
-    checkout, names sorted within one directory), so the last store would depend on how each is
-    installed. Hydra calls this while it builds the search path: after the scan, before anything is
-    composed. The search path itself is left as it is."""
-
-    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        ConfigStore.instance().store(group="hydra/launcher", name="submitit_local", node=ExpgpuLocalConf,
-                                     provider="expgpu")
