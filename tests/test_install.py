@@ -61,3 +61,19 @@ def test_wheel_launchers_are_choices_of_any_app(installed, tmp_path, launcher, t
                            capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.strip() == f"hydra_plugins.{target}", shown.stdout
+
+
+def test_wheel_sweeper_and_its_groups_serve_any_app(installed, tmp_path):
+    (tmp_path / "my_app.py").write_text("import hydra\n\n\n@hydra.main(version_base='1.3', config_path=None)\n"
+                                        "def main(cfg):\n    return (cfg.x - 0.25) ** 2\n\n\nmain()\n")
+    shown = subprocess.run([sys.executable, "my_app.py", "+x=0", "hydra/sweeper=expgpu_optuna", "hydra/sweeper/sampler=random",
+                            "hydra/sweeper/pruner=median", "--cfg", "hydra", "-p", "hydra.sweeper"], cwd=tmp_path,
+                           env=installed[1], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "_target_: optuna.samplers.RandomSampler" in shown.stdout
+    assert "_target_: optuna.pruners.MedianPruner" in shown.stdout
+    swept = subprocess.run([sys.executable, "my_app.py", "-m", "hydra/sweeper=expgpu_optuna", "hydra.sweeper.n_trials=3",
+                            "+x=interval(0,1)", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path,
+                           env=installed[1], capture_output=True, text=True, timeout=120)
+    assert swept.returncode == 0, swept.stderr
+    assert "best_value" in (tmp_path / "sweep" / "optimization_results.yaml").read_text()

@@ -262,12 +262,13 @@ def sweep(params, config, launcher, arguments: list[str]) -> None:
     import optuna
     from omegaconf import OmegaConf
 
+    from expgpu.config import is_expgpu
     from expgpu.tune import space as spaces
     from expgpu.tune.runners import runner_for
     from expgpu.tune.settings import build, check
 
     s = check(params, OmegaConf.select(config, "objective", default=None))
-    if s.objective is None and _is_expgpu(config):
+    if s.objective is None and is_expgpu(config):
         raise UserError("objective=None: hydra/sweeper=expgpu_optuna needs the metric to optimize, e.g. "
                         "objective=accuracy (a metric the task returns), or a list of them")
     space = spaces.parse(s.params, list(arguments))
@@ -301,7 +302,3 @@ def _custom(path: str | None):
                         "allowed: the dotted path of a function (cfg, trial) -> None, importable from the "
                         "directory you launch from") from None
 
-
-def _is_expgpu(config) -> bool:
-    """An expgpu app's config (python -m expgpu): its tasks return dicts, so `objective` must name the metric."""
-    return all(k in config for k in ("task", "gpu_map", "launch"))
