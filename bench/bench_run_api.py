@@ -55,7 +55,8 @@ def interleaved(args) -> None:
     print(f"\n{args.nproc} rank(s), gloo, CPU, {args.steps} steps per loop in chunks of {args.chunk}, "
           f"{args.rounds} launches")
     if args.control:
-        print(f"A/A control (a second plain loop in the Run loop's place): ratio {statistics.median(totals['control']):.3f}"
+        control = statistics.median(totals["control"])
+        print(f"A/A control (a second plain loop in the Run loop's place): ratio {control:.3f}"
               f" (range {min(totals['control']):.3f}-{max(totals['control']):.3f}): the noise floor")
     print(f"run.steps/run.log vs the plain loop, interleaved: steps/s ratio {statistics.median(totals['run']):.3f} "
           f"(median over launches of the ratio of totals, range {min(totals['run']):.3f}-{max(totals['run']):.3f}; "

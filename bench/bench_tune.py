@@ -33,7 +33,7 @@ trial after the first two, its first step minus the end of the latest training t
 (median; result.json's timing: the next trial's own start-up, e.g. its dataset, counts too). Then the ratios
 the goals are about, medians against medians: (4) against (1), (2) and (5); the pruned asynchronous way's
 median best within 0.5 points of (2)'s at <= 0.4x its wall time.
-Hydra's optuna sweeper pins optuna<3: it runs from a directory of its own (tests/hydra_optuna.py), put
+Hydra's optuna sweeper pins optuna<3: it runs from a directory of its own (tests/helpers/hydra_optuna.py), put
 first on its commands' PYTHONPATH. Runs once (each way is minutes): on a shared machine the figures are
 noisy; say so when quoting them.
 """
@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 from hydra_optuna import install, with_path  # noqa: E402
 
@@ -167,7 +167,8 @@ def main() -> None:
             runs = [run_way(name, a.trials, a.steps, seed, Path(tmp), hydra_optuna, ray) for seed in seeds]
             out[name] = r = _median(runs)
             bests = " ".join(f"{x['best']:.4f}" for x in runs)
-            print(f"{name:14s} wall {r['wall']:6.1f} s  best accuracy {r['best']:.4f} ({bests})  finished {r['finished']:4.1f}  "
+            print(f"{name:14s} wall {r['wall']:6.1f} s  best accuracy {r['best']:.4f} ({bests})  "
+                  f"finished {r['finished']:4.1f}  "
                   f"pruned {r['pruned']:4.1f}  idle before the tail {100 * r['idle']:5.1f} %  tail {r['tail']:5.1f} s  "
                   f"overhead {r['overhead']:.3f} s   [medians over seeds {a.seeds}]", flush=True)
     _goals(out)
@@ -176,11 +177,13 @@ def main() -> None:
 def _goals(out: dict[str, dict]) -> None:
     for pruned in ("expgpu_prune", "expgpu_asha"):
         p = out.get(pruned)
-        for base, wall_goal in (("hydra_basic", None), ("hydra_basic_1t", None), ("hydra_pool", 0.4), ("ray_asha", None)):
+        for base, wall_goal in (("hydra_basic", None), ("hydra_basic_1t", None), ("hydra_pool", 0.4),
+                                ("ray_asha", None)):
             if p and base in out:
                 b = out[base]
                 points = 100 * (p["best"] - b["best"])
-                print(f"{pruned} / {base}: wall {p['wall'] / b['wall']:.2f}" + (f" (goal <= {wall_goal})" if wall_goal else "")
+                print(f"{pruned} / {base}: wall {p['wall'] / b['wall']:.2f}"
+                      + (f" (goal <= {wall_goal})" if wall_goal else "")
                       + f", median best accuracy {points:+.2f} points" + (" (goal >= -0.5)" if wall_goal else "")
                       + (f": goal {'met' if points >= -0.5 and p['wall'] / b['wall'] <= wall_goal else 'NOT met'}"
                          if wall_goal else ""))

@@ -1,4 +1,4 @@
-"""A launch's start with a warm server (EXPGPU_WARM_SERVER, expgpu.warm_server) against the same
+"""A launch's start with a warm server (EXPGPU_WARM_SERVER, expgpu.launch.warm_server) against the same
 launch without one, alternating in the same run:
 
     python bench/bench_warm_server.py [--rounds 5] [--steps 20]
@@ -10,7 +10,7 @@ server. Per launch:
   cpu      CPU-seconds of every process of the launch: the launcher and its children (rusage),
            and, with the server, what the server and its forks used meanwhile (psutil)
 Medians are compared (server / without). Without a server a 2-rank launch already forks its ranks
-from a warm process of its own (expgpu.warm_ranks), and a 1-rank launch trains in the launcher.
+from a warm process of its own (expgpu.launch.warm), and a 1-rank launch trains in the launcher.
 """
 
 import argparse
@@ -60,7 +60,7 @@ def main() -> None:
     env["CUDA_VISIBLE_DEVICES"] = ""   # the CPU benchmark it says it is, on a GPU node too
     env.update(OMP_NUM_THREADS="1")
     path = str(tmp / "s")
-    proc = subprocess.Popen([sys.executable, "-m", "expgpu.warm_server", path], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "expgpu.launch.warm_server", path], cwd=REPO, env=env,
                             stderr=subprocess.PIPE, text=True)
     try:
         if "ready" not in proc.stderr.readline():

@@ -11,11 +11,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+from my_tasks.charlm import CharTransformer, Chunks
 from torch.utils.data import DataLoader, DistributedSampler
 
 from expgpu import Run
-from expgpu import fsdp
-from my_tasks.charlm import CharTransformer, Chunks
+from expgpu.distributed import fsdp
 from user_loops import _ratios
 
 VOCAB = 96

@@ -8,7 +8,6 @@ line from rank 0: absolute time of the first step, and steps/s after the first 1
 """
 
 import contextlib
-
 import json
 import os
 import sys
@@ -53,7 +52,7 @@ def train(rank: int, world: int, steps: int, precision: str = "32") -> None:
         print(json.dumps({"first_step_at": t_first, "steps_per_s": (steps - 10) / (t_end - t10)}), flush=True)
     dist.destroy_process_group()
     # torch 2.13: without this, 1 run in 6 aborts at exit (SIGABRT) under torchrun and
-    # mp.spawn alike; expgpu.dist._let_gloo_threads_finish says why. After the timing.
+    # mp.spawn alike; expgpu.distributed.group._let_gloo_threads_finish says why. After the timing.
     time.sleep(0.05)
 
 

@@ -1,4 +1,9 @@
-"""Shared helpers: run the real CLI in a subprocess, read what a run left behind."""
+"""Shared helpers: run the real CLI in a subprocess, read what a run left behind.
+
+The tests sit by package, as src/expgpu does (tests/<package>/test_*.py; end-to-end CLI tests in
+tests/e2e/); the probe tasks they run and the fixtures of real clusters live in tests/helpers/, which is
+on the import path of the tests and, as PYTHONPATH (HELPERS), of the runs they start; tests/conf holds
+the probes' task files."""
 
 from __future__ import annotations
 
@@ -15,6 +20,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+HELPERS = TESTS / "helpers"   # the probe tasks (run_probe, ...) and the clusters' fixtures
+sys.path.insert(0, str(HELPERS))
 
 # Steps paced by a sleep: every rank sleeps 0.1 ms per example of its batch (6.4 ms a step of task
 # a), a device computing while the CPU waits. For runs that must still be training when a signal,
@@ -32,7 +40,7 @@ LAUNCHER_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment of a process a test starts. Its launches fork their ranks from this test
-    process's warm server (expgpu.warm_server): most of the suite's CPU was torch's import in
+    process's warm server (expgpu.launch.warm_server): most of the suite's CPU was torch's import in
     each launch. EXPGPU_WARM_SERVER="" in `extra`: this launch starts its ranks as without one."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
@@ -95,6 +103,12 @@ def expgpu(args: list[str], run_dir: Path, env: dict | None = None, timeout: flo
     proc = subprocess.run(cmd + list(args) + [f"hydra.run.dir={run_dir}"], cwd=cwd,
                           env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
     return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+def multirun(args: list[str], sweep_dir: Path, env: dict, timeout: float = 150, cwd: Path = REPO):
+    """`python -m expgpu -m ARGS hydra.sweep.dir=SWEEP_DIR`."""
+    return subprocess.run([sys.executable, "-m", "expgpu", "-m", *args, f"hydra.sweep.dir={sweep_dir}"],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def start(args: list[str], run_dir: Path, env: dict | None = None) -> subprocess.Popen:

@@ -10,9 +10,9 @@ __all__ = ["Run", "StopTraining", "log", "__version__"]
 
 
 def __getattr__(name: str):
-    # `from expgpu import Run` without importing run.py (and what it imports) for every CLI start.
+    # `from expgpu import Run` without importing train/run.py (and what it imports) for every CLI start.
     if name in ("Run", "StopTraining"):
-        from expgpu import run
+        from expgpu.train import run
 
         return getattr(run, name)
     if name == "log":   # a script task's metrics (expgpu/script/log.py); no torch, no Run

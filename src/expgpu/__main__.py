@@ -15,6 +15,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from expgpu import envvars  # noqa: E402
 from expgpu.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 
 
@@ -115,13 +116,13 @@ def _append_hint(e: BaseException) -> str:
 
 
 def main() -> None:
-    from expgpu import stopping
+    from expgpu.procs import stop_signals
 
     # Before Hydra and torch load (seconds): a SIGTERM/SIGUSR2 from SLURM or a Ctrl-C in that
     # time is kept and stops the run at its first step, instead of killing it unsaved.
-    stopping.install()
+    stop_signals.install()
     faulthandler.enable(all_threads=True)  # a rank killed in C++ still says where Python was
-    os.environ.setdefault("EXPGPU_START_TIME", str(_T0))
+    os.environ.setdefault(envvars.START_TIME, str(_T0))
     import warnings
 
     # conf/hydra/launcher/submitit_local.yaml has the name of hydra-submitit-launcher's schema, so
@@ -179,8 +180,8 @@ def main() -> None:
 
 def _report(e: BaseException) -> int | None:
     """Print what ended the run as one line; its exit code, or None for a real bug (traceback)."""
+    from expgpu.checkpoint.verify import NotExact
     from expgpu.errors import Stopped, WorkerFailed
-    from expgpu.verify import NotExact
 
     if isinstance(e, UserError):
         print(f"expgpu: error: {e}", file=sys.stderr)

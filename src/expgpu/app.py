@@ -2,9 +2,9 @@
 
 Three cases, decided by who started this process and by launch.nproc_per_node:
 - dry_run: print the node plan and each rank's memory for parameters and optimizer state
-  (expgpu.memory_estimate, counted in a child process), write plan.json, stop (no torch, no CUDA);
+  (expgpu.gpus.memory_estimate, counted in a child process), write plan.json, stop (no torch, no CUDA);
 - nproc_per_node > 1: this process is only a supervisor: it plans the node once and
-  starts the workers (expgpu.spawn), one per local rank;
+  starts the workers (expgpu.launch.spawn), one per local rank;
 - otherwise this process is a rank itself (alone, or one of torchrun's/srun's).
 """
 
@@ -19,9 +19,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from expgpu import (config, loggers, memory_estimate, placement, rank_process, ranks, requeue, rundir, script, spawn,
-                    stopping, verify)
+from expgpu import config, loggers, ranks, rundir, script
+from expgpu.checkpoint import verify
 from expgpu.errors import Stopped, UserError, WorkerFailed, first_line
+from expgpu.gpus import memory_estimate, placement
+from expgpu.launch import requeue, spawn, worker
+from expgpu.procs import stop_signals
+from expgpu.results import is_script, write_job_failure
 from expgpu.rundir import atomic_write_bytes
 
 log = logging.getLogger("expgpu")
@@ -72,13 +76,13 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         # The first failure is the cause (under srun every rank runs this; the others echo it).
         # A config error before the run dir exists leaves nothing behind.
         if run_dir.is_dir() and not rundir.job_failure_file(run_dir).exists():
-            spawn.write_job_failure(run_dir, str(e) if isinstance(e, (UserError, WorkerFailed))
+            write_job_failure(run_dir, str(e) if isinstance(e, (UserError, WorkerFailed))
                                     else f"{type(e).__name__}: {first_line(e)}", isinstance(e, UserError))
         raise
 
 
 def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
-    stopping.install()  # here for launchers that call the task function (submitit); idempotent
+    stop_signals.install()  # here for launchers that call the task function (submitit); idempotent
     config.check(cfg)
     plain = config.plain(cfg)
     if not plain["dry_run"]:
@@ -99,9 +103,9 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
         if info.rank == 0:
             keys = earlier.get("length_keys", ["max_steps"])   # an older result.json: the built-in loop's
             longer = (f", a larger {' or '.join(f'task.{k}' for k in keys)} trains on" if keys else
-                      "; other task.args run the script again there, with its resume_args" if "command" in earlier
+                      "; other task.args run the script again there, with its resume_args" if is_script(earlier)
                       else "; its loop's length is no task parameter, so it cannot be trained on")
-            done = "its script exited 0" if "command" in earlier else f"{earlier['steps']} steps"
+            done = "its script exited 0" if is_script(earlier) else f"{earlier['steps']} steps"
             print(f"expgpu: {run_dir} already holds this task's finished run ({done}); "
                   f"kept its result.json. checkpoint.resume=false trains it again from scratch{longer}",
                   file=sys.stderr, flush=True)
@@ -113,9 +117,9 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
             rows = _write_plan(run_dir, node, info)
             print(placement.table(rows, node.strategy), flush=True)
             if plain.get("script") is not None:
-                from expgpu.script import rank as script_rank
+                from expgpu.script import runner as script_runner
 
-                print(script_rank.dry_run(plain, node, [r["rank"] for r in rows], run_dir), flush=True)
+                print(script_runner.dry_run(plain, node, [r["rank"] for r in rows], run_dir), flush=True)
             world = local_ranks * info.world_size if nproc > 1 else info.world_size
             print(memory_estimate.line(memory_estimate.measure(plain["task"]), world), flush=True)
             print(f"plan written to {run_dir / rundir.PLAN} (dry run: nothing trained)", flush=True)
@@ -143,7 +147,7 @@ def _train(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int) -> dict
               and (nproc > 1 or "torch" not in sys.modules))
     server = spawn.rank_server(warm=not script_task, nproc=nproc, shared=shared)
     if nproc == 1 and server is None:
-        return rank_process.run(plain, info, run_dir)
+        return worker.run_rank(plain, info, run_dir)
     # Else this process supervises: one rank forked by a warm server (this process then never
     # imports torch), or several.
     try:
@@ -163,11 +167,11 @@ def _supervise(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int, ser
     multi_node = info.world_size > 1  # one supervisor per node (e.g. srun --ntasks-per-node=1)
     script_task = plain.get("script")
     # A script creates its process group itself, from MASTER_PORT: chosen here, before its ranks start
-    # (a function task's rank 0 binds one and publishes it, expgpu.dist)
+    # (a function task's rank 0 binds one and publishes it, expgpu.distributed.group)
     port = info.master_port if multi_node else spawn.free_port() if script_task else 0
     # a stopped rank's script has its grace period; then its rank writes how it ended
     grace = script_task["grace_s"] + spawn.GRACE_S if script_task else spawn.GRACE_S
-    failure = spawn.run(nproc, run_dir, node_rank=info.rank, nnodes=info.world_size,
+    failure = spawn.run_node(nproc, run_dir, node_rank=info.rank, nnodes=info.world_size,
                         master_addr=info.master_addr if multi_node else "127.0.0.1", master_port=port,
                         grace_s=grace, server=server)
     if failure is not None:
@@ -194,10 +198,10 @@ def _finished_earlier(run_dir: Path, plain: dict) -> dict | None:
 
 def _finished(result: dict | None, info: ranks.RankInfo, run_dir: Path) -> dict | None:
     """rank 0's result (None elsewhere) -> returned, or a stop handed on (requeue, exit code)."""
-    stopper = stopping.install()
+    stopper = stop_signals.install()
     if result is not None and result["status"] == "stopped":
         stopper.agreed = result["stop_signal"]  # a supervisor learns it from its workers
-    if stopper.agreed == stopping.PRUNED or (result or {}).get("status") == "pruned":
+    if stopper.agreed == stop_signals.PRUNED or (result or {}).get("status") == "pruned":
         # the trial's pruner ended it: the job is done (no requeue), and the sweeper reads why. The
         # request is spent: a launcher that runs the next trial in this process (basic) starts afresh.
         stopper.received = stopper.agreed = None
@@ -218,7 +222,7 @@ def _finished(result: dict | None, info: ranks.RankInfo, run_dir: Path) -> dict 
     steps = f"{result['steps']} steps" if "command" not in result else "its script exited 0"
     log.info("done: task %s, %s on %d rank(s) (%s, %s): %s -> %s", result["task"], steps,
              result["world_size"], ",".join(devices),
-             result["backend"] or ("the script's process group" if "command" in result and result["world_size"] > 1
+             result["backend"] or ("the script's process group" if is_script(result) and result["world_size"] > 1
                                    else "no process group"),
              describe(result["metrics"]), Path(result["run_dir"]) / rundir.RESULT)
     return result

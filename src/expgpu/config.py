@@ -58,8 +58,8 @@ class Wrap(enum.Enum):
 
 class CheckpointFormat(enum.Enum):
     auto = "auto"   # dcp under launch.wrap=fsdp, else pt
-    pt = "pt"       # checkpoint.pt: rank 0 writes the whole state (expgpu/checkpoint.py)
-    dcp = "dcp"     # checkpoint/: every rank writes its own shards (expgpu/sharded_checkpoint.py)
+    pt = "pt"       # checkpoint.pt: rank 0 writes the whole state (expgpu/checkpoint/file.py)
+    dcp = "dcp"     # checkpoint/: every rank writes its own shards (expgpu/checkpoint/sharded.py)
 
 
 class Stdout(enum.Enum):
@@ -120,7 +120,7 @@ class LaunchConfig:
     # (expgpu/script/environ.py). visible_devices: only its own; set_device: all, then set_device
     isolation: Isolation = Isolation.auto
     wrap: Wrap = Wrap.ddp                         # dp: DataParallel over a rank's GPUs (1 rank only)
-    fsdp: FsdpConfig = field(default_factory=FsdpConfig)   # wrap=fsdp: FSDP2 (expgpu/fsdp.py)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)   # wrap=fsdp: FSDP2 (expgpu/distributed/fsdp.py)
     # what the task prints: every rank's on the console, or rank0's only (the others' in logs/rank<N>.out)
     stdout: Stdout = Stdout.all
 
@@ -149,13 +149,13 @@ class CheckpointConfig:
     every_steps: int = 0   # 0: only when stopped (signal, preemption) and at the end
     resume: bool = True    # resume from the run dir's checkpoint when there is one
     # Steps between the ranks' stop polls (a signal stops them within 2x this); auto: about
-    # 0.2 s worth of steps, measured as training goes (expgpu/stopping.py)
+    # 0.2 s worth of steps, measured as training goes (expgpu/stop_signals.py)
     poll_every: Any = "auto"
     format: CheckpointFormat = CheckpointFormat.auto   # auto: dcp for wrap=fsdp, else pt
     # dcp: write in the background (after a copy to host memory); a stop's save is synchronous
     async_save: bool = False
     # Check that the task resumes exactly: train it uninterrupted and, beside it, stopped half-way and
-    # resumed (in RUN_DIR/verify/), then compare parameters and logged rows (expgpu/verify.py)
+    # resumed (in RUN_DIR/verify/), then compare parameters and logged rows (expgpu/checkpoint/verify.py)
     verify: bool = False
 
 

@@ -6,6 +6,8 @@ import contextlib
 import re
 import sys
 
+from expgpu.results import is_script
+
 
 class UserError(Exception):
     """Bad input from the user (config value, environment variable, GPU id, cluster setting).
@@ -81,7 +83,7 @@ class Stopped(_Outcome):
 
     def __init__(self, result: dict, exit_code: int = 143, next_step: str = ""):
         sig = result.get("stop_signal") or "a signal"
-        if "command" in result:   # a script task: its checkpoints, if any, are its own
+        if is_script(result):   # a script task: its checkpoints, if any, are its own
             next_step = next_step or (f"Rerun with the same overrides plus hydra.run.dir={result['run_dir']}: "
                                       "the script starts again there, with task.resume_args where they apply")
             codes = ",".join("?" if c is None else str(c) for c in result["exit_codes"])
@@ -98,7 +100,7 @@ class Stopped(_Outcome):
 class WorkerFailed(_Outcome):
     """A worker (a rank, or a sweep's job) failed: shown as `expgpu: <message>`, exit code 1.
 
-    `failure`: expgpu.spawn.Failure for a rank (its rank, message, exit code), None for a job."""
+    `failure`: expgpu.results.Failure for a rank (its rank, message, exit code), None for a job."""
 
     def __init__(self, failure):
         super().__init__(f"rank {failure.rank} failed: {failure.message}")

@@ -15,7 +15,7 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
     RUN_DIR/checkpoint.pt                   rank 0, every checkpoint.every_steps and at a stop
     RUN_DIR/checkpoint/                     instead, checkpoint.format=dcp (launch.wrap=fsdp): every rank's
         .metadata, __<rank>_0.distcp,       shards (torch.distributed.checkpoint) and rank 0's expgpu.pt,
-        expgpu.pt                           renamed into place from .checkpoint.tmp-<step>/ (expgpu.sharded_checkpoint)
+        expgpu.pt                           renamed into place from .checkpoint.tmp-<step>/ (expgpu.checkpoint.sharded)
     RUN_DIR/plan.json                       the node plan (dry run and spawn)
     RUN_DIR/logs/rank<N>.log                each spawned rank's log
     RUN_DIR/logs/rank<N>.script.log         a script task's output on rank N (stdout and stderr, every attempt)
@@ -54,6 +54,8 @@ import os
 import time
 from pathlib import Path
 from typing import Mapping
+
+from expgpu import envvars
 
 RESULT = "result.json"
 METRICS = "metrics.jsonl"
@@ -172,8 +174,8 @@ def _stamp(t: float) -> tuple[str, str]:
 
 def default_run_dir(root: str = "outputs", env: Mapping[str, str] | None = None, now: float | None = None) -> str:
     env = os.environ if env is None else env
-    if env.get("EXPGPU_RUN_DIR"):
-        return env["EXPGPU_RUN_DIR"]
+    if env.get(envvars.RUN_DIR):
+        return env[envvars.RUN_DIR]
     if env.get("SLURM_JOB_ID"):
         job = env["SLURM_JOB_ID"]
         if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):

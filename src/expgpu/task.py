@@ -35,12 +35,20 @@ from typing import Any, Callable
 from expgpu.errors import UserError, first_line
 
 SUPERVISED = "expgpu.tasks.supervised.train"
+# What every rank of a function task imports before the task's own code, so that a process forked
+# after importing them (expgpu.launch.warm, the warm server, a gpu_pool job) starts warm: torch, the
+# torch._dynamo the first torch.optim optimizer pulls in (2 s on 2 cores), and expgpu's line.
+RANK_IMPORTS = ["torch", "torch.optim", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "hydra.utils",
+                "expgpu.launch.worker", "expgpu.train.run", "expgpu.distributed.group", "expgpu.task",
+                "expgpu.tasks.supervised"]
+# ... and every rank of a script task: it only supervises the script's own process, which imports torch.
+SCRIPT_RANK_IMPORTS = ["expgpu.launch.worker", "expgpu.script.runner"]
 # The run's own keys and their defaults. seed_per_rank None: true for a task function (each rank
 # draws its own dropout masks and noise), false for the built-in loop (as before it existed).
 RUN_KEYS: dict[str, Any] = {"name": None, "seed": 0, "seed_per_rank": None, "log_every": 10, "log_reduce": "last",
                             "precision": 32}
 PRECISIONS = ("32", "16", "bf16")
-# What a metrics.jsonl row holds for a name logged several times since the last row (expgpu.metrics).
+# What a metrics.jsonl row holds for a name logged several times since the last row (expgpu.loggers.jsonl).
 LOG_REDUCES = ("last", "mean")
 # Settings a resume may change: the rest must match the checkpoint's (its fingerprint).
 MAY_CHANGE = ("max_steps", "log_every", "log_reduce", "name", "eval_every", "eval_dataset", "compile")

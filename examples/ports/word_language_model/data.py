@@ -1,6 +1,8 @@
 import os
 from io import open
+
 import torch
+
 
 class Dictionary(object):
     def __init__(self):

@@ -15,8 +15,8 @@ import sys
 from typing import TYPE_CHECKING, MutableMapping, Sequence
 
 from expgpu.errors import UserError
-from expgpu.procs import gpu_env
 from expgpu.gpus.inventory import Gpu
+from expgpu.gpus.mask import gpu_env
 from expgpu.gpus.strategies import NodePlan
 
 if TYPE_CHECKING:

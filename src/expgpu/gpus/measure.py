@@ -28,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from expgpu import envvars
 from expgpu.errors import UserError
 from expgpu.gpus.inventory import Gpu
 
@@ -41,8 +42,8 @@ BUSY_UTIL = 10         # % NVML utilization above which a measurement is not cac
 
 def cache_dir(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
-    if env.get("EXPGPU_CACHE_DIR"):
-        return Path(env["EXPGPU_CACHE_DIR"])
+    if env.get(envvars.CACHE_DIR):
+        return Path(env[envvars.CACHE_DIR])
     base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or Path.home()) / ".cache")
     return Path(base) / "expgpu"
 
@@ -169,7 +170,7 @@ def measure_in_child(gpu: Gpu | None, dtype: str, env: Mapping[str, str] | None 
                      timeout_s: float = TIMEOUT_S, device: str = "cuda") -> float:
     """TFLOP/s of `gpu`, measured by a child process that sees only that GPU (device="cpu":
     the same child on the CPU, with no GPU at all)."""
-    from expgpu.procs import gpu_env
+    from expgpu.gpus.mask import gpu_env
 
     child_env = dict(os.environ if env is None else env)
     child_env.update(gpu_env([gpu] if device == "cuda" else [], child_env.get("CUDA_DEVICE_ORDER")))

@@ -154,7 +154,8 @@ def _scores(gpus, given) -> dict[int, float]:
                 level, hits = 1, [g for g in gpus if g.name == text]
         if not hits:
             raise UserError(f"gpu_map.scores.{key}: matches no GPU on this node; keys are an index "
-                            f"({_span([g.index for g in gpus])}), an exact name ({', '.join(sorted({g.name for g in gpus}))}) "
+                            f"({_span([g.index for g in gpus])}), "
+                            f"an exact name ({', '.join(sorted({g.name for g in gpus}))}) "
                             "or a UUID (nvidia-smi -L)")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise UserError(f"gpu_map.scores.{key}={value!r}: expected a number (higher is better)")

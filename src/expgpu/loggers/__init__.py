@@ -17,14 +17,13 @@ metrics.jsonl (a logger added on the resume). So each logger ends with every ste
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 from pathlib import Path
-from typing import Any
 
 from expgpu.errors import UserError, first_line
+from expgpu.loggers.base import Sink, final_metrics, hyperparameters, values
+from expgpu.loggers.jsonl import read_rows
 from expgpu.loggers.state import JobInfo, LoggerState, record_job
-from expgpu.metrics import read_rows
 
 log = logging.getLogger("expgpu")
 
@@ -69,7 +68,7 @@ def build(cfg: dict, run_dir: Path) -> Loggers | None:
     return Loggers(made, state)
 
 
-class Loggers:
+class Loggers(Sink):
     """The chosen loggers as one: started once, fed each flush's rows, finished with the result."""
 
     def __init__(self, loggers: list, state: LoggerState):
@@ -79,8 +78,6 @@ class Loggers:
         self.started = False
 
     def start(self, resumed: bool, step: int, flushed_before: int, jsonl: Path) -> None:
-        """At the first row of this process. `resumed`: from a checkpoint at `step`;
-        `flushed_before`: the last step metrics.jsonl held before it was trimmed to `step`."""
         self.started = True
         for lg in list(self.loggers):
             try:
@@ -113,7 +110,6 @@ class Loggers:
             self.loggers.remove(lg)
 
     def finish(self, status: str, metrics: dict, step: int, last_row: dict | None) -> None:
-        """status: finished, stopped (resumable) or failed; metrics: what the task returned."""
         if not self.started:
             if status != "finished":
                 return   # failed before any row: no logger run for a run that never trained
@@ -125,34 +121,5 @@ class Loggers:
                 log.warning("logger %s could not finish: %s: %s", lg.name, type(e).__name__, first_line(e))
 
 
-def values(row: dict) -> dict[str, Any]:
-    """A metrics.jsonl row's metrics: everything but its step and wall time (epoch included)."""
-    return {k: v for k, v in row.items() if k not in ("step", "time")}
-
-
-def final_metrics(metrics: dict, last_row: dict) -> dict[str, float]:
-    """The returned metrics a logger's history lacks: those the last row does not already hold at
-    the same value (eval_loss logged at the last step and returned would be a second point)."""
-    return {k: v for k, v in metrics.items()
-            if isinstance(v, (int, float)) and last_row.get(k) != v}
-
-
-def hyperparameters(cfg: dict) -> dict[str, Any]:
-    """The resolved config, flat (task.optimizer.lr: 0.001), values as numbers, bools or strings."""
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict) and node:
-            for k, v in node.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        elif isinstance(node, (bool, int, float, str)):
-            flat[prefix] = node
-        else:
-            flat[prefix] = json.dumps(node, default=str)   # None, lists, {}: as written in JSON
-
-    walk("", {k: v for k, v in cfg.items() if k != "logger"})
-    return flat
-
-
-__all__ = ["JobInfo", "LoggerState", "Loggers", "build", "record_job", "check", "chosen", "hyperparameters", "values",
-           "final_metrics", "NAMES"]
+__all__ = ["JobInfo", "LoggerState", "Loggers", "NAMES", "Sink", "build", "check", "chosen", "final_metrics",
+           "hyperparameters", "record_job", "values"]

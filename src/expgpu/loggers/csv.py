@@ -14,8 +14,8 @@ import io
 import time
 from pathlib import Path
 
+from expgpu.loggers.jsonl import WRITE_EVERY_S
 from expgpu.loggers.state import LoggerState
-from expgpu.metrics import WRITE_EVERY_S
 
 _FIRST, _LAST = ["step"], ["epoch", "time"]
 
@@ -56,7 +56,7 @@ class CsvLogger:
             return
         w = csv.DictWriter(self.file, self.columns, restval="")
         w.writerows(rows)
-        if time.monotonic() - self.written_at >= WRITE_EVERY_S:   # as metrics.jsonl (expgpu.metrics)
+        if time.monotonic() - self.written_at >= WRITE_EVERY_S:   # as metrics.jsonl (expgpu.loggers.jsonl)
             self.file.flush()
             self.written_at = time.monotonic()
 

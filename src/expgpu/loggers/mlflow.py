@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from expgpu import loggers
+from expgpu.loggers import base
 from expgpu.loggers.state import LoggerState
 
 SEND_EVERY_S = 2.0
@@ -50,7 +50,6 @@ class MlflowLogger:
 
     def start(self, resumed: bool, step: int, flushed_before: int) -> int:
         from filelock import FileLock
-
         from mlflow.tracking import MlflowClient
 
         # A new store logs its schema migration at INFO, to stderr, once per sweep: quiet it, unless
@@ -117,7 +116,7 @@ class MlflowLogger:
         from mlflow.entities import Param
 
         have = self.client.get_run(self.run_id).data.params
-        params = [Param(k[:250], str(v)[:_MAX_VALUE]) for k, v in loggers.hyperparameters(self.cfg).items()
+        params = [Param(k[:250], str(v)[:_MAX_VALUE]) for k, v in base.hyperparameters(self.cfg).items()
                   if k[:250] not in have]
         for i in range(0, len(params), _MAX_PARAMS):
             self.client.log_batch(self.run_id, params=params[i:i + _MAX_PARAMS])
@@ -132,7 +131,7 @@ class MlflowLogger:
 
         for row in rows:
             ms = int(1000 * row.get("time", time.time()))
-            self.pending += [Metric(k, float(v), ms, row["step"]) for k, v in loggers.values(row).items()]
+            self.pending += [Metric(k, float(v), ms, row["step"]) for k, v in base.values(row).items()]
         if time.monotonic() - self.sent_at >= SEND_EVERY_S:
             self._send()
 
@@ -148,7 +147,7 @@ class MlflowLogger:
         if self.client is None:
             return
         now = int(1000 * time.time())
-        self.pending += [Metric(k, float(v), now, step) for k, v in loggers.final_metrics(metrics, last_row).items()]
+        self.pending += [Metric(k, float(v), now, step) for k, v in base.final_metrics(metrics, last_row).items()]
         try:
             self._send()
         finally:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from expgpu import loggers
+from expgpu.loggers import base
 from expgpu.loggers.state import LoggerState
 
 
@@ -50,7 +50,7 @@ class TensorBoardLogger:
         add = self.writer.add_scalar
         for row in rows:
             step, wall = row["step"], row.get("time")
-            for name, value in loggers.values(row).items():
+            for name, value in base.values(row).items():
                 add(name, value, step, walltime=wall)
         # On disk at every flush, not every flush_secs: a resume after a SIGKILL counts on the
         # files holding every row metrics.jsonl held.
@@ -60,7 +60,7 @@ class TensorBoardLogger:
         from torch.utils.tensorboard.summary import hparams
 
         try:
-            final = loggers.final_metrics(metrics, last_row)
+            final = base.final_metrics(metrics, last_row)
             for name, value in final.items():
                 self.writer.add_scalar(name, value, step)
             if status == "finished":
@@ -69,7 +69,7 @@ class TensorBoardLogger:
                 names = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
                 # bool is an int to torch's hparams(), which would show true as 1.0: spell it out.
                 values = {k: str(v).lower() if isinstance(v, bool) else v
-                          for k, v in loggers.hyperparameters(self.cfg).items()}
+                          for k, v in base.hyperparameters(self.cfg).items()}
                 exp, ssi, sei = hparams(values | {"overrides": " ".join(self.state.job.overrides)}, names)
                 fw = self.writer._get_file_writer()
                 for summary in (exp, ssi, sei):

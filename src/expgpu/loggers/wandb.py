@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import uuid
 
-from expgpu import loggers
+from expgpu.loggers import base
 from expgpu.loggers.state import LoggerState
 
 
@@ -41,7 +41,7 @@ class WandbLogger:
             project=s.get("project") or "expgpu", entity=s.get("entity"), mode=str(s.get("mode") or "offline"),
             group=s.get("group") or self.state.group, name=job.name, tags=list(s.get("tags") or []) or None,
             id=run_id, resume="allow", dir=str(self.state.run_dir.absolute()),
-            config={**loggers.hyperparameters(self.cfg), "overrides": " ".join(job.overrides)},
+            config={**base.hyperparameters(self.cfg), "overrides": " ".join(job.overrides)},
             allow_val_change=True,   # a resume may raise task.max_steps
             reinit="finish_previous",   # the basic launcher runs a sweep's jobs in one process
         )
@@ -52,7 +52,7 @@ class WandbLogger:
 
     def write(self, rows: list[dict]) -> None:
         for row in rows:
-            self.run.log(loggers.values(row), step=row["step"])
+            self.run.log(base.values(row), step=row["step"])
 
     def finish(self, status: str, metrics: dict, step: int, last_row: dict) -> None:
         if self.run is None:

@@ -6,10 +6,11 @@
     scheduler.py  which job gets which GPUs or CPU slot; CPU threads per job (pure)
     loop.py       the event loop, a round at a time: reap ended jobs, signals, the end of a sweep
     starts.py     lease GPUs, ask the scheduler, hand jobs to spares, keep spares ready
-    forkserver.py one warm process per sweep (torch imported once) that forks each job's process
-    spares.py     a job's process before its job (a fork, or one started on its own), the launcher's handle
-    child.py      the job's side: wait, set the job's environment, run_job, send back, exit
+    spares.py     a job's process before its job (a fork of the sweep's fork server, expgpu.procs.forkserver,
+                  or one started on its own), the launcher's handle
+    job_process.py the job's side: wait, set the job's environment, run_job, send back, exit
     jobs.py       a job, its files, pool.json (every batch's jobs)
+    leases.py     one lock file per GPU, shared by every sweep on the machine
     board.py      the live table / log lines
 
 Each job runs in a process of its own, forked ahead of time from the sweep's fork server (Hydra,
@@ -17,7 +18,7 @@ torch and the task's modules imported once) but given nothing of its job, and no
 GPUs are leased: then it gets its environment (CUDA_VISIBLE_DEVICES: its GPUs' NVML indices, with
 CUDA_DEVICE_ORDER=PCI_BUS_ID; OMP/MKL_NUM_THREADS: its share of the cores) before any of the job's
 code runs, so nothing in it can touch another job's GPU. Inside, expgpu's usual line runs on that
-mask (the inventory is narrowed to the leased GPUs). GPUs are leased machine-wide (expgpu.leases):
+mask (the inventory is narrowed to the leased GPUs). GPUs are leased machine-wide (expgpu.pool.leases):
 the job's process holds the lock, so a GPU frees itself when its job ends, however it ends, and two
 sweeps never share a GPU.
 

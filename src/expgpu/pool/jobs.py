@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from expgpu.errors import UserError, WorkerFailed, one_line
-from expgpu.rundir import CONSOLE, POOL_JOB as JOB_FILE, POOL_RECORD as RECORD, POOL_RETURN as RETURN_FILE, STATE
+from expgpu.rundir import CONSOLE, STATE
+from expgpu.rundir import POOL_JOB as JOB_FILE
+from expgpu.rundir import POOL_RECORD as RECORD
+from expgpu.rundir import POOL_RETURN as RETURN_FILE
 
 
 class JobFailed(WorkerFailed):

@@ -17,8 +17,8 @@ from expgpu.pool import jobs as jobfiles
 from expgpu.pool.jobs import Job, Record
 from expgpu.pool.scheduler import at_once, thread_budget
 from expgpu.pool.settings import Settings, job_need, pool_gpus, settings
-from expgpu.pool.forkserver import ForkServer
 from expgpu.pool.spares import SPARES_LOG, Spare, primable, spare_env, task_modules
+from expgpu.procs.forkserver import ForkServer
 
 log = logging.getLogger("expgpu.pool")
 
@@ -46,7 +46,7 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
     from hydra.core.utils import configure_log, setup_globals
     from omegaconf import OmegaConf
 
-    from expgpu import leases
+    from expgpu.pool import leases
 
     setup_globals()
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
@@ -141,8 +141,8 @@ def _pool(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, 
     import cloudpickle
     from hydra.core.singleton import Singleton
 
-    from expgpu.rundir import atomic_write_bytes
     from expgpu.pool.loop import Pool
+    from expgpu.rundir import atomic_write_bytes
 
     state = sweep_dir / jobfiles.STATE
     # One per launch(): a kept fork server (and its forks) hold the last one's, unpickled.

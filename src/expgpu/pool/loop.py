@@ -71,10 +71,10 @@ class Pool(Starter):
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         except ValueError:  # not the main thread: signals stay with whoever handles them
             pass
-        from expgpu import stopping
+        from expgpu.procs import stop_signals
 
-        early = stopping.current() and stopping.current().received
-        if early:  # a Ctrl-C while Hydra composed the sweep: the CLI's Stopper kept it for us
+        early = stop_signals.current() and stop_signals.current().received
+        if early:  # a Ctrl-C while Hydra composed the sweep: the CLI's StopSignals kept it for us
             self.stop_signal = signal.Signals[early]
 
     def end(self) -> None:

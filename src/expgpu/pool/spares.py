@@ -1,4 +1,4 @@
-"""The launcher's handle on a job's process (expgpu.pool.child), started before its job: a warm spare.
+"""The launcher's handle on a job's process (expgpu.pool.job_process), started before its job: a warm spare.
 
 A sweep of short jobs would otherwise spend much of each slot on Python, Hydra and torch starting
 up (as Ray prestarts its workers). Until it is given a job a spare runs no code of the user's
@@ -16,19 +16,20 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from expgpu import procs
-from expgpu.pool.forkserver import ForkedProc, ForkServer, start_child
-from expgpu.script import is_script
-
+from expgpu import envvars, procs
+from expgpu.gpus.mask import gpu_env
+from expgpu.procs.forkserver import ForkedProc, ForkServer, start_child
 from expgpu.rundir import SPARES_LOG  # noqa: F401  (the pool's modules name it from here)
+from expgpu.script import is_script
+from expgpu.task import RANK_IMPORTS, SCRIPT_RANK_IMPORTS
 
 
 def spare_env(hide_gpus: bool) -> dict[str, str]:
     """The environment of a process that has no job yet (a spare, the fork server)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPGPU_POOL_")}
-    env["EXPGPU_POOL_PARENT"] = str(os.getpid())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(envvars.POOL_PREFIX)}
+    env[envvars.POOL_PARENT] = str(os.getpid())
     if hide_gpus:  # no GPU at all until it is told its own
-        env.update(procs.gpu_env([], os.environ.get("CUDA_DEVICE_ORDER")))
+        env.update(gpu_env([], os.environ.get("CUDA_DEVICE_ORDER")))
     return env
 
 
@@ -146,10 +147,8 @@ def task_modules(cfg, own_code: bool) -> list[str]:
         return []
     task = cfg.task
     if is_script(task):   # the job only supervises the script's own process, which imports torch itself
-        return ["expgpu.rank_process", "expgpu.script.rank"]
-    # torch._dynamo: the first torch.optim optimizer built in a process imports it (2 s on 2 cores)
-    found: list[str] = ["torch", "torch.optim", "torch._dynamo", "expgpu.rank_process", "expgpu.run",
-                        "expgpu.dist", "expgpu.task", "expgpu.tasks.supervised"]
+        return list(SCRIPT_RANK_IMPORTS)
+    found: list[str] = list(RANK_IMPORTS)
 
     def walk(node) -> None:
         if isinstance(node, dict):

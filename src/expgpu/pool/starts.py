@@ -9,12 +9,12 @@ import os
 import time
 from typing import Any
 
-from expgpu import procs
+from expgpu import envvars, procs
 from expgpu.errors import one_line
+from expgpu.gpus.mask import gpu_env
 from expgpu.pool import jobs as jobfiles
 from expgpu.pool.jobs import Job
 from expgpu.pool.spares import Spare
-
 
 # Priming a spare (Hydra's set-up of its next job: ~0.1 s of one core) waits this long after the
 # latest job start, which is busy with the same set-up then (measured: with 4 jobs starting on 2
@@ -26,7 +26,7 @@ class Starter:
     """Mixed into Pool, whose attributes (jobs, gpus, s, spares, board, ...) it uses."""
 
     def _start_ready(self) -> None:
-        from expgpu import leases
+        from expgpu.pool import leases
 
         running = self._running()
         room = (self.s.max_parallel or math.inf) - len(running)
@@ -109,16 +109,16 @@ class Starter:
         return self._new_spare()
 
     def _job_env(self, job: Job, gpus: list, slot: int | None) -> dict[str, str]:
-        env = {**self.job_env, "EXPGPU_POOL_JOB": str(job.num),
-               "EXPGPU_POOL_GPUS": ",".join(str(g.index) for g in gpus)}
+        env = {**self.job_env, envvars.POOL_JOB: str(job.num),
+               envvars.POOL_GPUS: ",".join(str(g.index) for g in gpus)}
         if slot is not None:
-            env["EXPGPU_POOL_SLOT"] = str(slot)
+            env[envvars.POOL_SLOT] = str(slot)
         if self.gpus:  # a machine with GPUs: a job sees its own and no other (none for a CPU job)
-            env.update(procs.gpu_env(gpus, os.environ.get("CUDA_DEVICE_ORDER")))
+            env.update(gpu_env(gpus, os.environ.get("CUDA_DEVICE_ORDER")))
         return env
 
     def _start(self, job: Job, job_leases: list, slot: int | None) -> None:
-        from expgpu import leases
+        from expgpu.pool import leases
 
         gpus = [lease.gpu for lease in job_leases]
         spare = None
@@ -159,7 +159,7 @@ class Starter:
 
     def _check_waiting(self) -> None:
         """Say who holds the GPUs queued jobs wait for; give up after wait_timeout_s."""
-        from expgpu import leases
+        from expgpu.pool import leases
 
         queued = [j for j in self.jobs if j.state == "queued" and j.need > 0]
         # The lock said busy a moment ago; the file says by whom (read, not locked: no churn).

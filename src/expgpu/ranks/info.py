@@ -22,7 +22,7 @@ class RankInfo:
     node_rank: int  # index of this node among the job's nodes, 0 .. num_nodes - 1
     master_addr: str  # host of rank 0, where the rendezvous store listens
     # its TCP port; 0 = none chosen yet: fine for one process, and for expgpu's local spawn, where
-    # rank 0 binds a free port and publishes it in the run dir (expgpu.dist); an error elsewhere
+    # rank 0 binds a free port and publishes it in the run dir (expgpu.distributed.group); an error elsewhere
     master_port: int
     source: str  # who told us: one of SOURCES
     # 0 = derive as ceil(world_size / local_world_size), which assumes every node runs as many

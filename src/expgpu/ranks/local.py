@@ -1,4 +1,4 @@
-"""expgpu's own local spawn: the supervisor (expgpu.spawn) tells each child who it is.
+"""expgpu's own local spawn: the supervisor (expgpu.launch.spawn) tells each child who it is.
 
 This source is checked FIRST, before torchrun and SLURM: these variables are written by expgpu
 for exactly this child process, so they come from the innermost, most specific launcher. A child
@@ -10,18 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from expgpu import envvars
 from expgpu.errors import env_int
 from expgpu.ranks.info import RankInfo, build, env_port, env_str, is_set
 
-# RankInfo field -> the variable the supervisor (expgpu.spawn) sets for each child.
+# RankInfo field -> the variable the supervisor (expgpu.launch.spawn) sets for each child.
 VARIABLES = {
-    "rank": "EXPGPU_RANK",
-    "local_rank": "EXPGPU_LOCAL_RANK",
-    "world_size": "EXPGPU_WORLD_SIZE",
-    "local_world_size": "EXPGPU_LOCAL_WORLD_SIZE",
-    "node_rank": "EXPGPU_NODE_RANK",
-    "master_addr": "EXPGPU_MASTER_ADDR",
-    "master_port": "EXPGPU_MASTER_PORT",
+    "rank": envvars.RANK,
+    "local_rank": envvars.LOCAL_RANK,
+    "world_size": envvars.WORLD_SIZE,
+    "local_world_size": envvars.LOCAL_WORLD_SIZE,
+    "node_rank": envvars.NODE_RANK,
+    "master_addr": envvars.MASTER_ADDR,
+    "master_port": envvars.MASTER_PORT,
 }
 _SIZES = ("world_size", "local_world_size")
 
@@ -37,6 +38,6 @@ def detect(env: Mapping[str, str]) -> RankInfo | None:
     fields["master_addr"] = env_str(env, VARIABLES["master_addr"])
     fields["master_port"] = env_port(env, VARIABLES["master_port"])
     # One rank of one is a single process's run, as the user launched it: expgpu's spawn only
-    # supervises it (the rank forked from a warm server, expgpu.warm_server).
+    # supervises it (the rank forked from a warm server, expgpu.launch.warm_server).
     return build("single" if fields["world_size"] == 1 else "local", VARIABLES, **fields)
 

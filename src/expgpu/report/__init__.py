@@ -8,7 +8,8 @@ One row per job, best first (report.rank says by what), the overrides that tell 
 column per metric the jobs returned, a failed job's one-line reason. Writes, into SWEEP_DIR only:
 report.csv (one column per override key), loss_curves.png (a panel per metric the jobs logged,
 the ranking metric first; matplotlib's Agg backend: no display needed), for a sweep of
-hydra/sweeper=expgpu_optuna optimization.png (report.history), and report.html (all on one page). A sweep writes the same at its end (report.callback). Never writes into a job dir.
+hydra/sweeper=expgpu_optuna optimization.png (report.history), and report.html (all on one page).
+A sweep writes the same at its end (report.callback). Never writes into a job dir.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import sys
 from pathlib import Path
 
 from expgpu.errors import EXIT_USER_ERROR, UserError
+from expgpu.report.best import Ranking, rank
 from expgpu.report.collect import Row, collect, read_job
-from expgpu.report.rank import Ranking, rank
 
 CSV_FILE = "report.csv"
 PNG_FILE = "loss_curves.png"
@@ -31,10 +32,8 @@ __all__ = ["CSV_FILE", "HTML_FILE", "PNG_FILE", "Ranking", "Row", "cli", "collec
 
 def write(sweep: Path, rows: list[Row], ranking: Ranking, plot: bool = True) -> list[Path]:
     """report.csv, loss_curves.png (unless plot=False, or nothing was logged) and report.html."""
-    from expgpu.report import html, table
+    from expgpu.report import history, html, table
     from expgpu.report.plot import plot as draw
-
-    from expgpu.report import history
 
     written = [sweep / CSV_FILE]
     table.write_csv(rows, ranking, sweep / CSV_FILE)

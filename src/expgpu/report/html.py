@@ -9,8 +9,8 @@ from __future__ import annotations
 from html import escape
 from pathlib import Path
 
+from expgpu.report.best import Ranking, metric_columns, place
 from expgpu.report.collect import Row
-from expgpu.report.rank import Ranking, metric_columns, place
 from expgpu.report.table import fmt, headline, rerun
 
 _STYLE = """

@@ -15,8 +15,8 @@ import io
 import math
 from pathlib import Path
 
+from expgpu.report.best import Ranking, held_out, kind, measure
 from expgpu.report.collect import Row
-from expgpu.report.rank import Ranking, held_out, kind, measure
 
 LEGEND_ALL = 12
 LEGEND_BEST = 10

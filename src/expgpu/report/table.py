@@ -7,9 +7,9 @@ import csv
 import io
 from pathlib import Path
 
+from expgpu.report.best import Ranking, metric_columns, place
 from expgpu.report.collect import Row
 from expgpu.rundir import STUDY
-from expgpu.report.rank import Ranking, metric_columns, place
 
 
 def fmt(x, digits: int = 4) -> str:

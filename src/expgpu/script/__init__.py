@@ -8,10 +8,10 @@
     resume_args: {init_from: resume}
     resume_if: out/ckpt.pt
 
-design.md's straight line is the same up to this node's GPU plan. There a function task isolates its
+docs/architecture.md's straight line is the same up to this node's GPU plan. There a function task isolates its
 GPU, joins a process group and calls fn(run); a script task's rank instead starts the script in a
 child process, with torchrun's variables and the plan's CUDA_VISIBLE_DEVICES, in the run dir, and
-supervises it (rank_process.run hands over to expgpu.script.rank). The script creates its own process
+supervises it (expgpu.launch.worker.run_rank hands over to expgpu.script.runner). The script creates its own process
 group. Modules:
 
     spec     the task file's keys, checked before any rank starts -> ScriptSpec (command, args, paths)

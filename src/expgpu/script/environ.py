@@ -19,17 +19,17 @@ import os
 from pathlib import Path
 from typing import Mapping
 
+from expgpu import envvars
 from expgpu.errors import UserError
 from expgpu.gpus import NodePlan
-from expgpu.procs import gpu_env
+from expgpu.gpus.mask import gpu_env
 from expgpu.ranks import RankInfo
 from expgpu.ranks import local as local_source
 from expgpu.script.log import ENV_RESUMED, ENV_RUN_DIR
-from expgpu.stopping import ENV_SIGNALS
 
 # What expgpu's spawn tells its own workers: not the script's (a `python -m expgpu` it starts
 # would take itself for one of expgpu's workers).
-_NOT_PASSED = (*local_source.VARIABLES.values(), "EXPGPU_LAUNCH_ID", ENV_SIGNALS)
+_NOT_PASSED = (*local_source.VARIABLES.values(), envvars.LAUNCH_ID, envvars.STOP_SIGNALS)
 
 
 def torchrun_variables(info: RankInfo, run_id: str, restarts: int) -> dict[str, str]:

@@ -4,7 +4,7 @@
     expgpu.log(loss=loss.item(), lr=lr, step=iter_num)      # step= optional: else 0, 1, 2, ...
 
 In a script expgpu runs (EXPGPU_SCRIPT_RUN_DIR, set by expgpu.script.environ), on rank 0 (RANK 0 or
-unset), it appends a row to the run dir's metrics.jsonl through expgpu.metrics.MetricsLog, the writer
+unset), it appends a row to the run dir's metrics.jsonl through expgpu.loggers.jsonl.MetricsLog, the writer
 run.log uses: the same row format ({"step", names..., "epoch", "time"}), handed to the OS at most once
 a second and at the script's exit; rank 0's supervisor gives the rows to the chosen loggers. `epoch=`
 sets the row's epoch (kept for later rows). Anywhere else (another rank, plain python or torchrun) it
@@ -24,13 +24,14 @@ import os
 import threading
 from pathlib import Path
 
-from expgpu.metrics import ROW_KEYS, MetricsLog, trim
+from expgpu import envvars
+from expgpu.loggers.jsonl import ROW_KEYS, MetricsLog, trim
+from expgpu.procs.stop_signals import NEVER
 from expgpu.rundir import METRICS, atomic_write_bytes, script_log_marker
-from expgpu.stopping import NEVER
 
 # Set by expgpu.script.environ in the script's environment
-ENV_RUN_DIR = "EXPGPU_SCRIPT_RUN_DIR"
-ENV_RESUMED = "EXPGPU_SCRIPT_RESUMED"
+ENV_RUN_DIR = envvars.SCRIPT_RUN_DIR
+ENV_RESUMED = envvars.SCRIPT_RESUMED
 _sink = None   # None: not looked yet; False: logging nowhere
 
 
@@ -76,7 +77,7 @@ class _ScriptLog:
             self.next_step = step + 1
 
     def _begin(self, first: int | None) -> None:
-        """Trim what this attempt redoes, open metrics.jsonl, and say where its rows begin (expgpu.script.feed)."""
+        """Trim what this attempt redoes, open metrics.jsonl, and say where its rows begin (expgpu.script.loggers)."""
         path = self.run_dir / METRICS
         held = trim(path, NEVER)   # the last step an earlier attempt logged; nothing dropped
         if not self.resumed:

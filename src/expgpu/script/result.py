@@ -22,10 +22,10 @@ from pathlib import Path
 
 from expgpu import rundir
 from expgpu.gpus import NodePlan
-from expgpu.metrics import ROW_KEYS, read_rows
+from expgpu.loggers.jsonl import ROW_KEYS, read_rows
 from expgpu.ranks import RankInfo
+from expgpu.results import Failure, is_script, write_result
 from expgpu.rundir import atomic_write_bytes
-from expgpu.spawn import Failure
 
 RECORD_WAIT_S = 10.0
 
@@ -33,7 +33,7 @@ RECORD_WAIT_S = 10.0
 def previous(run_dir: Path) -> dict | None:
     """An earlier attempt's result.json of a script task in this run dir, if any."""
     doc = read_json(Path(run_dir) / rundir.RESULT)
-    return doc if doc is not None and "exit_codes" in doc else None
+    return doc if doc is not None and is_script(doc) else None
 
 
 def write_record(run_dir: Path, info: RankInfo, launch: str, outcome, gpus: list, names: list, device: str) -> dict:
@@ -94,11 +94,11 @@ def write(cfg: dict, info: RankInfo, node: NodePlan, run_dir: Path, spec, record
         "exit_codes": [r["exit_code"] if r is not None else None for r in records],
         "stop_signal": ((records[0] or {}).get("stopped_by") or stops[0]) if status == "stopped" else None,
         "resumed": resumed, "attempt": attempt,
-        "timing": {"startup_s": round(outcome.started - t_start, 3), "train_s": round(outcome.ended - outcome.started, 3)},
+        "timing": {"startup_s": round(outcome.started - t_start, 3),
+                   "train_s": round(outcome.ended - outcome.started, 3)},
         "run_dir": str(run_dir),
     }
-    atomic_write_bytes(Path(run_dir) / rundir.RESULT, (json.dumps(doc, indent=2) + "\n").encode())
-    return doc
+    return write_result(run_dir, doc)
 
 
 def _plan_row(record: dict | None, rank: int) -> dict:

@@ -90,7 +90,8 @@ def build(task: Mapping, launch_dir: Path) -> ScriptSpec:
         raise UserError(f"task.script={script} and task.module={module}: name one of them (a file to run, "
                         "or a module to run as python -m)")
     if script is not None:
-        command, name, is_module = [sys.executable, str(_script_file(script, launch_dir))], Path(str(script)).stem, False
+        command = [sys.executable, str(_script_file(script, launch_dir))]
+        name, is_module = Path(str(script)).stem, False
     else:
         _check_module(module, launch_dir)
         command, name, is_module = [sys.executable, "-m", module], module.rsplit(".", 1)[-1], True
@@ -148,7 +149,8 @@ def _check_module(module: Any, launch_dir: Path) -> None:
     PYTHONPATH begins with). Parent packages are imported to look; the module itself is not run."""
     key = "task.module"
     if not isinstance(module, str) or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", module):
-        raise UserError(f"{key}={module!r} is not allowed: a module name such as pkg.train (run as python -m pkg.train)")
+        raise UserError(f"{key}={module!r} is not allowed: a module name such as pkg.train "
+                        "(run as python -m pkg.train)")
     sys.path.insert(0, str(launch_dir))
     try:
         found = importlib.util.find_spec(module)

@@ -7,3 +7,5 @@
 
 Inside a job nothing here runs: every srun task is a plain `expgpu` rank (expgpu.ranks.slurm).
 """
+
+__all__ = ["cluster", "launch", "preview", "resources"]

@@ -197,8 +197,9 @@ def _dry_run(groups, params, init, kind, partition) -> list:
 def _submit(launcher, groups, params, init, kind) -> None:
     import submitit
     from hydra.core.singleton import Singleton
-    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
     from omegaconf import OmegaConf
+
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -273,7 +274,7 @@ def check_lost(left: list[Job], gone_since: dict[str, float], lost_after_s: floa
 def _results(jobs: list[Job], kind: str, lost_after_s: float) -> list:
     import submitit
 
-    from expgpu import stopping
+    from expgpu.procs import stop_signals
 
     gone_since: dict[str, float] = {}
     try:
@@ -281,7 +282,7 @@ def _results(jobs: list[Job], kind: str, lost_after_s: float) -> list:
             left = [j for j in jobs if not j.handle.done()]
             if not left:
                 break
-            stopper = stopping.current()   # the CLI turns Ctrl-C / SIGTERM into a stop request
+            stopper = stop_signals.current()   # the CLI turns Ctrl-C / SIGTERM into a stop request
             if stopper is not None and stopper.received:
                 raise KeyboardInterrupt
             if kind == "slurm":

@@ -37,8 +37,7 @@ def sbatch_script(params: Mapping, folder: str, array: int, python: str | None =
 def plan_table(cfg: Mapping, res: Resources, script: Mapping | None = None) -> str:
     """`cfg`: the job's resolved gpu_map, launch and inventory sections; `script`: a script task's
     ScriptSpec (as a dict), whose command and GPU mask each rank gets are listed after the plan."""
-    from expgpu import placement
-    from expgpu.gpus import inventory, plan
+    from expgpu.gpus import inventory, placement, plan
 
     if res.gpus_per_node is None:
         return "plan: made in the job, from the GPUs the gres / gpus_per_task request gives each node"
@@ -65,10 +64,10 @@ def plan_table(cfg: Mapping, res: Resources, script: Mapping | None = None) -> s
 
 
 def _commands(script: Mapping, cfg: Mapping, node, labels) -> list[str]:
-    from expgpu.script import rank
+    from expgpu.script import runner
     from expgpu.script.spec import ScriptSpec
 
-    return rank.commands(ScriptSpec.from_dict(dict(script)), cfg, node, list(labels))
+    return runner.commands(ScriptSpec.from_dict(dict(script)), cfg, node, list(labels))
 
 
 def memory_lines(jobs) -> dict[int, str]:
@@ -76,7 +75,7 @@ def memory_lines(jobs) -> dict[int, str]:
     and fsdp); every distinct model of the sweep counted once."""
     from omegaconf import OmegaConf
 
-    from expgpu import memory_estimate
+    from expgpu.gpus import memory_estimate
 
     tasks = [OmegaConf.to_container(job.cfg.task, resolve=True, enum_to_str=True) for job in jobs]
     estimates = memory_estimate.measure_many(tasks)

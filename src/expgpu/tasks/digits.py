@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 # At import, not in __init__: a gpu_pool sweep's fork server imports this module once for all its jobs
 # (the task's _target_ modules are warmed), and sklearn's import is most of a job's start-up (~0.9 s).
 from sklearn.datasets import load_digits

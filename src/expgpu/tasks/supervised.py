@@ -20,11 +20,11 @@ import contextlib
 import inspect
 from typing import Any, Optional
 
-from expgpu import shard
+from expgpu.distributed.wrap import no_sync, skips_sync
 from expgpu.errors import UserError, first_line
-from expgpu.feed import SeededFetch
-from expgpu.run import Run
-from expgpu.wrap import no_sync, skips_sync
+from expgpu.train import proportional
+from expgpu.train.batches import SeededFetch
+from expgpu.train.run import Run
 
 
 def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, max_steps: int,
@@ -44,16 +44,17 @@ def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, m
     scaler = torch.amp.GradScaler(run.device.type) if run.precision == "16" else None
     given, batch_size = batch_size, run.rank_batch(batch_size, "task.batch_size")   # per rank on this world
     local, sampler, loader = _data(run, dataset, given, batch_size, loss_fn, hasattr(net, "no_sync"), accumulate)
-    split = shard.SplitState(local.split.mode if local else "uniform", local, sampler, batch_size, run.world_size)
+    split = proportional.SplitState(local.split.mode if local else "uniform", local, sampler, batch_size,
+                                    run.world_size)
     run.track(model=model, optimizer=opt, shard=split,
               **({"scheduler": sched} if sched is not None else {}),
               **({"scaler": scaler} if scaler is not None else {}))
     ws = run.world_size
     share = f" (its share of {given} x {run.start_world_size} at the start)" if given != batch_size else ""
-    run._extra["step_means"] = (f"one optimizer step of every rank: a global batch of task.batch_size {batch_size}"
-                                f"{share}"
-                                f"{f' x accumulate {accumulate}' if accumulate > 1 else ''} x {ws} rank(s) = "
-                                f"{batch_size * accumulate * ws} examples")
+    run.result_extra["step_means"] = ("one optimizer step of every rank: a global batch of task.batch_size "
+                                      f"{batch_size}{share}"
+                                      f"{f' x accumulate {accumulate}' if accumulate > 1 else ''} x {ws} rank(s) = "
+                                      f"{batch_size * accumulate * ws} examples")
     held_out = eval_dataset if eval_dataset is not None else (dataset if classification else None)
     evaluator = _Evaluator(run, model, held_out, loss_fn, classification, given,
                            prefix="eval_" if eval_dataset is not None else "train_")
@@ -76,12 +77,12 @@ def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, m
                 sched.step()
             if local is not None and local.rebalance_due():
                 sampler.sizes = local.rebalance(lambda obj: _gather(obj, run.world_size)).sizes
-                run._feed.restart()   # the next global batch is sliced by the new split
+                run.restart_epoch()   # the next global batch is sliced by the new split
             if evaluator.ready and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == max_steps):
                 results = evaluator()
                 run.log(**results)
     finally:
-        run._extra["shard"] = split.state_dict()   # result.json: the split the run ended with
+        run.result_extra["shard"] = split.state_dict()   # result.json: the split the run ended with
     return {"final_loss": _global_loss(run, last, local), **results}
 
 
@@ -136,7 +137,7 @@ def _data(run: Run, dataset, given: int, batch_size: int, loss_fn, ddp: bool, ac
     from torch.utils.data import DataLoader
 
     ws, n = run.world_size, len(dataset)
-    local = shard.prepare(run.cfg, ws, run.rank, batch_size, loss_fn, run.device, run._gpu_speed,
+    local = proportional.prepare(run.cfg, ws, run.rank, batch_size, loss_fn, run.device, run.gpu_speed,
                           ddp=ddp, gather=lambda obj: _gather(obj, ws), accumulate=accumulate)
     if local is None or local.split.mode == "uniform":
         share = n // ws
@@ -148,7 +149,7 @@ def _data(run: Run, dataset, given: int, batch_size: int, loss_fn, ddp: bool, ac
         raise UserError(f"task.batch_size={batch_size} x {ws} ranks = a global batch of {batch_size * ws}, more "
                         f"than the dataset's {n} examples; lower it")
     seed, workers = run.cfg.task.get("seed", 0), run.cfg.data.num_workers
-    sampler = shard.ShareBatchSampler(n, local.split.sizes, run.rank, seed)
+    sampler = proportional.ShareBatchSampler(n, local.split.sizes, run.rank, seed)
     if workers:   # as run.loader does: the workers' random draws seeded per batch
         dataset, sampler.keyed = SeededFetch(dataset, seed), True
     loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=run.device.type == "cuda", num_workers=workers)
@@ -173,14 +174,14 @@ def _global_loss(run: Run, loss, local) -> float | None:
     """The last step's loss over the whole global batch, however it was split (all ranks)."""
     if loss is None:
         return None
-    from expgpu.dist import all_reduce_sum
+    from expgpu.distributed.group import all_reduce_sum
 
     mine = float(loss.detach()) * (local.weight if local is not None else 1.0)
     return all_reduce_sum([mine], run.device)[0] / run.world_size
 
 
 def _gather(obj, world_size: int) -> list:
-    from expgpu.dist import gather_objects
+    from expgpu.distributed.group import gather_objects
 
     return gather_objects(obj, world_size)
 
@@ -194,13 +195,13 @@ class _Evaluator:
         self.ready = dataset is not None
         if self.ready:
             self.loader = run.loader(dataset, batch_size, shuffle=False, drop_last=False)
-            self.summed = shard.loss_reduction(loss_fn) == "sum"
+            self.summed = proportional.loss_reduction(loss_fn) == "sum"
 
     def __call__(self) -> dict[str, float]:
         import torch
 
-        from expgpu.dist import all_reduce_sum
-        from expgpu.feed import to_device
+        from expgpu.distributed.group import all_reduce_sum
+        from expgpu.train.batches import to_device
 
         model, was_training = self.model, self.model.training
         model.eval()   # the unwrapped module: DDP's forward would sync buffers, and ranks' batch counts differ

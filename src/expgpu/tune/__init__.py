@@ -17,4 +17,6 @@ Nothing here imports Optuna at import time: Hydra imports every plugin at every 
 
 # The environment variable that attaches a job to its trial: the path of the trial's file
 # (SWEEP_DIR/.expgpu/trial-<n>.json), set through the job's hydra.job.env_set by the sweeper.
-TRIAL_ENV = "EXPGPU_TRIAL"
+from expgpu.envvars import TRIAL as TRIAL_ENV
+
+__all__ = ["TRIAL_ENV"]

@@ -1,10 +1,11 @@
 """In a trial's job, on rank 0: each row run.log writes to metrics.jsonl that holds the objective is
 reported to the trial at its step, and when the study's pruner says so, a PRUNED stop is requested.
-The ranks agree on it at their next stop poll (expgpu.stopping), so all of them stop at the same step,
+The ranks agree on it at their next stop poll (expgpu.train.agreement), so all of them stop at the same step,
 save, and the job ends with result.json's status `pruned`: its slot is free for the next trial.
 
-metrics.py attaches a reporter when the job was started as a trial (TRIAL_ENV names its file) in a
-process that polls for stops; every other run never imports this module. A study that cannot be
+The worker hands a TrialReporter to rank 0's MetricsLog as one of its sinks (expgpu.loggers.base.Sink)
+when the job was started as a trial (TRIAL_ENV names its file) in a process that polls for stops; a run
+that is no trial never imports Optuna. A study that cannot be
 reached is a warning, once: the trial trains on, unpruned.
 """
 
@@ -17,13 +18,15 @@ import os
 import warnings
 from pathlib import Path
 
-from expgpu import stopping
 from expgpu.errors import one_line
+from expgpu.loggers.base import Sink
+from expgpu.procs import stop_signals
+from expgpu.tune import TRIAL_ENV
 
 log = logging.getLogger("expgpu")
 
 
-class TrialReporter:
+class TrialReporter(Sink):
     def __init__(self, spec: dict):
         self.spec = spec
         self.key = spec["objective"]
@@ -36,11 +39,11 @@ class TrialReporter:
             spec = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
             log.warning("expgpu: %s=%s: the trial's file cannot be read (%s); not reporting to the study",
-                        "EXPGPU_TRIAL", path, one_line(e))
+                        TRIAL_ENV, path, one_line(e))
             return None
         return cls(spec) if spec.get("objective") and spec.get("pruner") else None
 
-    def report(self, rows: list[dict]) -> None:
+    def write(self, rows: list[dict]) -> None:
         values = [(row["step"], row[self.key]) for row in rows if self.key in row]
         if self.done or not values:
             return
@@ -61,7 +64,7 @@ class TrialReporter:
             self.done = True
             step, value = values[-1]
             log.info("trial %s: pruned at step %d (%s %g): stopping", self.spec["number"], step, self.key, value)
-            stopping.current().request(stopping.PRUNED)
+            stop_signals.current().request(stop_signals.PRUNED)
 
     def _open(self):
         import optuna
@@ -77,8 +80,8 @@ class TrialReporter:
 
 
 def attached() -> TrialReporter | None:
-    """This process's trial, when an optimizing sweeper started its job as one (metrics.py asks)."""
-    path = os.environ.get("EXPGPU_TRIAL")
-    if not path or stopping.current() is None:   # a script task's own process: it polls no stops
+    """This process's trial, when an optimizing sweeper started its job as one (the worker asks)."""
+    path = os.environ.get(TRIAL_ENV)
+    if not path or stop_signals.current() is None:   # a script task's own process: it polls no stops
         return None
     return TrialReporter.attach(path)

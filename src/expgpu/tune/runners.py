@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from expgpu import stopping
+from expgpu.procs import stop_signals
 
 log = logging.getLogger("expgpu")
 
@@ -36,8 +36,8 @@ class Runner:
 
     def stopping(self) -> bool:
         """Ctrl-C, SIGTERM or SIGUSR2 reached the sweeper: no new trials; the running ones stop and save."""
-        stopper = stopping.current()   # a trial run in this process (basic launcher) may be PRUNED: not ours
-        return bool(stopper and stopper.received not in (None, stopping.PRUNED))
+        stopper = stop_signals.current()   # a trial run in this process (basic launcher) may be PRUNED: not ours
+        return bool(stopper and stopper.received not in (None, stop_signals.PRUNED))
 
     def busy(self) -> bool:
         """A job submitted and not ended (a queued one that a stop kept from starting has ended)."""
@@ -154,7 +154,7 @@ class SubmititRunner(Runner):
             return ret
 
     def stop(self) -> None:
-        """SIGINT to every step of the trials' jobs: expgpu's Stopper saves and ends them (submitit
+        """SIGINT to every step of the trials' jobs: expgpu's stop signals save and end them (submitit
         takes SIGUSR2 as a requeue, and ignores SIGTERM)."""
         ids = [job.handle.job_id for job in self.jobs.values() if not job.handle.done()]
         if not ids:

@@ -169,7 +169,8 @@ def build(node: dict | None, key: str):
         why = "cannot be imported" if isinstance(cause, (ImportError, AttributeError)) else \
             f"does not take ({args})" if isinstance(cause, TypeError) else "could not be made"
         raise UserError(f"hydra.sweeper.{key}._target_={target}: {why} ({_said(cause)}); allowed: an "
-                        f"Optuna {key} class, e.g. optuna.{key}s.{'TPESampler' if key == 'sampler' else 'MedianPruner'}, "
+                        f"Optuna {key} class, e.g. optuna.{key}s."
+                        f"{'TPESampler' if key == 'sampler' else 'MedianPruner'}, "
                         "with its own arguments") from None
     import optuna
 

@@ -102,7 +102,6 @@ def write_summary(study, s: Settings, sweep_dir: Path) -> None:
 def write_results(study, sweep_dir: Path) -> dict[str, Any] | None:
     """optimization_results.yaml, as Hydra's optuna sweeper writes it; None when no trial completed."""
     from omegaconf import OmegaConf
-
     from optuna.trial import TrialState
 
     if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
+
 from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 

@@ -1,0 +1,149 @@
+"""`run.wrap(module)`: the module on its device, wrapped for the world it trains in.
+
+DDP across ranks (device_ids for CUDA), DataParallel over one rank's GPUs, or nothing. What the
+user gets back from DDP is not DDP itself but `Wrapped`, as with Lightning Fabric's module: calling
+it (the forward, and so the backward) goes through DDP, while every other attribute and method is
+the user's own module's (`model.init_hidden(b)`, `model.config`, `model.generate(...)`), so a
+script's code keeps working unchanged. `model.module` is the user's module too, for code written
+against DDP. Its state_dict has no wrapper prefix, and saved whole (torch.save(model)) or copied it
+is the user's module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def wrap(model, device, mode: str, world_size: int, n_gpus: int, fsdp: dict | None = None, precision: str = "32"):
+    """`model` (already on `device`) as launch.wrap says; what the training loop should call.
+    fsdp: launch.fsdp's settings (expgpu.distributed.fsdp), for mode fsdp."""
+    import torch
+
+    if mode == "fsdp":
+        from expgpu.distributed import fsdp as fsdp_wrap
+
+        return fsdp_wrap.shard(model, device, world_size, dict(fsdp or {}), precision)
+
+    if mode == "dp":
+        if device.type == "cuda" and n_gpus > 1:
+            return torch.nn.DataParallel(model, device_ids=list(range(n_gpus)))
+        return model
+    if mode == "ddp" and world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index or 0] if device.type == "cuda" else None
+        return wrapped(DistributedDataParallel(model, device_ids=ids), model)
+    return model
+
+
+def wrapped(forward_module, original) -> Any:
+    """A `Wrapped` whose calls go through `forward_module` (DDP) and whose attributes are `original`'s."""
+    return _wrapped_class()(forward_module, original)
+
+
+_CLASS = None
+
+
+def _wrapped_class() -> type:
+    """Defined on first use: this module must not import torch when expgpu starts (launchers)."""
+    global _CLASS
+    if _CLASS is not None:
+        return _CLASS
+    import torch
+
+    class Wrapped(torch.nn.Module):
+        """The user's module, called through DDP. Attribute lookup: this wrapper's own (the DDP
+        module, registered as a child so that parameters(), train(), to() reach the one set of
+        parameters), then the user's module, then DDP's (no_sync, join)."""
+
+        def __init__(self, forward_module, original):
+            super().__init__()
+            self._forward_module = forward_module
+            object.__setattr__(self, "_original_module", original)   # not a second child: once in parameters()
+            self._expgpu_wrapped = True
+
+        @property
+        def module(self):
+            return self._original_module
+
+        def forward(self, *args, **kwargs):
+            return self._forward_module(*args, **kwargs)
+
+        # The user's names, without a wrapper prefix: parameter groups built from them (no weight
+        # decay on biases), and the checkpoint, read as the script wrote them.
+        def named_parameters(self, *args, **kwargs):
+            return self._original_module.named_parameters(*args, **kwargs)
+
+        def named_buffers(self, *args, **kwargs):
+            return self._original_module.named_buffers(*args, **kwargs)
+
+        def state_dict(self, *args, **kwargs):
+            return self._original_module.state_dict(*args, **kwargs)
+
+        def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+            return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+        def __getattr__(self, name: str):
+            try:
+                return super().__getattr__(name)   # parameters, buffers, children of the wrapper itself
+            except AttributeError:
+                pass
+            original = self.__dict__["_original_module"]
+            if hasattr(original, name):
+                return getattr(original, name)
+            return getattr(super().__getattr__("_forward_module"), name)
+
+        def __setattr__(self, name: str, value) -> None:
+            # Once built, an attribute of the user's module, or a new one (model.temperature = 0.8),
+            # lands on the user's module, where its own methods read it; one that only DDP has lands
+            # on DDP, which reads it (nanoGPT skips the gradient sync of a micro-step with
+            # `model.require_backward_grad_sync = False`); the wrapper's own stay the wrapper's.
+            if self.__dict__.get("_expgpu_wrapped") and name not in self.__dict__:
+                original, forward = self._original_module, self._forward_module
+                setattr(forward if not hasattr(original, name) and hasattr(forward, name) else original, name, value)
+            else:
+                super().__setattr__(name, value)
+
+        # A transparent proxy, as wrapt's ObjectProxy: isinstance(model, YourModel) holds, and
+        # torch.save(model) or copy.deepcopy(model) give the user's module (pickle checks the class
+        # its reduction names against __class__), so a script that saves its model whole loads it
+        # back as before, with weights_only=True and its own classes allowed.
+        @property
+        def __class__(self):
+            return type(self.__dict__.get("_original_module", self))
+
+        def __reduce_ex__(self, protocol):
+            return self._original_module.__reduce_ex__(protocol)
+
+        def __repr__(self) -> str:
+            return f"Wrapped(DDP, {self._original_module!r})"
+
+    _CLASS = Wrapped
+    return Wrapped
+
+
+def skips_sync(module) -> bool:
+    """Whether `module` can skip the gradient sync of a micro-step (DDP's no_sync, FSDP's)."""
+    return hasattr(module, "no_sync") or hasattr(module, "set_requires_gradient_sync")
+
+
+def no_sync(module):
+    """The context of a micro-step whose gradients are kept local until the step's last one."""
+    if hasattr(module, "no_sync"):
+        return module.no_sync()
+    from expgpu.distributed import fsdp
+
+    return fsdp.no_sync(module)
+
+
+def unwrapped(obj: Any) -> Any:
+    """The user's module inside Wrapped / DDP / DataParallel / torch.compile: what a checkpoint
+    saves (its state_dict has no wrapper prefix)."""
+    for _ in range(4):
+        inner = (getattr(obj, "__dict__", {}).get("_original_module") or getattr(obj, "_orig_mod", None)
+                 or (getattr(obj, "module", None) if type(obj).__name__ in ("DistributedDataParallel", "DataParallel")
+                     else None))
+        if inner is None:
+            return obj
+        obj = inner
+    return obj

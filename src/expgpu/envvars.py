@@ -1,0 +1,42 @@
+"""The EXPGPU_* environment variables: how expgpu's processes tell each other what they need, and the
+few a user sets. One name each, spelled here only (grep for the constant, not the string).
+
+A user may set: WARM_SERVER, WARM_RANKS, CACHE_DIR, LEASE_DIR, ATEXIT_GRACE_S, TORCH (scripts/setup-env.sh).
+Everything else is set by one expgpu process for another and is kept out of what a script task's own
+process inherits where it would mislead it (expgpu.script.environ).
+"""
+
+# A rank of expgpu's own spawn (expgpu.launch.spawn -> expgpu.ranks.local): who it is and its peers.
+RANK = "EXPGPU_RANK"
+LOCAL_RANK = "EXPGPU_LOCAL_RANK"
+WORLD_SIZE = "EXPGPU_WORLD_SIZE"
+LOCAL_WORLD_SIZE = "EXPGPU_LOCAL_WORLD_SIZE"
+NODE_RANK = "EXPGPU_NODE_RANK"
+MASTER_ADDR = "EXPGPU_MASTER_ADDR"
+MASTER_PORT = "EXPGPU_MASTER_PORT"   # 0: rank 0 binds a free port and publishes it in the run dir
+LAUNCH_ID = "EXPGPU_LAUNCH_ID"       # one launch's ranks (their shared node plan and store port files)
+RUN_DIR = "EXPGPU_RUN_DIR"           # the run dir a launcher chose for its job (expgpu.rundir)
+START_TIME = "EXPGPU_START_TIME"     # when the launch (or a pool job's hand-over) began: startup_s counts from it
+STOP_SIGNALS = "EXPGPU_STOP_SIGNALS"   # the signals a worker stops on: its supervisor's (expgpu.procs.signals)
+STOP_AT = "EXPGPU_STOP_AT"           # checkpoint.verify: every rank stops at this step, as on SIGTERM
+
+# Warm processes (expgpu.launch.warm, expgpu.launch.warm_server)
+WARM_SERVER = "EXPGPU_WARM_SERVER"   # user: the socket of a warm server that launches fork their ranks from
+WARM_RANKS = "EXPGPU_WARM_RANKS"     # user: 0 starts every rank fresh
+WARM_PARENT = "EXPGPU_WARM_PARENT"   # the pid a warm process dies with
+
+# The gpu_pool launcher (expgpu.pool) and its job processes
+POOL_PREFIX = "EXPGPU_POOL_"
+POOL_PARENT = "EXPGPU_POOL_PARENT"   # the launcher a spare dies with
+POOL_JOB = "EXPGPU_POOL_JOB"         # the job number a process runs
+POOL_GPUS = "EXPGPU_POOL_GPUS"       # its leased GPUs (NVML indices)
+POOL_SLOT = "EXPGPU_POOL_SLOT"       # its CPU slot, when it leased no GPU
+LEASE_DIR = "EXPGPU_LEASE_DIR"       # user: where the per-GPU lock files live
+
+# Script tasks (expgpu.script): what `expgpu.log` in the script's own process reads
+SCRIPT_RUN_DIR = "EXPGPU_SCRIPT_RUN_DIR"
+SCRIPT_RESUMED = "EXPGPU_SCRIPT_RESUMED"
+
+TRIAL = "EXPGPU_TRIAL"               # an optimizing sweeper's trial file (expgpu.tune)
+CACHE_DIR = "EXPGPU_CACHE_DIR"       # user: measured GPU scores (default ~/.cache/expgpu)
+ATEXIT_GRACE_S = "EXPGPU_ATEXIT_GRACE_S"   # user: how long atexit handlers may run in a fast exit

@@ -1,0 +1,14 @@
+"""This node's ranks: starting them, supervising them, and what a rank process runs.
+
+    spawn.py        `launch.nproc_per_node=N`: the supervisor of N worker processes (fail-fast, no orphans)
+    worker.py       one rank, from "who am I" to result.json (`python -m expgpu.launch.worker RUN_DIR`)
+    warm.py         this launch's ranks forked from one process that imported torch once
+    warm_server.py  such a process shared by every launch on the machine (`python -m expgpu.warm_server`)
+    warm_client.py  a launch's side of the warm server
+    requeue.py      after a stop checkpoint: who requeues the job, and how the process ends
+
+Launchers only start processes with the right environment; each rank then walks the same straight
+line (docs/architecture.md). Nothing here is imported at `import expgpu`.
+"""
+
+__all__ = ["requeue", "spawn", "warm", "warm_client", "warm_server", "worker"]

@@ -1,0 +1,304 @@
+"""One rank, from "who am I" to result.json: the straight line of docs/architecture.md.
+
+    ranks.detect() -> placement (inventory + strategy) -> gpus.apply -> task.resolve
+        -> group.process_group -> Run -> fn(run, **params) -> result.json (rank 0)
+
+A script task (task.script / task.module) leaves the line after placement: its rank starts the
+script in a child process with the plan's GPU mask, and supervises it (expgpu.script.runner).
+
+Started in-process by `python -m expgpu` (single process, torchrun, srun, mpirun), or
+as `python -m expgpu.launch.worker RUN_DIR` by expgpu's own spawn, which hands down the
+resolved config and the node plan in RUN_DIR/.expgpu/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from expgpu import envvars, results, rundir
+from expgpu.gpus import NodePlan, apply, placement
+from expgpu.ranks import RankInfo
+
+log = logging.getLogger("expgpu")
+
+
+def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = None,
+        t_start: float | None = None, on_error=None) -> dict | None:
+    """Train as this rank; returns the result dict on rank 0.
+
+    `on_error(e)` hears of an error before the process group is torn down, which makes the other
+    ranks fail too ("connection reset by peer"): whoever collects failures can tell cause from echo."""
+    t_start = t_start or float(os.environ.get(envvars.START_TIME, time.time()))
+    timeout = cfg["backend"]["timeout_s"]
+    if node is None:
+        node = placement.shared(cfg, info, run_dir, timeout)
+    if cfg.get("script") is not None:   # no torch in this process: the script's child imports it
+        from expgpu.script import runner as script_runner
+
+        return script_runner.run_rank(cfg, info, run_dir, node, t_start)
+    simulated = cfg["inventory"]["simulate"] is not None
+    my_gpus = node.gpus_of(info.local_rank)
+    # Before anything imports torch.cuda: this process must only ever see its GPU(s).
+    # Simulated GPUs are planned and masked (what the pool tests observe), never used.
+    isolation = "visible_devices" if simulated or cfg["launch"]["isolation"] == "auto" else cfg["launch"]["isolation"]
+    device = apply(node, info.local_rank, isolation)
+    import torch
+
+    if simulated:
+        device = torch.device("cpu")
+    host = socket.gethostname()
+    log.info("rank %d/%d on %s -> %s%s", info.rank, info.world_size, host, device,
+             f" (GPU {','.join(str(g.index) for g in my_gpus)}: {my_gpus[0].name})" if my_gpus else "")
+
+    from expgpu import task as tasks
+    from expgpu.distributed import group
+    from expgpu.procs import stop_signals
+    from expgpu.train import proportional
+    from expgpu.train.agreement import StopAgreement
+    from expgpu.train.run import Run
+
+    # A pinned rank ("inherited") knows only its own GPU; the launcher gave each rank one.
+    node_gpus = ([[g.index for g in my_gpus]] if node.strategy == "inherited"
+                 else [[g.index for g in a] for a in node.assignments])
+    backend = group.choose_backend(cfg["backend"]["name"], node_gpus, cuda_available=device.type == "cuda")
+    # Installed already by the CLI entry or main() below (a signal during startup is kept);
+    # here when a launcher calls the task function itself. Left installed: a signal that
+    # lands after training (SLURM's own SIGTERM after a requeue) must not kill the exit path.
+    poll = cfg["checkpoint"]["poll_every"]
+    agreement = StopAgreement(stop_signals.install(), world_size=info.world_size,
+                              poll_every=None if poll == "auto" else poll,
+                              # checkpoint.verify's stop, at the same step on every rank
+                              stop_at=int(os.environ.get(envvars.STOP_AT) or stop_signals.NEVER))
+    spec = tasks.resolve(cfg["task"])   # imports the user's module: only now that this process owns its GPU
+    with group.process_group(info, backend, timeout, run_dir, device):
+        run = Run(info=info, device=device, run_dir=run_dir, cfg=cfg, spec=spec, agreement=agreement,
+                  wrap=cfg["launch"]["wrap"], n_gpus=len(my_gpus),
+                  gpu_speed=proportional.gpu_speed(node.scores, my_gpus, ranked=node.strategy == "ranked"),
+                  sinks=_sinks(cfg, run_dir) if info.rank == 0 else ())
+        try:
+            status, metrics = _call(run, spec)
+        except BaseException as e:
+            if on_error is not None:
+                on_error(e)
+            run.finish_loggers("failed", {})
+            raise
+        # The run's speed beside what it returned: the loggers' runs compare it across a sweep.
+        speed = run.timings(t_start)["steps_per_s"]
+        run.finish_loggers(status, {**metrics, **({"steps_per_s": speed} if speed is not None else {})})
+        mine = run.result(t_start, STEP_MEANS)
+        me = {"rank": info.rank, "host": host, "device": str(device), "gpus": [g.index for g in my_gpus],
+              "names": [g.name for g in my_gpus], "param_checksum": mine["param_checksum"]}
+        ranks = group.gather_objects(me, info.world_size)
+    if info.rank != 0:
+        return None
+    if status == "stopped" and run.stop_signal == stop_signals.PRUNED:
+        status = "pruned"   # an optimizing sweeper's pruner ended it (expgpu.tune): final, not to resume
+    result = {
+        "status": status, "task": spec.name, "function": spec.target, "task_config": cfg["task"],
+        "source": info.source,
+        # One rank makes no process group: there is no backend to report.
+        "world_size": info.world_size, "backend": backend if info.world_size > 1 else None,
+        "strategy": node.strategy,
+        "plan": ranks,
+        "metrics": metrics,
+        **mine,
+        "rank_checksums": [r["param_checksum"] for r in ranks],
+        "run_dir": str(run_dir),
+    }
+    return results.write_result(run_dir, result)
+
+
+STEP_MEANS = "one iteration of run.steps on every rank"
+
+
+def _sinks(cfg: dict, run_dir: Path) -> list:
+    """Where rank 0's rows go besides metrics.jsonl: the chosen loggers and, when an optimizing sweeper
+    started this job as a trial, the study (its pruner judges them)."""
+    from expgpu import loggers
+    from expgpu.tune import TRIAL_ENV
+
+    sinks = [loggers.build(cfg, run_dir)]
+    if os.environ.get(TRIAL_ENV):
+        from expgpu.tune.bridge import attached
+
+        sinks.append(attached())
+    return [s for s in sinks if s is not None]
+
+
+def _call(run, spec) -> tuple[str, dict]:
+    """fn(run, **params) -> ("finished", its metrics) or ("stopped", {}) after a stop signal."""
+    from expgpu import task as tasks
+    from expgpu.train.run import StopTraining
+
+    params = tasks.build_params(spec)
+    finished = False
+    try:
+        with _torchrun_variables(run), _stdout_of(run):
+            returned = spec.fn(run, **params)
+        finished = True
+    except StopTraining:
+        return "stopped", {}
+    finally:
+        run.close(finished)
+    return "finished", _metrics(returned, spec.target)
+
+
+@contextlib.contextmanager
+def _stdout_of(run):
+    """launch.stdout=rank0: what ranks other than 0 print goes to logs/rank<N>.out, so that a script
+    that printed once on one process prints once on several (print() stays as it is)."""
+    if run.is_main or run.cfg.launch.stdout != "rank0":
+        yield
+        return
+    path = rundir.rank_stdout(run.run_dir, run.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as out, contextlib.redirect_stdout(out):
+        yield
+
+
+@contextlib.contextmanager
+def _torchrun_variables(run):
+    """RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE, as torchrun sets them, while the task runs,
+    whoever started this rank (expgpu's spawn, srun, mpirun, one process): code written for torchrun
+    reads them (nanoGPT's `ddp = int(os.environ.get('RANK', -1)) != -1`). Put back as they were after."""
+    mine = {"RANK": run.rank, "LOCAL_RANK": run.local_rank, "WORLD_SIZE": run.world_size,
+            "LOCAL_WORLD_SIZE": run.local_world_size}
+    before = {name: os.environ.get(name) for name in mine}
+    for name, value in mine.items():
+        if before[name] not in (None, str(value)):
+            log.warning("%s=%s in the environment, but this process is rank %s of %s: %s=%s while the task runs",
+                        name, before[name], run.rank, run.world_size, name, value)
+        os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _metrics(returned, target: str) -> dict:
+    """A task function's return value as result.json's metrics: a dict of numbers, or nothing."""
+    from collections.abc import Mapping
+
+    from expgpu.errors import UserError
+
+    if returned is None:
+        return {}
+    if not isinstance(returned, Mapping):
+        raise UserError(f"{target} returned a {type(returned).__name__}; return a dict of numbers "
+                        "(result.json's metrics) or None")
+    out = {}
+    for key, value in returned.items():
+        if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
+            value = value.item()
+        if value is not None and not isinstance(value, (int, float)):   # bool is an int
+            raise UserError(f"{target} returned {key}={value!r}; metrics are numbers (or None)")
+        out[str(key)] = value
+    return out
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """The logging the user chose with hydra/job_logging (default, stdout, disabled, ...), as in the
+    process that spawned this one, with "[rank N]" before each message when there are several
+    ranks; also logs/rank<N>.log (not under hydra/job_logging=disabled, which disables expgpu's
+    logger itself)."""
+    import logging.config
+
+    make_record = logging.getLogRecordFactory()
+
+    def tagged(*args, **kwargs):
+        record = make_record(*args, **kwargs)
+        if isinstance(record.msg, str):
+            record.msg = f"[rank {rank}] {record.msg}"
+        return record
+
+    if os.environ.get(envvars.WORLD_SIZE, "1") != "1":   # one rank's lines are all its own
+        logging.setLogRecordFactory(tagged)
+    try:
+        chosen = json.loads(rundir.logging_file(run_dir).read_text())
+    except (OSError, ValueError):
+        chosen = None   # hydra/job_logging=none, or a run dir of an older expgpu
+    root = logging.getLogger()
+    if chosen:
+        logging.config.dictConfig(chosen)
+    else:
+        root.setLevel(logging.INFO)
+    log_file = rundir.rank_log(run_dir, rank)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    file = logging.FileHandler(log_file)
+    file.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
+    root.addHandler(file)
+
+
+def main() -> None:
+    """Entry of a worker started by expgpu.launch.spawn (never by users)."""
+    from expgpu import ranks
+    from expgpu.procs import stop_signals
+
+    stop_signals.install()  # first: spawn started this process with stop signals held until now
+    # A rank killed inside C++ (SIGSEGV, SIGABRT from gloo/NCCL/CUDA) prints where Python was,
+    # in every thread, instead of only the supervisor's "killed by SIGABRT".
+    faulthandler.enable(all_threads=True)
+
+    from expgpu.errors import EXIT_USER_ERROR, UserError, WorkerFailed
+
+    run_dir = Path(sys.argv[1])
+    rank = int(os.environ.get(envvars.RANK, "0"))
+    setup_logging(run_dir, rank)
+    try:
+        info = ranks.detect()
+        cfg = json.loads(rundir.config_file(run_dir).read_text())
+        node = NodePlan.from_dict(json.loads((run_dir / rundir.PLAN).read_text())["node"])
+        run_rank(cfg, info, run_dir, node, on_error=lambda e: _record_failure(run_dir, rank, e))
+    except UserError as e:
+        # The supervisor prints it, once: every rank may hit the same bad input (a checkpoint
+        # of another world size), and the user should read one line, not one per rank.
+        _record_failure(run_dir, rank, e)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt as e:
+        _record_failure(run_dir, rank, e)
+        sys.exit(130)
+    except WorkerFailed as e:   # a script task's rank: its message names the script's exit, no traceback
+        _record_failure(run_dir, rank, e)
+        sys.exit(1)
+    except BaseException as e:
+        _record_failure(run_dir, rank, e)
+        raise
+    # Everything this rank writes is on disk (atomic writes, closed files); skip interpreter
+    # shutdown, during which a gloo thread still alive past destroy_process_group can abort
+    # the process (group._let_gloo_threads_finish says why), but run the user's atexit handlers.
+    from expgpu import procs
+
+    procs.fast_exit(0)
+
+
+def _record_failure(run_dir: Path, rank: int, e: BaseException) -> None:
+    """This rank's failure, for the supervisor, once: the first record is the time it failed."""
+    from expgpu.errors import UserError, WorkerFailed
+    from expgpu.results import write_failure
+
+    if rundir.failure_file(run_dir, rank).exists():
+        return
+    if isinstance(e, UserError):
+        write_failure(run_dir, rank, str(e), user_error=True)
+    elif isinstance(e, WorkerFailed):   # rank 0 of a script task also reports a peer's failure: says whose
+        write_failure(run_dir, rank, e.failure.message if e.failure.rank == rank else str(e))
+    elif isinstance(e, KeyboardInterrupt):
+        write_failure(run_dir, rank, "interrupted (second Ctrl-C)")
+    else:
+        write_failure(run_dir, rank, f"{type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    main()

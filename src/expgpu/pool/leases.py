@@ -1,0 +1,177 @@
+"""GPU leases shared by every expgpu sweep of this machine: one lock file per GPU.
+
+A lease is an flock(2) on LEASE_DIR/<host>.<gpu uuid>.lock. The kernel drops an flock when the
+last descriptor of its open file description closes, i.e. when the processes holding it are gone,
+however they went (SIGKILL, OOM killer, segfault). So a lease never outlives its holder, a dead
+holder's lease is free at once, and there is nothing to clean up: the file's text (who took it,
+when) is only there for people and for "waiting for GPU 2, leased by pid 4711" messages.
+
+Who holds it. The pool takes the lock (so two sweeps never pick the same GPU), passes that
+descriptor to the job's process (over a Unix socket, SCM_RIGHTS; or inherited, subprocess
+pass_fds), then closes its own copy: from then on the *job* holds the lease, and the GPU is free
+exactly when the job's process, and any child that inherited the descriptor (forked DataLoader
+workers), has exited. Were the launcher the holder, a killed
+launcher would free GPUs its jobs may still be using; were the job to lock for itself, two sweeps
+could start jobs on one GPU before either job got to lock it.
+
+Two rules follow from flock semantics:
+- never flock(LOCK_UN) a descriptor once handed over: it would unlock it for the job too, only
+  close() our copy (which is why this is fcntl.flock and not the filelock package, whose
+  release() unlocks);
+- never delete a lock file: a new file under the same name would be a second, independent lock.
+
+Locks are keyed by GPU UUID (unique per card, whatever CUDA_VISIBLE_DEVICES renumbers) and host
+(simulated GPUs share UUIDs across machines), so a lease dir on a shared home directory is fine.
+flock on NFS works across clients on Linux (emulated with POSIX locks) and also dies with its holder.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+from expgpu import envvars
+from expgpu.errors import UserError
+from expgpu.gpus.inventory import Gpu
+
+ENV_DIR = envvars.LEASE_DIR
+
+
+def lease_dir(configured: str | None = None, env: Mapping[str, str] | None = None) -> Path:
+    """hydra.launcher.lease_dir, else $EXPGPU_LEASE_DIR, else ~/.cache/expgpu/leases.
+
+    Every sweep that should respect the others' leases must use the same directory; it is per user
+    by default. Users sharing a workstation point EXPGPU_LEASE_DIR at one shared directory.
+    """
+    env = os.environ if env is None else env
+    raw = configured or env.get(ENV_DIR)
+    if raw:
+        where = "hydra.launcher.lease_dir" if configured else ENV_DIR
+    else:
+        cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        raw, where = os.path.join(cache, "expgpu", "leases"), "the default lease dir"
+    path = Path(raw).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{where}={str(path)!r}: cannot create it ({e.strerror}); "
+                        f"set {ENV_DIR} to a writable directory") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{where}={str(path)!r}: not writable; set {ENV_DIR} to a writable directory")
+    return path
+
+
+def lock_path(directory: Path, gpu: Gpu) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in gpu.uuid or f"index{gpu.index}")
+    return directory / f"{socket.gethostname()}.{safe}.lock"
+
+
+@dataclass
+class Lease:
+    """A held lock on one GPU. `fd` is ours until handed to a job (then only the job's)."""
+
+    gpu: Gpu
+    path: Path
+    fd: int | None
+
+    def note(self, **holder) -> None:
+        """Record who holds it (diagnostics only: the lock itself is the truth)."""
+        if self.fd is None:
+            return
+        text = json.dumps({"gpu": self.gpu.index, "uuid": self.gpu.uuid, "host": socket.gethostname(),
+                           "since": round(time.time(), 3), **holder}).encode()
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, text + b"\n", 0)
+        except OSError:
+            pass  # a read-only lock file (another user's): the lease holds all the same
+
+    def release(self) -> None:
+        """Give the GPU back before any job got it."""
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+    def handed_over(self) -> None:
+        """The job inherited the descriptor: close our copy only (the job keeps the lock)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _open(path: Path) -> int:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except PermissionError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # flock needs no write access
+    try:
+        if os.fstat(fd).st_uid == os.getuid():
+            os.fchmod(fd, 0o666)  # let other users of a shared lease dir lock it too
+    except OSError:
+        pass
+    return fd
+
+
+def try_acquire(directory: Path, gpu: Gpu) -> Lease | None:
+    """The lease on `gpu` if nobody holds it; never waits."""
+    path = lock_path(directory, gpu)
+    fd = _open(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    return Lease(gpu, path, fd)
+
+
+def acquire_free(directory: Path, gpus: Iterable[Gpu]) -> list[Lease]:
+    """Leases on every GPU of `gpus` that nobody holds now (in the order given)."""
+    out = []
+    for gpu in gpus:
+        lease = try_acquire(directory, gpu)
+        if lease is not None:
+            out.append(lease)
+    return out
+
+
+def release_all(leases: Sequence[Lease]) -> None:
+    for lease in leases:
+        lease.release()
+
+
+def noted(directory: Path, gpu: Gpu) -> dict:
+    """What the lock file says about its last holder (without taking the lock)."""
+    try:
+        info = json.loads(lock_path(directory, gpu).read_text() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    return info if isinstance(info, dict) else {}
+
+
+def holder(directory: Path, gpu: Gpu) -> dict | None:
+    """Who holds the lease on `gpu` now (what the file says), or None when it is free."""
+    lease = try_acquire(directory, gpu)
+    if lease is not None:
+        lease.release()
+        return None
+    return noted(directory, gpu)
+
+
+def describe_holder(info: dict | None) -> str:
+    if not info:
+        return "free"
+    pid = info.get("pid")
+    what = f"pid {pid}" if pid else "another process"
+    if info.get("sweep"):
+        what += f" (job #{info.get('job')} of {info['sweep']})"
+    return what

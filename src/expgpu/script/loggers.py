@@ -1,0 +1,77 @@
+"""Rank 0's supervisor hands the chosen loggers (csv, tensorboard, mlflow, wandb) the rows the script's
+expgpu.log appends to metrics.jsonl, at most once a second, and their outcome when the script ends.
+
+The loggers live here, in one process from start to finish, as they live in a function task's rank 0;
+the script's own process only appends rows (one writer: expgpu.loggers.jsonl.MetricsLog). Where this
+attempt's rows begin, and whether it resumed, the script's first expgpu.log call says in
+RUN_DIR/.expgpu/script-log.json (removed before the script starts): the loggers start then, with the
+resume rules of expgpu.loggers (rows they lack from earlier attempts are sent from metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from expgpu import loggers, rundir
+from expgpu.loggers.jsonl import WRITE_EVERY_S
+
+
+class LoggerFeed:
+    def __init__(self, cfg: dict, run_dir: Path):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.jsonl = self.run_dir / rundir.METRICS
+        self.loggers: loggers.Loggers | None = None
+        self.offset = 0           # metrics.jsonl's bytes handed on so far
+        self.polled = 0.0
+        self.last_row: dict | None = None
+
+    def poll(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self.polled < WRITE_EVERY_S:
+            return
+        self.polled = time.monotonic()
+        if self.loggers is None and not self._start():
+            return
+        rows = self._new_rows()
+        if rows:
+            self.loggers.write(rows)
+            self.last_row = rows[-1]
+
+    def _start(self) -> bool:
+        try:
+            begun = json.loads(rundir.script_log_marker(self.run_dir).read_text())
+        except (OSError, ValueError):
+            return False   # the script has logged nothing yet
+        self.loggers = loggers.build(self.cfg, self.run_dir)
+        self.loggers.start(begun["resumed"], begun["step"], begun["flushed_before"], self.jsonl)
+        self.offset = begun["offset"]
+        return True
+
+    def _new_rows(self) -> list[dict]:
+        """Whole lines appended since the last poll (a line still being written waits for the next)."""
+        try:
+            with open(self.jsonl, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        whole = data[:data.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        rows = []
+        for line in whole.splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+        return rows
+
+    def finish(self, status: str, metrics: dict, steps: int | None) -> None:
+        """The loggers' outcome: finished, stopped or failed, and the last value of every logged name."""
+        self.poll(force=True)
+        if self.loggers is None:
+            if status != "finished":
+                return   # as a function task: no logger run for a run that logged nothing and did not finish
+            self.loggers = loggers.build(self.cfg, self.run_dir)
+        # every value in `metrics` is a logged row's already: no second point for any of them
+        self.loggers.finish(status, metrics, steps or 0, {**(self.last_row or {}), **metrics})

@@ -1,0 +1,166 @@
+"""A rank's script in a process of its own: started, its output passed on, stops handed down, waited for.
+
+- Output: stdout and stderr go to this process's console, as the script would have printed them, and
+  both (in the order they came) to RUN_DIR/logs/rank<N>.script.log; the last lines of stderr are kept
+  for the error that names a failed rank.
+- Stops: a stop signal this process receives (expgpu.procs.stop_signals: Ctrl-C, SIGTERM, SIGUSR2; from a
+  terminal, SLURM, expgpu's spawn or the pool) is passed to the script once, as the same signal; the
+  script has grace_s to exit, then its whole process group gets SIGKILL. A second Ctrl-C more than a
+  second later (KeyboardInterrupt here) kills it at once.
+- No orphans: the script dies with this process (PR_SET_PDEATHSIG), runs in a session of its own (a
+  terminal's Ctrl-C reaches it only through here, once), and what it leaves running when it exits
+  (a DataLoader worker, a stray child) is killed with its group.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from expgpu import procs
+
+TICK_S = 0.1        # how often a stop, the grace deadline and the on_tick callback are looked at
+DRAIN_S = 2.0       # after the script exits, how long a child it left may hold its pipes open
+TAIL_LINES = 20
+
+
+@dataclass
+class Outcome:
+    returncode: int | None            # Popen's: -N for a signal; None: never started
+    stopped_by: str | None = None     # the stop signal passed to the script (or that kept it from starting)
+    killed: bool = False              # SIGKILLed after the grace period
+    tail: list[str] = field(default_factory=list)   # the last lines of its stderr
+    started: float = 0.0
+    ended: float = 0.0
+
+    @property
+    def exit_code(self) -> int | None:
+        """As a shell reports it: 128 + N for a death by signal N."""
+        rc = self.returncode
+        return None if rc is None else (128 - rc if rc < 0 else rc)
+
+
+
+_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+
+
+def _setup_child() -> None:
+    procs.die_with_parent()
+    # The script's stop signals act as from a shell: an ignored one (a worker ignores the signals its
+    # launcher does not stop on) or a blocked one would pass through exec.
+    for sig in _STOPS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
+
+
+def run_script(argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, stopper, grace_s: float,
+        on_tick: Callable[[], None] | None = None) -> Outcome:
+    """Start the script and supervise it to its end; a stop requested before it starts keeps it from starting."""
+    if stopper.received:
+        now = time.time()
+        return Outcome(None, stopped_by=stopper.received, started=now, ended=now)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        log.write(f"--- expgpu: {' '.join(argv)} (in {cwd}, {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode())
+        log.flush()
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, preexec_fn=_setup_child, start_new_session=True)
+        outcome = Outcome(None, started=time.time())
+        try:
+            _supervise(proc, log, outcome, stopper, grace_s, on_tick)
+        finally:
+            procs.kill_group(proc.pid)   # whatever it left behind, or all of it on a second Ctrl-C
+            proc.wait()
+            outcome.returncode, outcome.ended = proc.returncode, time.time()
+    if outcome.stopped_by is None and -outcome.returncode in _STOPS:
+        # a stop signal sent to the script itself (SLURM signals every process of a step; under submitit,
+        # whose SIGTERM this process leaves alone, the script still gets one): a stop, not a crash
+        outcome.stopped_by = signal.Signals(-outcome.returncode).name
+    return outcome
+
+
+def _supervise(proc, log, outcome: Outcome, stopper, grace_s: float, on_tick) -> None:
+    tee = _Tee(proc, log)
+    deadline = None
+    exited_at = None
+    while True:
+        tee.pump(TICK_S)
+        if stopper.received and outcome.stopped_by is None and proc.poll() is None:
+            outcome.stopped_by = stopper.received
+            proc.send_signal(signal.Signals[stopper.received])
+            deadline = time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() > deadline and proc.poll() is None:
+            procs.kill_group(proc.pid)
+            outcome.killed = True
+        if on_tick is not None:
+            on_tick()
+        if proc.poll() is not None:
+            exited_at = exited_at or time.monotonic()
+            if tee.closed or time.monotonic() - exited_at > DRAIN_S:
+                tee.pump(0)
+                outcome.tail = tee.tail()
+                return
+
+
+class _Tee:
+    """The script's stdout and stderr to this process's, and both to the log file."""
+
+    def __init__(self, proc, log):
+        self.log = log
+        self.sel = selectors.DefaultSelector()
+        self.partial = b""
+        self.lines: collections.deque[bytes] = collections.deque(maxlen=TAIL_LINES)
+        for pipe, console in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            os.set_blocking(pipe.fileno(), False)
+            self.sel.register(pipe, selectors.EVENT_READ, (console, pipe is proc.stderr))
+
+    @property
+    def closed(self) -> bool:
+        return not self.sel.get_map()
+
+    def pump(self, timeout: float) -> None:
+        if self.closed:
+            time.sleep(timeout)
+            return
+        for key, _ in self.sel.select(timeout):
+            try:
+                data = os.read(key.fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not data:
+                self.sel.unregister(key.fileobj)
+                key.fileobj.close()
+                continue
+            console, is_err = key.data
+            _echo(console, data)
+            self.log.write(data)
+            self.log.flush()
+            if is_err:
+                *done, self.partial = (self.partial + data).split(b"\n")
+                self.lines.extend(done)
+
+    def tail(self) -> list[str]:
+        lines = [*self.lines, self.partial] if self.partial else list(self.lines)
+        return [line.decode(errors="replace") for line in lines]
+
+
+def _echo(console, data: bytes) -> None:
+    try:
+        console.flush()
+        buffer = getattr(console, "buffer", None)
+        if buffer is not None:
+            buffer.write(data)
+            buffer.flush()
+        else:
+            console.write(data.decode(errors="replace"))
+            console.flush()
+    except (OSError, ValueError):   # a closed console must not end the supervision
+        pass

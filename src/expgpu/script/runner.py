@@ -1,0 +1,136 @@
+"""One rank of a script task, from this node's GPU plan to the script's end (launch.worker.run_rank hands
+over here).
+
+    resume or not -> inputs linked into the run dir -> the child's environment -> the script, supervised
+        -> how it ended (every rank's record) -> rank 0: result.json, the loggers' outcome
+
+Resume: a rerun in a run dir where the script ran before (an earlier attempt's result.json: a stop, a
+requeue, a crash, or a finished run rerun with other args) adds task.resume_args, and with
+task.resume_if only when that file exists in the run dir; checkpoint.resume=false never adds them. Every
+rank decides alike from files this launch does not write before its scripts end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import socket
+from pathlib import Path
+
+from expgpu import loggers, rundir
+from expgpu.errors import UserError, WorkerFailed
+from expgpu.gpus import NodePlan, placement
+from expgpu.gpus.mask import gpu_env
+from expgpu.procs import stop_signals
+from expgpu.ranks import RankInfo
+from expgpu.script import environ, process, result
+from expgpu.script.loggers import LoggerFeed
+from expgpu.script.spec import ScriptSpec
+
+log = logging.getLogger("expgpu")
+
+
+def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: float) -> dict | None:
+    """Run this rank's script; rank 0's result (None elsewhere). A failed rank raises WorkerFailed, on
+    that rank and on rank 0; a stop returns (status stopped) with the stopper's `agreed` signal set."""
+    spec = ScriptSpec.from_dict(cfg["script"])
+    stopper = stop_signals.install()
+    previous = result.previous(run_dir)
+    resumed = _resumes(spec, cfg, run_dir, previous)
+    attempt = 0 if previous is None else int(previous.get("attempt", 0)) + 1
+    isolation = _isolation(cfg)
+    _link_inputs(spec, run_dir)
+    launch = attempt_id(info)
+    env = environ.child_env(os.environ, info, node, isolation, run_dir=run_dir, launch_dir=spec.launch_dir,
+                            module=spec.module, run_id=launch, restarts=attempt, resumed=resumed)
+    argv = spec.argv(resumed)
+    mine = node.gpus_of(info.local_rank)
+    log.info("rank %d/%d on %s: %s (CUDA_VISIBLE_DEVICES=%s%s)%s", info.rank, info.world_size, socket.gethostname(),
+             shlex.join(argv[1:]), env.get("CUDA_VISIBLE_DEVICES") or "(none)",
+             f"; its GPU {','.join(str(g.index) for g in mine)}: {mine[0].name}" if mine else "",
+             " with resume_args" if resumed else "")
+    feed = None
+    if info.rank == 0:
+        rundir.script_log_marker(run_dir).unlink(missing_ok=True)   # the rows of this attempt start anew
+        feed = LoggerFeed(cfg, run_dir) if loggers.chosen(cfg) else None
+    outcome = process.run_script(argv, env, run_dir, rundir.script_log(run_dir, info.rank), stopper, spec.grace_s,
+                        feed.poll if feed else None)
+    device = "cuda" if mine and cfg["inventory"]["simulate"] is None else "cpu"
+    record = result.write_record(run_dir, info, launch, outcome, [g.index for g in mine], [g.name for g in mine],
+                                 device)
+    if outcome.stopped_by:
+        stopper.agreed = outcome.stopped_by   # the exit code and the requeue follow it (app._finished)
+    doc = None
+    if info.rank == 0:
+        records = result.collect(run_dir, info.world_size, launch, record)
+        doc = result.write(cfg, info, node, run_dir, spec, records, argv, resumed, attempt, t_start, outcome)
+        if feed is not None:
+            feed.finish(doc["status"], doc["metrics"], doc["steps"])
+        failed = result.first_failure(records)
+        if failed is not None:
+            raise WorkerFailed(result.failure(failed, run_dir))
+    elif result.failed(record):
+        raise WorkerFailed(result.failure(record, run_dir))
+    return doc
+
+
+def _isolation(cfg: dict) -> str:
+    """auto, unless each rank is to see only its own GPU(s) (set_device is refused in spec.prepare)."""
+    return "visible_devices" if cfg["launch"]["isolation"] == "visible_devices" else "auto"
+
+
+def _resumes(spec: ScriptSpec, cfg: dict, run_dir: Path, previous: dict | None) -> bool:
+    if previous is None or not cfg["checkpoint"]["resume"]:
+        return False
+    return spec.resume_if is None or (Path(run_dir) / spec.resume_if).exists()
+
+
+def attempt_id(info: RankInfo) -> str:
+    """What the ranks of this launch share and a later launch does not: their records are matched by it."""
+    launch = placement.launch_id(os.environ)
+    if launch is not None and launch.startswith("torchrun-none-"):
+        # torchrun without --rdzv-id gives every launch the run id "none"; its agent, the parent of all
+        # its local workers, tells launches apart
+        import psutil
+
+        parent = psutil.Process(os.getppid())
+        launch = f"{launch}-{parent.pid}-{parent.create_time():.0f}"
+    return launch or f"{info.source}-{os.getpid()}"
+
+
+def _link_inputs(spec: ScriptSpec, run_dir: Path) -> None:
+    """task.inputs, linked into the run dir at the same relative path (every rank: a rank's script may
+    read them before rank 0 gets here; replacing a link is atomic, so ranks doing it at once agree)."""
+    for name, source in spec.inputs:
+        link = Path(run_dir) / name
+        if link.is_symlink() and os.readlink(link) == source:
+            continue
+        if link.exists() or link.is_symlink():
+            raise UserError(f"task.inputs: {link} exists and is not a link to {source}; move it away (inputs are "
+                            "linked into the run dir at the path they have under the launch dir)")
+        link.parent.mkdir(parents=True, exist_ok=True)
+        tmp = link.with_name(f".{link.name}.link{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        os.symlink(source, tmp)
+        os.replace(tmp, link)
+
+
+def dry_run(cfg: dict, node: NodePlan, labels, run_dir: Path) -> str:
+    """What each local rank would run (the dry run): its GPU mask and command line, in the run dir."""
+    spec = ScriptSpec.from_dict(cfg["script"])
+    resumed = _resumes(spec, cfg, run_dir, result.previous(run_dir))
+    head = f"each rank runs, in {run_dir}{' (a rerun: with resume_args)' if resumed else ''}:"
+    return "\n".join([head, *commands(spec, cfg, node, labels, resumed)])
+
+
+def commands(spec: ScriptSpec, cfg: dict, node: NodePlan, labels, resumed: bool = False) -> list[str]:
+    """A line per local rank (`labels`: their global ranks, None where unknown): its GPU mask and command."""
+    isolation = _isolation(cfg)
+    command = shlex.join(spec.argv(resumed))
+    lines = []
+    for local_rank, rank in enumerate(labels):
+        gpus = environ.visible_gpus(node, local_rank, isolation)
+        mask = gpu_env(gpus, os.environ.get("CUDA_DEVICE_ORDER"))["CUDA_VISIBLE_DEVICES"]
+        lines.append(f"rank {'?' if rank is None else rank}: CUDA_VISIBLE_DEVICES={mask or '(none)'} {command}")
+    return lines

@@ -1,0 +1,158 @@
+"""The config in this process (fast tier): what Hydra composes onto expgpu's schema, the range checks,
+the task parameters a function takes, and each mistake as the one line the CLI prints.
+
+The CLI end to end (a subprocess per case) is tests/e2e/test_cli.py::test_bad_input_is_one_line_and_exit_2;
+here the same stages run in-process: compose -> config.check -> task.resolve -> placement."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Literal
+
+import pytest
+from config_compose import composed, refused
+
+from expgpu import config, task
+from expgpu.errors import UserError
+
+SIM2 = "inventory.simulate=[{name:A100,memory_mb:40960},{name:T4,memory_mb:15360}]"
+
+
+def test_the_default_config_is_task_a_on_the_sequential_map_with_ddp():
+    plain = config.plain(composed())
+    assert plain["task"]["model"]["_target_"] == "expgpu.tasks.models.MLP"
+    assert (plain["gpu_map"]["strategy"], plain["backend"]["name"], plain["launch"]["wrap"]) == \
+        ("sequential", "auto", "ddp")
+    assert plain["checkpoint"] == {"every_steps": 0, "resume": True, "poll_every": "auto", "format": "auto",
+                                   "async_save": False, "verify": False}
+    assert plain["launch"]["fsdp"] == {"units": None, "reshard_after_forward": True, "cpu_offload": False}
+    assert plain["logger"]["csv"] == {"file": "metrics.csv"} and plain["logger"]["mlflow"] is None
+
+
+def test_a_config_is_expgpus_with_its_task_gpu_map_and_launch_sections():
+    from omegaconf import OmegaConf
+
+    # expgpu's launchers check and place a job only then; another app's job gets hydra.launcher's keys
+    assert config.is_expgpu(composed("task=b"))
+    # Hydra's own example apps sweep task=1,2,3: a number, not expgpu's task section
+    assert not config.is_expgpu(OmegaConf.create({"task": 1, "gpu_map": {}, "launch": {}}))
+    assert not config.is_expgpu(OmegaConf.create({"task": {"lr": 0.1}, "launch": {}}))
+
+
+def test_groups_and_overrides_land_typed():
+    plain = config.plain(composed("task=b", "gpu_map=ranked", "launch.nproc_per_node=2", "checkpoint.poll_every=7",
+                                  "logger=[csv,tensorboard]", "objective=[eval_loss,accuracy]"))
+    assert plain["gpu_map"]["strategy"] == "ranked" and plain["launch"]["nproc_per_node"] == 2
+    assert plain["checkpoint"]["poll_every"] == 7 and plain["objective"] == ["eval_loss", "accuracy"]
+    assert plain["logger"]["tensorboard"] == {"dir": "tensorboard"}
+    config.check(composed("task=b"))
+
+
+BAD = {
+    "unknown key under a group": (["gpu_map.strategi=ranked"],
+                                  "gpu_map.strategi: unknown key; allowed under gpu_map: strategy, gpus, scores"),
+    "unknown root key": (["dryrun=true"], "dryrun: unknown key; allowed under the root: task, gpu_map"),
+    "enum value": (["launch.isolation=magic"], "launch.isolation"),
+    "enum value after a group": (["gpu_map=ranked", "gpu_map.strategy=fastest"], "gpu_map.strategy"),
+    "type": (["launch.nproc_per_node=two"], "launch.nproc_per_node"),
+    "missing group option": (["task=nope"], "task/nope"),
+    "range": (["launch.nproc_per_node=0"], "launch.nproc_per_node=0 is not allowed: an integer >= 1"),
+    "poll_every zero": (["checkpoint.poll_every=0"], "checkpoint.poll_every=0 is not allowed: auto or an integer >= 1"),
+    "poll_every word": (["checkpoint.poll_every=often"],
+                        "checkpoint.poll_every='often' is not allowed: auto or an integer >= 1"),
+    "faults half set": (["faults.crash_rank=0"], "set faults.crash_rank and faults.crash_step together"),
+    "dp with ranks": (["launch.wrap=dp", "launch.nproc_per_node=2"], "launch.wrap=<Wrap.dp: 'dp'> is not allowed"),
+    "objective type": (["objective=3"], "objective=3 is not allowed"),
+    "task key misspelt": (["task.batch_sise=3"], "task.batch_sise: expgpu.tasks.supervised.train takes no parameter "
+                                                 "'batch_sise' (did you mean task.batch_size?)"),
+    "task key nested": (["task.lr=0.1"], "takes no parameter 'lr' (did you mean task.optimizer.lr?)"),
+    "task value": (["task.batch_size=abc"], "task.batch_size"),
+    "custom gpus twice": (["gpu_map=custom", "gpu_map.gpus=[0,0]", "launch.nproc_per_node=2", SIM2], "gpu_map.gpus"),
+    "custom gpu missing": (["gpu_map=custom", "gpu_map.gpus=[5]", SIM2], "gpu_map.gpus"),
+    "simulated gpu without memory": (["inventory.simulate=[{name:A100}]"], "inventory.simulate[0].memory_mb"),
+}
+
+
+@pytest.mark.parametrize("overrides, needle", BAD.values(), ids=BAD.keys())
+def test_each_mistake_is_one_line_naming_it(overrides, needle):
+    line = refused(*overrides)
+    assert needle in line and "\n" not in line, line
+
+
+# -- task parameters: what a function of one's own is given -------------------------------------
+
+class Opt(enum.Enum):
+    adam = "adam"
+    sgd = "sgd"
+
+
+def typed(run, lr: float = 1e-3, layers: list[int] = (8,), betas: tuple[float, float] = (0.9, 0.99),
+          kind: Literal["mlp", "cnn"] = "mlp", opt: Opt = Opt.adam, max_steps: int = 10, seed: int = 0):
+    return None
+
+
+@dataclasses.dataclass
+class ModelCfg:
+    n_layer: int = 2
+    dropout: float = 0.0
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    lr: float = 6e-4
+    batch_size: int = 12
+    model: ModelCfg = dataclasses.field(default_factory=ModelCfg)
+    seed: int = 1337
+
+
+def configured(run, cfg: GPTConfig):
+    return None
+
+
+HERE = __name__
+
+
+def spec(**keys):
+    return task.resolve({"_target_": f"{HERE}.{keys.pop('fn', 'typed')}", "_partial_": True, **keys})
+
+
+def test_values_are_converted_to_the_annotations_and_run_keys_reach_the_function():
+    s = spec(lr="2e-3", layers=[4, "5"], betas=[0.8, 0.9], kind="cnn", opt="sgd", seed=7, log_every=5)
+    assert s.params == {"lr": 2e-3, "layers": [4, 5], "betas": (0.8, 0.9), "kind": "cnn", "opt": Opt.sgd, "seed": 7}
+    assert (s.seed, s.log_every, s.seed_per_rank, s.precision) == (7, 5, True, "32")
+
+
+def test_the_length_and_logging_keys_do_not_change_what_a_checkpoint_must_match():
+    base = spec(lr=1e-3)
+    assert spec(lr=1e-3, max_steps=99, log_every=3).fingerprint == base.fingerprint
+    assert spec(lr=2e-3).fingerprint != base.fingerprint
+    assert spec(lr=1e-3, seed=1).fingerprint != base.fingerprint
+
+
+def test_a_config_object_takes_the_task_keys_as_its_fields():
+    s = spec(fn="configured", lr=1e-3, model={"n_layer": "4"}, seed=3)
+    built = task._built_object(s.config_object[1], s.params)
+    assert built == GPTConfig(lr=1e-3, model=ModelCfg(n_layer=4), seed=3)
+
+
+TASK_MISTAKES = {
+    "misspelt": ({"lrr": 1}, f"task.lrr: {HERE}.typed takes no parameter 'lrr' (did you mean task.lr?)"),
+    "type": ({"lr": "fast"}, "task.lr='fast'"),
+    "list element": ({"layers": ["a"]}, "task.layers[0]='a' is not allowed"),
+    "literal": ({"kind": "rnn"}, "task.kind='rnn'"),
+    "enum": ({"opt": "lbfgs"}, "task.opt='lbfgs'"),
+    "partial false": ({"_partial_": False}, "task._partial_=false"),
+    "precision": ({"precision": "fp8"}, "task.precision"),
+    "field": ({"fn": "configured", "lrr": 1}, f"task.lrr: {HERE}.configured takes its parameters as cfg: "
+                                              "GPTConfig has no field 'lrr' (did you mean task.lr?)"),
+    "nested field": ({"fn": "configured", "model": {"n_layers": 4}}, "task.model.n_layers"),
+    "no such function": ({"fn": "nothing"}, "has no attribute 'nothing'"),
+}
+
+
+@pytest.mark.parametrize("keys, needle", TASK_MISTAKES.values(), ids=TASK_MISTAKES.keys())
+def test_a_task_key_the_function_cannot_take_is_one_line(keys, needle):
+    with pytest.raises(UserError) as caught:
+        spec(**keys)
+    assert needle in str(caught.value), str(caught.value)

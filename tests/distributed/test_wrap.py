@@ -1,0 +1,83 @@
+"""run.wrap's module on several ranks (DDP inside expgpu's Wrapped): the user's own attributes and
+methods, DDP's switches set where DDP reads them, and the user's module when it is saved or copied."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import multiprocessing
+
+import pytest
+import torch
+
+
+class Coder(torch.nn.Module):
+    """A module with methods of its own besides forward, as a VAE's decode."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = torch.nn.Linear(4, 2), torch.nn.Linear(2, 4)
+
+    def forward(self, x):
+        return self.dec(self.enc(x))
+
+    def decode(self, z):
+        return self.dec(z)
+
+
+def _probe(store: str, out: str) -> None:
+    """In a spawned process: run.wrap over a one-process gloo group (DDP, as on several ranks)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from expgpu.distributed import group as expgpu_dist
+    from expgpu.distributed.wrap import wrap
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        coder = Coder()
+        model = wrap(coder, torch.device("cpu"), "ddp", world_size=2, n_gpus=1)
+        ddp = model._forward_module
+        # nanoGPT's no_sync shortcut: `model.require_backward_grad_sync = False` on the DDP model
+        model.require_backward_grad_sync = False
+        model.temperature = 0.5   # a new attribute of the user's own
+        buf = io.BytesIO()
+        torch.save(model, buf)    # word_language_model saves its best model whole
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        copied = copy.deepcopy(model)
+        same = all(torch.equal(a, b) for a, b in zip(coder.state_dict().values(), loaded.state_dict().values()))
+        result = {"ddp_flag": ddp.require_backward_grad_sync, "user_has_flag": "require_backward_grad_sync"
+                  in coder.__dict__, "temperature": getattr(coder, "temperature", None),
+                  "loaded": type(loaded).__name__, "loaded_equal": same, "copied": type(copied).__name__,
+                  "copied_is_new": copied is not coder, "decode": model.decode(torch.ones(1, 2)).shape[-1],
+                  "isinstance": isinstance(model, Coder) and isinstance(model, torch.nn.Module)}
+        with open(out, "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+        expgpu_dist._let_gloo_threads_finish()   # or this process may abort at exit (torch 2.13)
+
+
+@pytest.fixture(scope="module")
+def wrapped(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("wrap")
+    proc = multiprocessing.get_context("spawn").Process(target=_probe, args=(str(tmp / "store"), str(tmp / "out")))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0
+    return json.loads((tmp / "out").read_text())
+
+
+def test_ddps_own_switches_reach_ddp_and_new_attributes_the_users_module(wrapped):
+    assert wrapped["ddp_flag"] is False and not wrapped["user_has_flag"]
+    assert wrapped["temperature"] == 0.5
+
+
+def test_saved_or_copied_it_is_the_users_module(wrapped):
+    assert wrapped["loaded"] == "Coder" and wrapped["loaded_equal"]
+    assert wrapped["copied"] == "Coder" and wrapped["copied_is_new"]
+    assert wrapped["decode"] == 4 and wrapped["isinstance"]

@@ -1,0 +1,243 @@
+"""The CLI end to end on CPU: real processes, a real gloo process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import HELPERS, REPO, TESTS, clean_env, expgpu
+from expgpu import procs
+
+MIXED_NODE = ("inventory.simulate=[{name:V100,memory_mb:16384},{name:H100,memory_mb:81559},"
+              "{name:T4,memory_mb:15360},{name:A100,memory_mb:40960}]")
+
+
+@pytest.mark.slow
+def test_single_rank_trains_and_writes_result(tmp_path):
+    # The main job as a user starts it: no warm server (conftest.clean_env), trained in the launcher.
+    run = expgpu(["task=a", "task.max_steps=60", "gpu_map=ranked"], tmp_path / "run",
+                 env=clean_env(EXPGPU_WARM_SERVER=""))
+    assert run.returncode == 0, run.stderr
+    res = run.result
+    assert res["status"] == "finished" and res["source"] == "single" and res["world_size"] == 1
+    assert res["backend"] is None and "no process group" in run.output  # one rank makes none
+    assert res["steps"] == 60 and res["plan"][0]["device"] == "cpu"
+    losses = [m["loss"] for m in run.metrics()]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert res["timing"]["steps_per_s"] > 0 and res["timing"]["startup_s"] > 0
+    assert "rank 0/1 on" in run.output and "-> cpu" in run.output
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_without_a_terminal_progress_is_a_line_every_few_seconds_and_the_last_row(tmp_path):
+    # A row every step in metrics.jsonl, but not a log line per row: the first, then one every
+    # PROGRESS_EVERY_S, and the last.
+    run = expgpu(["task=a", "task.max_steps=120", "task.log_every=1"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    assert len(run.metrics()) == 120
+    lines = [ln for ln in run.output.splitlines() if re.search(r" - step \d+  loss ", ln)]
+    assert 2 <= len(lines) <= 10, lines
+    assert "step 1  loss" in lines[0] and "step 120  loss" in lines[-1], lines
+
+
+@pytest.mark.slow
+def test_two_local_ranks_hold_identical_parameters(tmp_path):
+    run = expgpu(["task=b", "task.max_steps=40", "launch.nproc_per_node=2"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    res = run.result
+    assert res["world_size"] == 2 and res["source"] == "local" and res["backend"] == "gloo"
+    assert len(res["rank_checksums"]) == 2
+    assert res["rank_checksums"][0] == res["rank_checksums"][1] == res["param_checksum"]
+    losses = [m["loss"] for m in run.metrics()]
+    assert losses[-1] < losses[0]
+    assert "rank 1/2 on" in run.output
+    assert {r["rank"] for r in res["plan"]} == {0, 1}
+
+
+@pytest.mark.slow
+def test_digits_reaches_test_accuracy(tmp_path):
+    run = expgpu(["task=digits"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    assert run.result["metrics"]["accuracy"] > 0.9
+
+
+def _descendants_alive(run_dir: str) -> list:
+    """Processes of the run still alive: named by their command line (a fresh rank's) or by a file
+    they hold open in the run dir (a forked rank keeps its server's command line, but its log)."""
+    alive = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if run_dir in " ".join(p.info["cmdline"] or []) or any(
+                    f.path.startswith(run_dir + os.sep) for f in p.open_files()):
+                alive.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return alive
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["exception", "kill"])
+def test_a_crashing_rank_ends_the_group_quickly(tmp_path, kind):
+    run_dir = tmp_path / f"crash-{kind}"
+    t0 = time.monotonic()
+    run = expgpu(["task=a", "task.max_steps=100000", "launch.nproc_per_node=2", "faults.crash_rank=1",
+                  "faults.crash_step=20", f"faults.kind={kind}", "backend.timeout_s=30"], run_dir, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert run.returncode == 1, (run.returncode, run.stderr)
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("expgpu: rank 1 failed:"), last
+    if kind == "exception":
+        assert "injected crash" in last
+    else:
+        assert "SIGKILL" in last
+    assert elapsed < 30, elapsed
+    assert not _descendants_alive(str(run_dir)), "workers outlived the run"
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "expgpu"]
+    run = expgpu(["task=a", "task.max_steps=30"], run_dir, cmd=cmd)
+    assert run.returncode == 0, run.stderr
+    res = run.result
+    assert res["source"] == "torchrun" and res["world_size"] == 2
+    assert res["rank_checksums"][0] == res["rank_checksums"][1]
+
+
+@pytest.mark.slow
+def test_two_processes_given_slurm_variables(tmp_path):
+    """What srun -n2 gives each task (the test plays srun); both share one run dir."""
+    procs, port = [], str(_free_port())
+    for rank in range(2):
+        env = clean_env(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID=str(rank), SLURM_NTASKS="2",
+                        SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NNODES="1",
+                        SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost",
+                        SLURM_STEP_NODELIST="localhost", SLURM_STEP_NUM_TASKS="2",
+                        SLURM_STEP_TASKS_PER_NODE="2", SLURM_STEP_NUM_NODES="1",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, "-m", "expgpu", "task=a", "task.max_steps=30"],
+                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+        time.sleep(1.0 * rank)  # ranks start apart, as on a real cluster
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    run_dir = tmp_path / "outputs" / "slurm" / "4242"
+    res = json.loads((run_dir / "result.json").read_text())
+    assert res["source"] == "slurm" and res["world_size"] == 2
+    assert res["rank_checksums"][0] == res["rank_checksums"][1]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dry_run_prints_plan_without_training(tmp_path):
+    run = expgpu(["dry_run=true", "gpu_map=ranked", "launch.nproc_per_node=2", MIXED_NODE], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "gpu_map=ranked"
+    rows = [line.split() for line in lines[2:4]]
+    assert rows[0][0] == "0" and rows[0][3] == "1" and rows[0][4] == "H100"
+    assert rows[1][0] == "1" and rows[1][3] == "3" and rows[1][4] == "A100"
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert [r["gpus"] for r in plan["ranks"]] == [[1], [3]]
+    assert not (tmp_path / "run" / "result.json").exists()
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_dry_run_never_imports_torch(tmp_path):
+    code = ("import sys, runpy; sys.argv=['expgpu','dry_run=true','hydra.run.dir=" + str(tmp_path / "r") + "'];"
+            "import atexit; atexit.register(lambda: print('TORCH' if 'torch' in sys.modules else 'NOTORCH'));"
+            "runpy.run_module('expgpu', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("NOTORCH")
+
+
+@pytest.mark.slow
+def test_user_task_from_own_config_dir(tmp_path):
+    env = clean_env(PYTHONPATH=str(REPO / "examples"))
+    run = expgpu(["--config-dir", str(REPO / "examples" / "conf"), "task=linreg"], tmp_path / "run", env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.result["task"] == "linreg" and run.result["metrics"]["final_loss"] < 0.05
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["task.batch_sise=3"], "task.batch_sise: expgpu.tasks.supervised.train takes no parameter 'batch_sise' "
+                            "(did you mean task.batch_size?); it takes model, dataset, optimizer, batch_size, "
+                            "max_steps, loss, eval_dataset"),
+    (["task.lr=0.1"], "takes no parameter 'lr' (did you mean task.optimizer.lr?); it takes model"),
+    (["gpu_map.strategi=ranked"], "gpu_map.strategi: unknown key; allowed under gpu_map: strategy, gpus"),
+    (["task.model.hiden=3"], "task.model: cannot build expgpu.tasks.models.MLP: TypeError:"),
+    (["+task.optimizer.momentum=0.9"], "task.optimizer: Adam refused its settings"),
+    (["task.optimizer._target_=torch.optim.SGDD"], "torch.optim has no attribute 'SGDD'"),
+    (["task.batch_size=abc"], "task.batch_size"),
+    (["task=nope"], "task/nope"),
+    (["gpu_map=ranked", "gpu_map.strategy=fastest"], "gpu_map.strategy"),
+    (["task.batch_size=0"], "task.batch_size=0"),
+    (["gpu_map=custom", "gpu_map.gpus=[0,0]", "launch.nproc_per_node=2", "dry_run=true",
+      "inventory.simulate=[{name:A100,memory_mb:40960},{name:A100,memory_mb:40960}]"], "gpu_map.gpus"),
+    (["gpu_map=custom", "gpu_map.gpus=[5]", "dry_run=true",
+      "inventory.simulate=[{name:A100,memory_mb:40960}]"], "gpu_map.gpus"),
+    (["inventory.simulate=[{name:A100}]", "dry_run=true"], "inventory.simulate[0].memory_mb"),
+    (["backend=nccl"], "backend=nccl"),
+    (["task.model._target_=torch.nn.Nope"], "task.model"),
+    (["launch.isolation=magic"], "launch.isolation"),
+    (["checkpoint.poll_every=0"], "checkpoint.poll_every=0 is not allowed: auto or an integer >= 1"),
+    (["checkpoint.poll_every=often"], "checkpoint.poll_every='often' is not allowed: auto or an integer >= 1"),
+])
+@pytest.mark.slow
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
+    run = expgpu(args, tmp_path / "run")
+    assert run.returncode == 2, (run.returncode, run.stderr)
+    assert "Traceback" not in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("expgpu: error:")]
+    assert len(lines) == 1 and needle in lines[0], run.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("var, value", [("SLURM_PROCID", "x"), ("SLURM_NTASKS", "-2"), ("SLURM_PROCID", "7")])
+def test_bad_environment_is_one_line_and_exit_2(tmp_path, var, value):
+    env = clean_env(SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0",
+                    SLURM_NODEID="0", SLURM_NNODES="1", SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost")
+    env[var] = value
+    run = expgpu(["task=a"], tmp_path / "run", env=env)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert var in run.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_ranks_forked_from_the_warm_process_run_as_fresh_ones_do(tmp_path):
+    """launch.nproc_per_node=2 forks its ranks from one process that imported torch: each has its own
+    environment and argv, and torch's threads follow the OMP_NUM_THREADS spawn gave it (OpenMP read
+    the server's at import); EXPGPU_WARM_RANKS=0 starts them fresh, with the same outcome."""
+    base = ["--config-dir", str(TESTS / "conf"), "task=probe_process", "launch.nproc_per_node=2"]
+    seen = {}
+    for warm, omp in (("1", None), ("1", "2"), ("0", None)):
+        env = clean_env(PYTHONPATH=str(HELPERS), EXPGPU_WARM_RANKS=warm)
+        env.pop("OMP_NUM_THREADS")
+        if omp:
+            env["OMP_NUM_THREADS"] = omp
+        run = expgpu(base, tmp_path / f"warm{warm}-{omp}", env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        seen[warm, omp] = [json.loads((run.run_dir / f"process{r}.json").read_text()) for r in (0, 1)]
+    threads = str(max(1, procs.cores() // 2))   # what spawn gives each of 2 workers
+    for (warm, omp), ranks in seen.items():
+        for rank, got in enumerate(ranks):
+            assert got["forked"] == (warm == "1") and got["rank_env"] == str(rank), got
+            assert got["omp"] == (omp or threads) and got["threads"] == int(omp or threads), got
+            assert got["argv"][-1] == str(tmp_path / f"warm{warm}-{omp}"), got

@@ -1,0 +1,441 @@
+"""Small task functions for the Run API tests (`--config-dir tests/conf`, tests/ on PYTHONPATH).
+
+Each does one thing a user's loop does, and leaves what the test checks in the run dir."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import signal
+import sys
+import time
+from typing import Literal, Optional
+
+import torch
+
+from expgpu import Run
+
+
+def draws(run: Run, steps: int = 3):
+    """Every rank writes the random numbers it drew: the same on all ranks, or its own."""
+    net = run.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)))
+    run.track(net=net)
+    out = []
+    for step, _ in run.steps(None, steps):
+        out.append(net(torch.ones(1, 4)).sum().item())
+    (run.run_dir / f"draws{run.rank}.json").write_text(json.dumps([torch.rand(2).tolist(), out]))
+    return {"rank0_draw": out[-1]}
+
+
+def logs(run: Run, max_steps: int = 12, eval_at: int = 6):
+    """run.log every step, once more at an odd step, and after the loop."""
+    seen = []
+    for step, batch in run.steps(None, max_steps):
+        seen.append((step, batch))
+        run.log(x=torch.tensor(float(step)))
+        if step == eval_at:
+            run.log(ev=1.5)
+    run.log(after=7)
+    return {"steps_seen": len(seen), "batches_none": int(all(b is None for _, b in seen)),
+            "first": seen[0][0] if seen else -1}
+
+
+def logs_window(run: Run, max_steps: int = 30):
+    """x = (step + 1) / 3 every step (float32: a sum kept in float64 would differ), y = step / 4 as a
+    Python float every third step. With PROBE_STOP_AT=k rank 0 sends SIGTERM, as a user's `kill PID`,
+    to the `python -m expgpu` that started it, in the body of step k."""
+    stop_at = int(os.environ.get("PROBE_STOP_AT", "-1"))
+    for step, _ in run.steps(None, max_steps):
+        run.log(x=torch.tensor(step + 1.0) / 3)
+        if step % 3 == 0:
+            run.log(y=step / 4)
+        if run.is_main and step == stop_at:
+            os.kill(launcher_pid(), signal.SIGTERM)
+            time.sleep(2)   # forwarded to every rank: this one has it before its next stop poll
+
+
+def launcher_pid() -> int:
+    """The `python -m expgpu` that started this rank: its parent, or, for a rank forked from a
+    warm process, that one's parent (expgpu.launch.warm) or the launcher of this run's dir
+    (expgpu.warm_server, which outlives launches)."""
+    import psutil
+
+    parent = psutil.Process().parent()
+    if "expgpu.launch.warm" in parent.cmdline():
+        parent = parent.parent()
+    elif "expgpu.warm_server" in parent.cmdline():
+        run_dir = f"hydra.run.dir={sys.argv[-1]}"
+        parent = next(p for p in psutil.process_iter(["cmdline"]) if run_dir in (p.info["cmdline"] or []))
+    return parent.pid
+
+
+def tracks(run: Run, max_steps: int = 4):
+    """Tracks a module under the name in PROBE_TRACK (code that changed between two runs)."""
+    run.track(**{os.environ.get("PROBE_TRACK", "model"): run.wrap(torch.nn.Linear(2, 2))})
+    for _ in run.steps(None, max_steps):
+        pass
+
+
+def track_no_state(run: Run):
+    run.track(thing=object())
+
+
+def raises(run: Run, rank: int = 1, at: int = 3, max_steps: int = 50):
+    for step, _ in run.steps(None, max_steps):
+        if run.rank == rank and step == at:
+            raise ValueError(f"probe failure on rank {run.rank} at step {step}")
+
+
+def returns(run: Run, kind: str = "list"):
+    return [1.0] if kind == "list" else {"name": "text"}
+
+
+def typed(run: Run, lr: float, steps: int = 2, flag: bool = False, label: str = "x"):
+    return {"lr": lr, "steps": steps, "flag": flag, "lr_type_float": int(isinstance(lr, float))}
+
+
+def log_vector(run: Run):
+    for _ in run.steps(None, 3):
+        run.log(v=torch.ones(3))
+
+
+def log_epoch(run: Run):
+    for step, _ in run.steps(None, 30):
+        run.log(loss=1.0 / (step + 1), epoch=step // 10)
+
+
+class NoisyPairs(torch.utils.data.Dataset):
+    """Regression pairs with augmentation noise from torch, Python's random and NumPy, drawn in
+    whichever process fetches the sample (a DataLoader worker when there are workers)."""
+
+    def __init__(self, n: int = 512):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x.sum(1, keepdim=True)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+
+        return self.x[i] + torch.randn(8) * 0.1 + random.random() * 0.01 + float(np.random.rand()) * 0.01, self.y[i]
+
+
+def augments(run: Run, max_steps: int = 40, workers: int = 2):
+    """A loop over a dataset that augments in its DataLoader workers."""
+    model = run.wrap(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    run.track(model=model, opt=opt)
+    loader = run.loader(NoisyPairs(), batch_size=16, num_workers=workers)
+    for step, (x, y) in run.steps(loader, max_steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        run.log(loss=loss)
+    return {"loss": loss.item(), "dataset_len": len(loader.dataset)}
+
+
+def reduces(run: Run, op: str = "sum", extra_on: int = -1):
+    """run.all_reduce of what each rank computed, and run.barrier after rank 0's slow write."""
+    import time
+
+    r = run.rank
+    mine = {"tensor": torch.tensor([1.0, 2.0]) * (r + 1), "ints": torch.tensor([r, 10]), "number": r + 1,
+            "float": 0.5 * (r + 1), "numpy": __import__("numpy").float32(r + 1),
+            "array": __import__("numpy").array([r, 1])}
+    if r == extra_on:
+        mine["extra"] = 1.0
+    if r % 2:   # another insertion order on odd ranks: the keys still pair up
+        mine = dict(reversed(list(mine.items())))
+    out = run.all_reduce(mine, op=op)
+    if run.is_main:
+        time.sleep(1.0)
+        (run.run_dir / "ready").write_text("x")
+    run.barrier()
+    seen = (run.run_dir / "ready").exists()
+    as_lists = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in out.items()}
+    types = {k: type(v).__name__ for k, v in out.items()}
+    (run.run_dir / f"reduced{r}.json").write_text(json.dumps({"out": as_lists, "types": types, "keys": list(out),
+                                                              "seen_ready": seen, "mine_kept": mine["number"]}))
+    return {"total": run.all_reduce(float(r + 1), op=op)}
+
+
+def breaks(run: Run, max_steps: int = 60, stop_at: int = 0):
+    """Early stopping: the loop breaks out of run.steps after step `stop_at` (0: never)."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 4, generator=g), torch.randn(256, 1, generator=g))
+    model = run.wrap(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    run.track(model=model, opt=opt)
+    for step, (x, y) in run.steps(run.loader(data, batch_size=8), max_steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        run.log(loss=loss)
+        if step + 1 == stop_at:
+            break
+    return {"loss": loss.item()}
+
+
+class Opt(enum.Enum):
+    ADAM = "adam"
+    SGD = "sgd"
+
+
+def containers(run: Run, layers: list[int] = (8,), betas: tuple[float, float] = (0.9, 0.99),
+               sizes: Optional[dict[str, int]] = None, mode: Literal["a", "b"] = "a", opt: Opt = Opt.ADAM):
+    """Annotated containers and choices: what arrives, and as what."""
+    (run.run_dir / "params.json").write_text(json.dumps({
+        "layers": layers, "betas": betas, "sizes": sizes, "mode": mode, "opt": opt.value,
+        "types": [type(layers).__name__, type(betas).__name__, type(betas[0]).__name__,
+                  type(sizes).__name__, type(layers[0]).__name__]}))
+
+
+def keeps_best(run: Run, max_steps: int = 20):
+    """The best loss so far, in a plain dict that run.track restores in place."""
+    best = {"loss": float("inf"), "step": -1}
+    run.track(best=best)
+    for step, _ in run.steps(None, max_steps):
+        loss = abs(10 - step) + 0.5   # lowest at step 10
+        if loss < best["loss"]:
+            best.update(loss=loss, step=step, mean=__import__("numpy").float64(loss))   # a NumPy scalar too
+    return best
+
+
+class NumpyState:
+    """A user's object whose state_dict holds a NumPy array, which tensors-only loading refuses."""
+
+    def __init__(self):
+        import numpy as np
+
+        self.seen = np.zeros(2)
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = state["seen"]
+
+
+def tracks_numpy(run: Run, max_steps: int = 3):
+    run.track(counts=NumpyState())
+    for _ in run.steps(None, max_steps):
+        pass
+
+
+def paced(run: Run, step_s: float = 1.0, max_steps: int = 12):
+    """Steps of `step_s` seconds (DDP keeps the ranks in step); rank 0 writes the step it is in to
+    `at`, so that a test can send a signal during a given step."""
+    import time
+
+    net = run.wrap(torch.nn.Linear(2, 1))
+    run.track(net=net)
+    for step, _ in run.steps(None, max_steps):
+        if run.is_main:
+            (run.run_dir / "at").write_text(str(step))
+        time.sleep(step_s)
+        net(torch.ones(1, 2)).sum().backward()
+    return {"steps_done": run.step}
+
+
+@dataclasses.dataclass
+class Shape:
+    width: int = 4
+    depth: int = 2
+
+
+@dataclasses.dataclass
+class ProbeConfig:
+    """A script's config block, kept as it is: the task keys are its fields."""
+    lr: float = 0.1
+    max_iters: int = 6
+    shape: Shape = dataclasses.field(default_factory=Shape)
+    tags: tuple[str, ...] = ()
+    seed: int = 0
+
+
+def configured(run: Run, cfg: ProbeConfig):
+    """Takes its parameters as one dataclass; reports what it got."""
+    for _ in run.steps(None, cfg.max_iters):
+        pass
+    return {"lr": cfg.lr, "width": cfg.shape.width, "depth": cfg.shape.depth, "n_tags": len(cfg.tags),
+            "seed": cfg.seed, "is_config": int(isinstance(cfg, ProbeConfig) and isinstance(cfg.shape, Shape))}
+
+
+def mapped(run: Run, config: dict):
+    """Takes its parameters as one plain mapping."""
+    return {"n_keys": len(config), "lr": config["lr"]}
+
+
+class TinyRNN(torch.nn.Module):
+    """A word-level RNN language model in the usual shape: its own init_hidden, a carried state."""
+
+    def __init__(self, vocab: int = 16, hidden: int = 12):
+        super().__init__()
+        self.hidden_size = hidden
+        self.emb, self.rnn = torch.nn.Embedding(vocab, hidden), torch.nn.GRU(hidden, hidden, batch_first=True)
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, x, h):
+        out, h = self.rnn(self.emb(x), h)
+        return self.head(out), h
+
+    def init_hidden(self, batch: int):
+        return torch.zeros(1, batch, self.hidden_size, device=self.head.weight.device)
+
+
+class TokenChunks(torch.utils.data.Dataset):
+    """A fixed token stream cut into (input, next-token) chunks."""
+
+    def __init__(self, n: int = 64, bptt: int = 6, vocab: int = 16):
+        g = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, vocab, (n * bptt + 1,), generator=g)
+        self.n, self.bptt = n, bptt
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        s = self.tokens[i * self.bptt:(i + 1) * self.bptt + 1]
+        return s[:-1], s[1:]
+
+
+def rnnlm(run: Run, epochs: int = 4, lr: float = 0.5):
+    """Epochs with code of their own around run.steps, a hidden state carried across steps (each
+    rank its own, reset at each epoch's start) and the model's own method through run.wrap.
+    PROBE_STEP_S paces the steps (a test signals during a given step)."""
+    import time
+
+    step_s = float(os.environ.get("PROBE_STEP_S", "0"))
+    raw = TinyRNN()
+    model = run.wrap(raw)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loader = run.loader(TokenChunks(), batch_size=4, shuffle=False)
+    carry = {"hidden": None}
+    run.track(model=model, opt=opt, carry=carry)
+    seen = []
+    for epoch in run.epochs(epochs):
+        carry["hidden"] = model.init_hidden(4)   # as word_language_model does at each epoch's start
+        for i, (x, y) in run.steps(loader):   # i: the batch's index in the epoch, as enumerate's
+            if run.is_main:
+                (run.run_dir / "at").write_text(str(run.step))
+            time.sleep(step_s)
+            out, h = model(x, carry["hidden"])
+            carry["hidden"] = h.detach()
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            run.log(loss=loss)
+            seen.append([run.step, i])
+        run.log(epoch_end=float(epoch))   # the epoch's own code, after its steps
+    (run.run_dir / f"seen{run.rank}.json").write_text(json.dumps(seen))
+    return {"wrapped_is_raw": int(getattr(model, "module", model) is raw),
+            "plain_names": int([n for n, _ in model.named_parameters()][0] == "emb.weight")}
+
+
+def rnnlm_locals(run: Run, epochs: int = 4, lr: float = 0.5):
+    """word_language_model's shape as the script has it: a DataLoader it builds itself (shuffled),
+    epochs numbered from 1, and what its loops carry in plain variables (a hidden state and a running
+    sum each step, a learning rate annealed and the best sum kept at each epoch's end), kept by name."""
+    import time
+
+    step_s = float(os.environ.get("PROBE_STEP_S", "0"))
+    model = run.wrap(TinyRNN())
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loader = torch.utils.data.DataLoader(TokenChunks(), batch_size=4, shuffle=True)
+    run.track(model=model, opt=opt)
+    seen, starts, best = [], [], None
+    for epoch in run.epochs(1, epochs + 1, keep=("lr", "best")):
+        starts.append([epoch, lr])   # the epoch's own code reads what the last one left
+        hidden, total = model.init_hidden(4), 0.0
+        for i, (x, y) in run.steps(loader, keep="hidden total"):
+            if run.is_main:
+                (run.run_dir / "at").write_text(str(run.step))
+            time.sleep(step_s)
+            out, hidden = model(x, hidden)
+            hidden = hidden.detach()
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+            total += loss.item()
+            run.log(loss=loss, total=total, lr=lr)
+            seen.append([run.step, i, epoch, x.tolist()])
+        best = total if best is None else min(best, total)
+        lr *= 0.8
+    (run.run_dir / f"seen{run.rank}.json").write_text(json.dumps(seen))
+    (run.run_dir / f"starts{run.rank}.json").write_text(json.dumps(starts))
+    return {"best": best, "lr": lr}
+
+
+def torchrun_env(run: Run):
+    """Code written for torchrun: who this process is, from torchrun's variables."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    (run.run_dir / f"env{run.rank}.json").write_text(json.dumps({n: os.environ.get(n) for n in names}))
+
+
+def prints(run: Run):
+    """A script's print(), on every rank."""
+    print(f"printed by rank {run.rank}")
+
+
+def keeps_unknown(run: Run):
+    """keep= names a variable its function does not have."""
+    hidden = None
+    for _ in run.steps(None, 2, keep=("hiden",)):
+        hidden = 1
+    return {"hidden": hidden}
+
+
+def lengthy(run: Run, max_iters: int = 6, twice: int = 0, inclusive: bool = False, decay_iters: int = 0):
+    """Its loop's length is its own parameter, max_iters (or 2 x twice, a length no key holds); with
+    `inclusive`, nanoGPT's loop to max_iters inclusive, beside a decay_iters that may equal it."""
+    net = run.wrap(torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1 if decay_iters >= 0 else 0.2)
+    run.track(net=net, opt=opt)
+    for _ in run.steps(None, 2 * twice if twice else max_iters + 1 if inclusive else max_iters):
+        opt.zero_grad()
+        net(torch.randn(3, 2)).pow(2).mean().backward()
+        opt.step()
+
+
+def prefetching(run: Run, max_steps: int = 12):
+    """nanoGPT's shape: the next batch is fetched at the end of a step, outside what a checkpoint holds."""
+    data = torch.randn(256, 2)
+
+    def get_batch():
+        return data[torch.randint(0, len(data), (8,))]
+
+    net = run.wrap(torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    run.track(net=net, opt=opt)
+    x = get_batch()
+    for _ in run.steps(None, max_steps):
+        loss = net(x).pow(2).mean()
+        x = get_batch()   # prefetch, as nanoGPT does while the GPU works
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        run.log(loss=loss)
+
+
+def process(run: Run):
+    """Where this rank's process came from and what it runs with: its threads, its parent."""
+    import psutil
+
+    parent = psutil.Process().parent()
+    by = next((warm for warm in ("expgpu.launch.warm", "expgpu.warm_server") if warm in parent.cmdline()), None)
+    (run.run_dir / f"process{run.rank}.json").write_text(json.dumps({
+        "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+        "forked": by is not None, "forked_by": by, "rank_env": os.environ.get("EXPGPU_RANK"),
+        "argv": sys.argv, "cwd": os.getcwd(), "path": sys.path[:3]}))

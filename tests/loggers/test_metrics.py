@@ -1,0 +1,100 @@
+"""run.log's rows in this process (fast tier): what a metrics.jsonl row keeps of a log_every window
+(last or mean), names logged at their own steps, what a checkpoint carries between two flushes, the
+trim a resume makes, and values refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from expgpu.errors import UserError
+from expgpu.loggers.jsonl import MetricsLog, WindowMeanLog, trim
+
+
+def rows(path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in path.read_text().splitlines()]
+
+
+def logged(cls, tmp_path, steps: int = 10, log_every: int = 5) -> MetricsLog:
+    """x = step + 1 every step (a tensor), ev = 0.5 once at step 3, flushed every log_every steps."""
+    m = cls(tmp_path)
+    m.open(0, steps)
+    for step in range(1, steps + 1):
+        m.log(step, {"x": torch.tensor(float(step))})
+        if step == 3:
+            m.log(step, {"ev": 0.5})
+        if step % log_every == 0:
+            m.flush(epoch=0)
+    m.close(epoch=0)
+    return m
+
+
+def test_a_row_keeps_the_last_value_of_the_window_and_a_name_its_own_step(tmp_path):
+    logged(MetricsLog, tmp_path)
+    assert rows(tmp_path / "metrics.jsonl") == [{"step": 3, "ev": 0.5, "epoch": 0}, {"step": 5, "x": 5.0, "epoch": 0},
+                                                {"step": 10, "x": 10.0, "epoch": 0}]
+
+
+def test_log_reduce_mean_keeps_the_mean_of_the_window_and_a_single_value_as_logged(tmp_path):
+    logged(WindowMeanLog, tmp_path)
+    assert rows(tmp_path / "metrics.jsonl") == [{"step": 3, "ev": 0.5, "epoch": 0}, {"step": 5, "x": 3.0, "epoch": 0},
+                                                {"step": 10, "x": 8.0, "epoch": 0}]
+
+
+@pytest.mark.parametrize("saved, resumed", [(MetricsLog, MetricsLog), (WindowMeanLog, WindowMeanLog),
+                                            (WindowMeanLog, MetricsLog), (MetricsLog, WindowMeanLog)])
+def test_what_was_logged_since_the_last_row_travels_in_the_checkpoint(tmp_path, saved, resumed):
+    """Stopped at step 7 of a window of 5: the resumed run writes the row at 10 the uninterrupted one does
+    (a checkpoint of one kind read by the other: a resume may change task.log_reduce)."""
+    first = saved(tmp_path / "a")
+    (tmp_path / "a").mkdir()
+    first.open(0, 10)
+    for step in range(1, 8):
+        first.log(step, {"x": torch.tensor(float(step))})
+        if step == 5:
+            first.flush(epoch=0)
+    state = json.loads(json.dumps(first.state_dict()))   # as the checkpoint stores it
+    second = resumed(tmp_path / "a")
+    second.load_state_dict(state)
+    second.open(7, 10, resumed=True)
+    for step in range(8, 11):
+        second.log(step, {"x": torch.tensor(float(step))})
+    second.close(epoch=0)
+    # the mean of 6..10 as the uninterrupted run has it; a last value (7) carried into a mean counts once
+    expected = 10.0 if resumed is MetricsLog else (8.0 if saved is WindowMeanLog else 8.5)
+    assert rows(tmp_path / "a" / "metrics.jsonl")[-1] == {"step": 10, "x": expected, "epoch": 0}
+
+
+def test_a_resume_trims_the_rows_after_its_checkpoint_and_a_torn_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in (10, 20, 30)) + '{"step": 4')
+    assert trim(path, 20) == 30
+    assert [r["step"] for r in rows(path)] == [10, 20]
+    assert trim(tmp_path / "none.jsonl", 5) == -1
+
+
+@pytest.mark.parametrize("value, needle", [
+    (torch.ones(3), "run.log(x=...): a tensor of shape (3,); log numbers or one-element tensors"),
+    ("high", "run.log(x=...): a str; log numbers or one-element tensors"),
+])
+def test_a_value_that_is_no_number_is_one_line_at_the_flush(tmp_path, value, needle):
+    m = MetricsLog(tmp_path)
+    m.log(1, {"x": value})
+    with pytest.raises(UserError) as caught:
+        m.flush(epoch=0)
+    assert needle in str(caught.value)
+
+
+def test_numbers_of_every_kind_are_written_as_json_numbers(tmp_path):
+    import numpy as np
+
+    m = MetricsLog(tmp_path)
+    m.log(1, {"i": 3, "f": 0.25, "b": True, "np": np.float32(1.5), "t": torch.tensor(2, dtype=torch.int64),
+              "nan": float("nan")})
+    m.close(epoch=2)
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert {k: row[k] for k in ("i", "f", "b", "np", "t", "epoch")} == {"i": 3, "f": 0.25, "b": 1, "np": 1.5, "t": 2,
+                                                                       "epoch": 2}
+    assert row["nan"] != row["nan"]

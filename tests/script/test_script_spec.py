@@ -1,0 +1,258 @@
+"""Script tasks without processes: the task file's keys -> the script's command line (three args
+styles, paths made absolute), every bad input as one line, and the environment each rank's script
+gets (torchrun's variables, the GPU mask under both isolations) on simulated nodes."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from expgpu.errors import UserError
+from expgpu.gpus import inventory, plan
+from expgpu.ranks import RankInfo
+from expgpu.script import environ
+from expgpu.script.spec import build, prepare
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """A launch dir as a user has it: the script, its data, a package runnable with -m."""
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    (tmp_path / "data" / "wikitext-2").mkdir(parents=True)
+    (tmp_path / "configurator.py").write_text("")
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "train.py").write_text("")
+    (tmp_path / "brokenpkg").mkdir()
+    (tmp_path / "brokenpkg" / "__init__.py").write_text("raise ImportError('no numpy here')\n")
+    return tmp_path
+
+
+def plain(task: dict, **launch) -> dict:
+    return {"task": {"name": "t", "seed": 0, "precision": 32, **task},
+            "launch": {"isolation": "auto", **launch}, "checkpoint": {"verify": False}}
+
+
+def words(task: dict, launch_dir: Path, resume: bool = False) -> list[str]:
+    spec = build({"script": "train.py", **task}, launch_dir)
+    return spec.argv(resume)[2:]
+
+
+def test_args_space_style_is_argparse_style(launch):
+    got = words({"args": {"lr": 0.01, "epochs": 2, "tied": True, "dry-run": False, "seed": None,
+                          "layers": [64, 32], "model": "LSTM", "-n": 3}}, launch)
+    assert got == ["--lr", "0.01", "--epochs", "2", "--tied", "--layers", "64", "32", "--model", "LSTM", "-n", "3"]
+
+
+def test_args_equals_style(launch):
+    assert words({"args_style": "equals", "args": {"lr": 1e-3, "tied": True, "name": "a b"}}, launch) == \
+        ["--lr=0.001", "--tied", "--name=a b"]
+
+
+def test_args_configurator_style_reads_back_as_nanogpt_reads_it(launch):
+    got = words({"args_style": "configurator",
+                 "args": {"compile": False, "device": "cpu", "learning_rate": 1e-3, "max_iters": 20,
+                          "tag": "1e-3", "wandb_log": True, "init": None}}, launch)
+    assert got == ["--compile=False", "--device=cpu", "--learning_rate=0.001", "--max_iters=20",
+                   "--tag='1e-3'", "--wandb_log=True", "--init=None"]
+
+    def as_nanogpt(word):   # configurator.py: split at '=', literal_eval, else the string
+        key, val = word.split("=")
+        try:
+            return key[2:], ast.literal_eval(val)
+        except (SyntaxError, ValueError):
+            return key[2:], val
+    assert dict(map(as_nanogpt, got)) == {"compile": False, "device": "cpu", "learning_rate": 1e-3,
+                                          "max_iters": 20, "tag": "1e-3", "wandb_log": True, "init": None}
+
+
+def test_paths_under_the_launch_dir_are_passed_absolute_inputs_stay_relative(launch):
+    got = words({"args": {"data": "data/wikitext-2", "save": "model.pt", "cfg": "configurator.py"},
+                 "inputs": ["configurator.py"]}, launch)
+    assert got == ["--data", str(launch / "data" / "wikitext-2"), "--save", "model.pt", "--cfg", "configurator.py"]
+    assert words({"args": ["--data", "./data/wikitext-2", "--epochs", 1]}, launch) == \
+        ["--data", str(launch / "data" / "wikitext-2"), "--epochs", "1"]
+
+
+def test_resume_args_merge_into_args_or_follow_them(launch):
+    task = {"args_style": "configurator", "args": {"init_from": "scratch", "max_iters": 5},
+            "resume_args": {"init_from": "resume"}}
+    assert words(task, launch) == ["--init_from=scratch", "--max_iters=5"]
+    assert words(task, launch, resume=True) == ["--init_from=resume", "--max_iters=5"]
+    assert words({"args": ["--epochs", 2], "resume_args": {"resume": True}}, launch, resume=True) == \
+        ["--epochs", "2", "--resume"]
+
+
+def test_script_module_and_launch_dir_resolve(launch):
+    spec = build({"script": "train.py"}, launch)
+    assert spec.command == [sys.executable, str(launch / "train.py")] and spec.name == "train"
+    spec = build({"module": "mypkg.train", "name": "mine"}, launch)
+    assert spec.command == [sys.executable, "-m", "mypkg.train"] and spec.module and spec.name == "mine"
+    assert str(launch) not in sys.path   # looked for there, and left sys.path as it was
+
+
+BAD = [
+    ({"script": "nope.py"}, r"task\.script=nope\.py: .*nope\.py does not exist \(a script path is relative to the "
+                            r"directory you launched from"),
+    ({"script": "data"}, r"task\.script=data: .* is a directory"),
+    ({"module": "nosuch.train"}, r"task\.module=nosuch\.train: no module named 'nosuch\.train'"),
+    ({"module": "mypkg"}, r"task\.module=mypkg: a package without __main__\.py"),
+    ({"module": "brokenpkg.train"}, r"task\.module=brokenpkg\.train: importing its package failed: "
+                                    r"ImportError: no numpy here"),
+    ({"module": "my-pkg"}, r"task\.module='my-pkg' is not allowed: a module name"),
+    ({"script": "train.py", "module": "mypkg.train"},
+     r"task\.script=train\.py and task\.module=mypkg\.train: name one"),
+    ({"script": "train.py", "_target_": "my.train"}, r"task\._target_=my\.train and task\.script: a task is a function "
+                                                     r"\(_target_\) or a script"),
+    ({"script": "train.py", "args": 3}, r"task\.args=3 is not allowed: a mapping of the script's arguments"),
+    ({"script": "train.py", "args": {"opt": {"lr": 1}}}, r"task\.args\.opt=\{'lr': 1\} is not allowed: a number, "
+                                                         r"string, true/false, null or a list"),
+    ({"script": "train.py", "args": ["--x", [1]]}, r"task\.args\[1\]=\[1\] is not allowed"),
+    ({"script": "train.py", "args_style": "posix"}, r"task\.args_style='posix' is not allowed: one of space "
+                                                    r"\(--key value\); equals"),
+    ({"script": "train.py", "args_style": "equals", "args": {"l": [1, 2]}}, r"args_style=equals passes one value"),
+    ({"script": "train.py", "args_style": "configurator", "args": {"f": "a=b"}}, r"cannot pass '=' in a key or value"),
+    ({"script": "train.py", "lr": 0.1}, r"task\.lr: a script task has no key 'lr' \(did you mean task\.args\.lr\?\)"),
+    ({"script": "train.py", "resume_arg": {}}, r"task\.resume_arg: .*did you mean task\.resume_args\?"),
+    ({"script": "train.py", "seed": 3}, r"task\.seed=3 does not apply to a script task .* task\.args\.seed=3"),
+    ({"script": "train.py", "inputs": ["datum"]}, r"task\.inputs\[0\]='datum': .*datum does not exist"),
+    ({"script": "train.py", "inputs": ["../x"]}, r"task\.inputs\[0\]='\.\./x': give it relative to the launch dir"),
+    ({"script": "train.py", "inputs": "data"}, r"task\.inputs='data' is not allowed: a list of paths"),
+    ({"script": "train.py", "grace_s": 0}, r"task\.grace_s=0 is not allowed: seconds > 0"),
+    ({"script": "train.py", "resume_if": 5}, r"task\.resume_if=5 is not allowed"),
+]
+
+
+@pytest.mark.parametrize("task, message", BAD, ids=[m[:40] for _, m in BAD])
+def test_each_bad_input_is_one_line_naming_it(launch, task, message):
+    with pytest.raises(UserError) as e:
+        prepare(plain(task), launch)
+    assert re.search(message, str(e.value)), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_launch_settings_a_script_cannot_honour(launch):
+    with pytest.raises(UserError, match=r"launch\.isolation=set_device is not allowed for a script task"):
+        prepare(plain({"script": "train.py"}, isolation="set_device"), launch)
+    cfg = plain({"script": "train.py"})
+    cfg["checkpoint"]["verify"] = True
+    with pytest.raises(UserError, match=r"checkpoint\.verify=true .* a script task keeps its own"):
+        prepare(cfg, launch)
+
+
+def test_a_function_task_is_left_alone(launch):
+    cfg = plain({"_target_": "my.train", "lr": 1})
+    prepare(cfg, launch)
+    assert "script" not in cfg
+
+
+# -- each rank's environment -------------------------------------------------------------------------
+
+SIM = [{"name": n, "memory_mb": 16384} for n in ("T4", "H100", "A100", "V100")]
+
+
+def spawned(rank: int, world: int = 2, port: int = 29600) -> RankInfo:
+    return RankInfo(rank=rank, local_rank=rank, world_size=world, local_world_size=world, node_rank=0,
+                    master_addr="127.0.0.1", master_port=port, source="local")
+
+
+def test_torchrun_variables_of_a_spawned_rank():
+    assert environ.torchrun_variables(spawned(1), "abc", restarts=2) == {
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "1", "ROLE_WORLD_SIZE": "2", "ROLE_NAME": "default",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29600", "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
+
+def test_slurm_ranks_on_two_nodes_and_worlds_without_variables():
+    srun = RankInfo(rank=5, local_rank=1, world_size=8, local_world_size=4, node_rank=1, master_addr="gpu-001",
+                    master_port=15123, source="slurm", num_nodes=2)
+    got = environ.torchrun_variables(srun, "slurm-7.0.0", 0)
+    assert (got["RANK"], got["LOCAL_RANK"], got["GROUP_RANK"], got["GROUP_WORLD_SIZE"], got["MASTER_ADDR"],
+            got["MASTER_PORT"]) == ("5", "1", "1", "2", "gpu-001", "15123")
+    alone = RankInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, master_addr="127.0.0.1",
+                     master_port=0, source="single")
+    assert environ.torchrun_variables(alone, "x", 0) == {}   # `python train.py`: nanoGPT takes RANK for DDP
+    torchrun = RankInfo(rank=0, local_rank=0, world_size=2, local_world_size=2, node_rank=0,
+                        master_addr="127.0.0.1", master_port=29500, source="torchrun")
+    assert environ.torchrun_variables(torchrun, "x", 0) == {}   # torchrun's own, passed through
+
+
+def masks(gpu_map: dict, ranks: int, isolation: str, gpus=SIM) -> list[str]:
+    node = plan(inventory(gpus, env={}), ranks, gpu_map)
+    return [",".join(str(g.index) for g in environ.visible_gpus(node, r, isolation)) for r in range(ranks)]
+
+
+def test_gpu_masks_under_both_isolations():
+    # ranked: best first (H100 -> rank 0, A100 -> rank 1); only the planned GPUs are visible
+    assert masks({"strategy": "ranked"}, 2, "auto") == ["1,2", "1,2"]            # cuda:LOCAL_RANK is its own
+    assert masks({"strategy": "ranked"}, 2, "visible_devices") == ["1", "2"]     # cuda (cuda:0) is its own
+    assert masks({"strategy": "custom", "gpus": [3, 0]}, 2, "auto") == ["3,0", "3,0"]
+    # two GPUs per rank: rank r's at positions 2r, 2r+1
+    assert masks({"strategy": "sequential", "gpus_per_rank": 2}, 2, "auto") == ["0,1,2,3", "0,1,2,3"]
+    assert masks({"strategy": "sequential", "gpus_per_rank": 2}, 2, "visible_devices") == ["0,1", "2,3"]
+    assert masks({"strategy": "sequential"}, 2, "auto", gpus=[]) == ["", ""]     # a CPU node
+
+
+def test_shared_gpus_cannot_be_one_ordered_mask():
+    with pytest.raises(UserError, match=r"gpu_map\.share=true .* use launch\.isolation=visible_devices"):
+        masks({"strategy": "sequential", "share": True}, 3, "auto", gpus=SIM[:2])
+    assert masks({"strategy": "sequential", "share": True}, 3, "visible_devices", gpus=SIM[:2]) == ["0", "1", "0"]
+
+
+def test_child_env_sets_what_the_script_needs_and_keeps_the_users(tmp_path):
+    node = plan(inventory(SIM, env={}), 2, {"strategy": "sequential"})
+    base = {"PATH": "/bin", "EXPGPU_RANK": "1", "EXPGPU_LAUNCH_ID": "x", "PYTHONPATH": "/mine",
+            "CUDA_DEVICE_ORDER": "FASTEST_FIRST", "PYTHONUNBUFFERED": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    env = environ.child_env(base, spawned(1), node, "auto", run_dir=tmp_path, launch_dir="/launch", module=True,
+                            run_id="abc", restarts=0, resumed=True)
+    assert "EXPGPU_RANK" not in env and "EXPGPU_LAUNCH_ID" not in env   # expgpu's spawn's, not the script's
+    assert env["PYTHONPATH"] == "/launch:/mine" and env["PATH"] == "/bin"
+    assert env["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"                      # never overwritten: GPUs by UUID
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-sim-0,GPU-sim-1"
+    assert (env["PYTHONUNBUFFERED"], env["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) == ("0", "3")
+    assert env["EXPGPU_SCRIPT_RUN_DIR"] == str(tmp_path) and env["EXPGPU_SCRIPT_RESUMED"] == "1"
+    assert env["RANK"] == "1" and env["MASTER_PORT"] == "29600"
+
+
+# -- expgpu.log in the script's process ---------------------------------------------------------------
+
+def _rows(run_dir: Path) -> list[tuple]:
+    import json
+
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [(r["step"], r.get("loss"), r["epoch"]) for r in rows]
+
+
+def _attempt(run_dir: Path, resumed: bool, steps: list, epoch=None) -> None:
+    from expgpu.script.log import _ScriptLog
+
+    sink = _ScriptLog(run_dir, resumed)
+    for step in steps:
+        sink.log(step, {"loss": float(step if step is not None else -1), **({"epoch": epoch} if epoch else {})})
+    sink.close()
+
+
+def test_expgpu_log_history_follows_the_script_across_attempts(tmp_path):
+    _attempt(tmp_path, False, [1, 2, 3, 4, 5, 6])
+    # resumed from its checkpoint at step 4: the rows it logged after it (5, 6) are logged again
+    _attempt(tmp_path, True, [5, 6, 7], epoch=2)
+    assert _rows(tmp_path) == [(1, 1.0, 0), (2, 2.0, 0), (3, 3.0, 0), (4, 4.0, 0), (5, 5.0, 2), (6, 6.0, 2),
+                               (7, 7.0, 2)]
+    _attempt(tmp_path, True, [None, None])          # no step=: on after the last row
+    assert [r[0] for r in _rows(tmp_path)] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    _attempt(tmp_path, False, [None, None])         # started afresh: so is its history
+    assert [r[0] for r in _rows(tmp_path)] == [0, 1]
+
+
+def test_expgpu_log_refuses_a_rows_own_keys(tmp_path):
+    from expgpu.script.log import _ScriptLog
+
+    with pytest.raises(ValueError, match=r"expgpu\.log\(time=\.\.\.\): a row's own key"):
+        _ScriptLog(tmp_path, False).log(None, {"time": 1.0})
+    with pytest.raises(ValueError, match=r"expgpu\.log\(step=1\.5\): an integer"):
+        _ScriptLog(tmp_path, False).log(1.5, {"loss": 1.0})

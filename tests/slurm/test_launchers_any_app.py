@@ -1,0 +1,148 @@
+"""expgpu's launchers from a Hydra app that is not expgpu: a tiny @hydra.main app in a temp dir picks
+hydra/launcher=slurm or gpu_pool, and its jobs run its function with their own values (submitit_local
+stays hydra-submitit-launcher's there: expgpu's is its own app's).
+None of expgpu's task/gpu_map/launch checks apply to it; its resources are hydra.launcher's own keys,
+and a bad one is one line, exit code 2, as in expgpu's CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from slurm_cluster import slurm_cluster  # noqa: F401
+
+from conftest import clean_env
+
+APP = '''\
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg):
+    time.sleep(cfg.sleep_s)
+    value = cfg.x * 10
+    (Path(HydraConfig.get().runtime.output_dir) / "value.txt").write_text(str(value))
+    return value
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.fixture
+def app(tmp_path) -> Path:
+    """my_app.py and its conf/config.yaml (x, sleep_s), nothing of expgpu's."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "config.yaml").write_text("x: 0\nsleep_s: 0\n")
+    (tmp_path / "my_app.py").write_text(APP)
+    return tmp_path
+
+
+def sweep(app: Path, args: list[str], env: dict | None = None, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "my_app.py", "-m", *args, f"hydra.sweep.dir={app / 'sweep'}"], cwd=app,
+                          env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def values(app: Path, jobs: int) -> list[int]:
+    return [int((app / "sweep" / str(n) / "value.txt").read_text()) for n in range(jobs)]
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("expgpu: error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def launcher_cfg(app: Path, launcher: str) -> dict:
+    # (the tests that call it restore Hydra's singletons after: the version base set here would stay)
+    with initialize_config_dir(config_dir=str(app / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+        return OmegaConf.to_container(cfg.hydra.launcher)
+
+
+@pytest.mark.usefixtures("hydra_restore_singletons")
+def test_every_expgpu_launcher_is_a_choice_of_any_app(app):
+    slurm = launcher_cfg(app, "slurm")
+    assert slurm["_target_"] == "hydra_plugins.expgpu_launchers.slurm.ExpgpuSlurmLauncher"
+    assert (slurm["max_num_timeout"], slurm["tasks_per_node"], slurm["lost_after_s"]) == (3, None, 60.0)
+    assert "defaults" not in slurm
+    # hydra-submitit-launcher's own, untouched: expgpu's submitit_local is its own app's only
+    assert launcher_cfg(app, "submitit_local")["_target_"] == \
+        "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
+    assert launcher_cfg(app, "gpu_pool")["_target_"] == "hydra_plugins.expgpu_launchers.gpu_pool.GpuPoolLauncher"
+
+
+@pytest.mark.usefixtures("hydra_restore_singletons")
+def test_slurm_site_defaults_come_from_the_apps_own_config_dir(app):
+    site = app / "conf" / "hydra" / "launcher" / "slurm_site"
+    site.mkdir(parents=True)
+    (site / "default.yaml").write_text("partition: gpu-site\naccount: proj-7\n")
+    cfg = launcher_cfg(app, "slurm")
+    assert (cfg["partition"], cfg["account"]) == ("gpu-site", "proj-7")
+    assert "partition" not in launcher_cfg(app, "submitit_local")   # read by SLURM sweeps only
+
+
+def test_a_bad_launcher_setting_of_another_app_is_one_line(app):
+    no_slurm = clean_env(PATH=str(Path(sys.executable).parent))
+    line = error_line(sweep(app, ["x=1,2", "hydra/launcher=slurm"], no_slurm))
+    assert "needs SLURM's sbatch" in line and "not found on PATH" in line
+    line = error_line(sweep(app, ["x=1", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=0"], no_slurm))
+    assert "hydra.launcher.tasks_per_node=0 is not allowed: an integer >= 1 or null (1)" in line
+    assert not (app / "sweep" / ".submitit").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_gpu_pool_runs_another_apps_sweep(app):
+    proc = sweep(app, ["x=1,2,3", "hydra/launcher=gpu_pool", "hydra.launcher.gpus_per_job=0",
+                       "hydra.launcher.cpu_slots=2"])
+    assert proc.returncode == 0, proc.stderr
+    assert values(app, 3) == [10, 20, 30]
+    assert "gpu_pool: 3 jobs on 2 CPU slots" in proc.stdout   # Hydra's log, on stdout in a plain app
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_slurm_runs_another_apps_sweep(app, slurm_cluster):  # noqa: F811
+    proc = sweep(app, ["x=1,2,3", "hydra/launcher=slurm", "hydra.launcher.cpus_per_task=1",
+                       "hydra.launcher.timeout_min=5"], slurm_cluster.env, timeout=220)
+    assert proc.returncode == 0, proc.stderr
+    assert values(app, 3) == [10, 20, 30]
+    # hydra.launcher's own keys, as hydra-submitit-launcher reads them: one task, no GPU request
+    assert proc.stdout.count("1 node(s) x 1 task(s), GPUs: gres / gpus_per_task (if set)") == 3, proc.stdout
+    script = next((app / "sweep" / ".submitit").glob("*/*_submission.sh")).read_text()
+    assert "--ntasks-per-node=1" in script and "gpus" not in script and "--partition" not in script
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_unknown_partition_of_another_app_is_one_line(app, slurm_cluster):  # noqa: F811
+    line = error_line(sweep(app, ["x=1,2", "hydra/launcher=slurm", "hydra.launcher.partition=nope"],
+                            slurm_cluster.env))
+    assert "hydra.launcher.partition='nope'" in line and "allowed: debug" in line
+    assert not (app / "sweep" / ".submitit").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_cancelled_job_of_another_app_fails_the_sweep(app, slurm_cluster):  # noqa: F811
+    name = f"lost-{uuid.uuid4().hex[:8]}"
+    proc, jobs = slurm_cluster.sweep_cancelled([sys.executable, "my_app.py", "-m", "x=1", "sleep_s=600",
+                                                "hydra/launcher=slurm", "hydra.launcher.lost_after_s=3",
+                                                f"hydra.launcher.name={name}", f"hydra.sweep.dir={app / 'sweep'}"],
+                                               app, name)
+    # expgpu's one line: the job left the queue without a result (submitit alone would wait on)
+    assert proc.returncode != 0 and f"job {jobs[0]}" in proc.stderr and "without a result" in proc.stderr, proc.stderr

@@ -1,0 +1,157 @@
+"""The Run API's loop in this process, on one rank (fast tier): steps and rows, a stop and its
+checkpoint, an exact resume (run.steps and run.epochs), each rank's tracked dicts, and the calls
+refused in one line. The same on 2 ranks, through the CLI, is tests/train/test_run_api.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from config_compose import composed
+
+from expgpu import config, task
+from expgpu.errors import UserError
+from expgpu.launch.worker import _call
+from expgpu.procs import stop_signals
+from expgpu.procs.stop_signals import NEVER
+from expgpu.ranks import RankInfo
+from expgpu.train.agreement import StopAgreement
+from expgpu.train.run import Run
+
+HERE = __name__
+ONE = RankInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, master_addr="127.0.0.1",
+               master_port=0, source="single")
+
+
+@pytest.fixture(scope="module")
+def base_cfg() -> dict:
+    return config.plain(composed("logger=none"))
+
+
+def run_task(run_dir, base_cfg, fn: str, stop_at: int | None = None, **keys) -> tuple[str, dict, Run]:
+    """fn(run, **keys) as launch.worker calls it; `stop_at`: a stop requested on reaching that step."""
+    run_dir.mkdir(parents=True, exist_ok=True)   # made by the CLI before any rank starts
+    cfg = {**base_cfg, "task": {"_target_": f"{HERE}.{fn}", "_partial_": True, **keys}}
+    spec = task.resolve(cfg["task"])
+    # StopSignals not installed: this process's signals stay pytest's
+    agreement = StopAgreement(stop_signals.StopSignals(), stop_at=stop_at if stop_at is not None else NEVER)
+    run = Run(info=ONE, device=torch.device("cpu"), run_dir=run_dir, cfg=cfg, spec=spec, agreement=agreement)
+    status, metrics = _call(run, spec)
+    return status, metrics, run
+
+
+def rows(run_dir) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k != "time"}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Targets with noise drawn when an item is read: a resume must draw what the first run drew."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        x = torch.full((4,), float(i) / 40)
+        return x, x.sum(0, keepdim=True) + 0.1 * torch.randn(1)
+
+
+def regress(run: Run, max_steps: int = 30, lr: float = 0.05):
+    model = run.wrap(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1)))
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    best = {"loss": float("inf")}
+    run.track(model=model, opt=opt, best=best)
+    for step, (x, y) in run.steps(run.loader(Noisy(), batch_size=8), max_steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        best["loss"] = min(best["loss"], loss.item())
+        run.log(loss=loss)
+    return {"loss": loss.item(), "best": best["loss"]}
+
+
+def by_epoch(run: Run, epochs: int = 3):
+    model = run.wrap(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"epoch_loss": 0.0, "starts": 0}
+    run.track(model=model, opt=opt, state=state)
+    for epoch in run.epochs(epochs):
+        state["epoch_loss"], state["starts"] = 0.0, state["starts"] + 1
+        for step, (x, y) in run.steps(run.loader(Noisy(), batch_size=8)):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state["epoch_loss"] += loss.item()
+        run.log(epoch_loss=state["epoch_loss"], starts=state["starts"])
+    return {"epoch_loss": state["epoch_loss"]}
+
+
+@pytest.mark.parametrize("fn, stop_at, steps", [("regress", 12, 30), ("by_epoch", 7, 15)], ids=["steps", "epochs"])
+def test_a_stop_saves_and_the_rerun_ends_as_the_uninterrupted_run(tmp_path, base_cfg, fn, stop_at, steps):
+    whole = run_task(tmp_path / "whole", base_cfg, fn)
+    assert whole[0] == "finished" and whole[2].step == steps
+
+    status, metrics, run = run_task(tmp_path / "stopped", base_cfg, fn, stop_at=stop_at)
+    assert (status, metrics, run.step, run.stop_signal) == ("stopped", {}, stop_at, "SIGTERM")
+    assert (tmp_path / "stopped" / "checkpoint.pt").exists()
+    resumed = run_task(tmp_path / "stopped", base_cfg, fn)
+    assert resumed[2].resumed_from_step == stop_at
+    assert resumed[1] == whole[1] and resumed[2].checksum() == whole[2].checksum()
+    assert rows(tmp_path / "stopped") == rows(tmp_path / "whole")
+
+
+def test_rows_keep_the_last_value_of_each_log_every_window(tmp_path, base_cfg):
+    run_task(tmp_path / "run", base_cfg, "regress", max_steps=25, log_every=10)
+    assert [r["step"] for r in rows(tmp_path / "run")] == [10, 20, 25]
+
+
+def test_a_finished_run_trained_on_by_its_length_key_continues_from_its_checkpoint(tmp_path, base_cfg):
+    whole = run_task(tmp_path / "whole", base_cfg, "regress", max_steps=30)
+    run_task(tmp_path / "run", base_cfg, "regress", max_steps=20)
+    longer = run_task(tmp_path / "run", base_cfg, "regress", max_steps=30)
+    assert longer[2].resumed_from_step == 20 and longer[2].checksum() == whole[2].checksum()
+    assert longer[2].length_keys == ["max_steps"]
+
+
+def test_other_settings_than_the_length_are_refused_at_the_resume(tmp_path, base_cfg):
+    run_task(tmp_path / "run", base_cfg, "regress", stop_at=5)
+    with pytest.raises(UserError) as caught:
+        run_task(tmp_path / "run", base_cfg, "regress", lr=0.5)
+    assert "lr" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def logs_step(run: Run):
+    for _ in run.steps(None, 3):
+        run.log(step=1)
+
+
+def tracks_late(run: Run):
+    for _ in run.steps(None, 3):
+        run.track(model=torch.nn.Linear(1, 1))
+
+
+def loops_twice(run: Run):
+    for _ in run.steps(None, 2):
+        pass
+    for _ in run.steps(None, 2):
+        pass
+
+
+def no_length(run: Run):
+    for _ in run.steps(None):
+        pass
+
+
+@pytest.mark.parametrize("fn, needle", [
+    ("logs_step", "run.log(step=...): step, epoch and time are written with every row by expgpu"),
+    ("tracks_late", "run.track(model): called after the training loop began"),
+    ("loops_twice", "run.steps: called a second time"),
+    ("no_length", "run.steps(loader): max_steps is missing"),
+])
+def test_a_misused_call_is_one_line(tmp_path, base_cfg, fn, needle):
+    with pytest.raises(UserError) as caught:
+        run_task(tmp_path / "run", base_cfg, fn)
+    assert needle in str(caught.value) and "\n" not in str(caught.value)

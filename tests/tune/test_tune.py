@@ -1,0 +1,185 @@
+"""hydra/sweeper=expgpu_optuna end to end, with real Optuna and real processes: trials that start the
+moment a slot frees, pruning through run.log on every rank at one step, resume after the sweeper is
+stopped, and bad input as one line. The probe task (tests/helpers/tune_probe.py) trains by its trial's number."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import HELPERS, REPO, clean_env
+
+pytestmark = [pytest.mark.slow]
+
+PROBE = ["--config-dir", str(REPO / "tests" / "conf"), "task=tune_probe", "objective=score",
+         "hydra/sweeper=expgpu_optuna", "hydra.sweeper.sampler.seed=0", "task.x=interval(0,1)"]
+POOL = ["hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2"]
+# every odd trial logs score 1.0 and is pruned at its first report; even ones log 0.0 and finish
+THRESHOLD = "hydra.sweeper.pruner={_target_:optuna.pruners.ThresholdPruner,upper:0.5,n_warmup_steps:2}"
+
+
+def _cmd(args: list[str], sweep_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "expgpu", "-m", *args, f"hydra.sweep.dir={sweep_dir}"]
+
+
+def _sweep(args: list[str], sweep_dir: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run(_cmd(args, sweep_dir), cwd=REPO, env=clean_env(PYTHONPATH=str(HELPERS)),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _study(sweep_dir: Path) -> dict[int, dict]:
+    return {t["number"]: t for t in json.loads((sweep_dir / "study.json").read_text())["trials"]}
+
+
+def _states_in_journal(sweep_dir: Path) -> dict[int, str]:
+    """The study as Optuna itself reads it from the journal file."""
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    st = optuna.storages.JournalStorage(JournalFileBackend(str(sweep_dir / "optuna.journal")))
+    study = optuna.load_study(study_name=str(sweep_dir), storage=st)
+    return {t.number: t.state.name for t in study.trials}
+
+
+def _pool(sweep_dir: Path) -> dict[int, dict]:
+    return {j["num"]: j for j in json.loads((sweep_dir / "pool.json").read_text())["jobs"]}
+
+
+@pytest.mark.timeout(200)
+def test_pruned_trials_stop_on_every_rank_at_one_step_and_free_their_slot(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = _sweep(PROBE + POOL + [THRESHOLD, "hydra.sweeper.n_trials=4", "launch.nproc_per_node=2",
+                                  "task.max_steps=40", "task.slow_step_s=0.15", "task.step_s=0.02"], sweep)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _states_in_journal(sweep) == {0: "COMPLETE", 1: "PRUNED", 2: "COMPLETE", 3: "PRUNED"}
+    for n in (1, 3):
+        result = json.loads((sweep / str(n) / "result.json").read_text())
+        assert result["status"] == "pruned" and result["stop_signal"] == "PRUNED", result
+        assert result["world_size"] == 2 and 2 <= result["steps"] < 40   # stopped early, after the warm-up
+        assert len(set(result["rank_checksums"])) == 1   # both ranks stopped after the same steps
+        assert (sweep / str(n) / "checkpoint.pt").exists()
+        assert _study(sweep)[n]["last_step"] is not None
+    pool = _pool(sweep)
+    # trial 1's slot was free at once: trial 2 started in it while slow trial 0 still ran
+    assert pool[1]["ended"] <= pool[2]["started"] < pool[0]["ended"] and pool[2]["slot"] == pool[1]["slot"], pool
+    assert "pruned" in (sweep / "report.csv").read_text()
+
+
+@pytest.mark.timeout(200)
+def test_a_fast_trials_slot_is_reused_before_the_slow_one_ends(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = _sweep(PROBE + POOL + ["hydra.sweeper.n_trials=5", "task.max_steps=30", "task.slow_step_s=0.2",
+                                  "task.step_s=0.01"], sweep)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert set(_states_in_journal(sweep).values()) == {"COMPLETE"}
+    pool = _pool(sweep)
+    assert all(pool[n]["started"] < pool[0]["ended"] for n in (1, 2, 3, 4)), pool   # all beside trial 0
+    assert all(pool[n]["slot"] == pool[1]["slot"] for n in (2, 3, 4))
+    best = (sweep / "optimization_results.yaml").read_text()
+    assert "best_value: 0.0" in best
+
+
+@pytest.mark.timeout(240)
+def test_a_rerun_of_a_stopped_sweep_keeps_its_trials_and_resumes_the_running_one(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = PROBE + ["hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=1", "hydra.sweeper.n_trials=3",
+                    "task.max_steps=60", "task.slow_step_s=0.02", "task.step_s=0.1"]
+    proc = subprocess.Popen(_cmd(args, sweep), cwd=REPO, env=clean_env(PYTHONPATH=str(HELPERS)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    rows = sweep / "1" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (rows.exists() and rows.read_text().count("\n") >= 5):   # trial 1 is well under way
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C: the trial saves, the sweeper ends
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the stopped sweep did not end within 60 s: {proc.communicate()[1][-3000:]}")
+    assert proc.returncode == 130, err[-3000:]
+    assert f"rerun the same command with hydra.sweep.dir={sweep} to continue the study" in out + err
+    first = json.loads((sweep / "0" / "result.json").read_text())
+    stopped = json.loads((sweep / "1" / "result.json").read_text())
+    assert first["status"] == "finished" and stopped["status"] == "stopped", stopped
+    assert _states_in_journal(sweep)[1] == "RUNNING"
+
+    again = _sweep(args, sweep)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _states_in_journal(sweep) == {0: "COMPLETE", 1: "COMPLETE", 2: "COMPLETE"}   # n_trials in all
+    assert json.loads((sweep / "0" / "result.json").read_text()) == first   # kept, not run again
+    resumed = json.loads((sweep / "1" / "result.json").read_text())
+    assert resumed["status"] == "finished" and resumed["resumed_from_step"] == stopped["steps"] > 0
+    assert [r["step"] for r in map(json.loads, (sweep / "1" / "metrics.jsonl").read_text().splitlines())] == \
+        list(range(1, 61))   # one row per step, as if never stopped
+
+
+@pytest.mark.timeout(150)
+def test_under_the_basic_launcher_trials_run_in_batches_and_are_pruned_too(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = _sweep(PROBE + [THRESHOLD, "hydra.sweeper.n_trials=3", "task.max_steps=20"], sweep)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the jobs run in the sweeper's own process, one after another: a pruned one leaves no stop behind
+    assert _states_in_journal(sweep) == {0: "COMPLETE", 1: "PRUNED", 2: "COMPLETE"}
+    assert json.loads((sweep / "2" / "result.json").read_text())["steps"] == 20
+
+
+@pytest.mark.parametrize("args,says", [
+    (["hydra.sweeper.pruner={_target_:optuna.pruners.MedianPruner,warmup:3}"],
+     "hydra.sweeper.pruner._target_=optuna.pruners.MedianPruner: does not take (warmup=3)"),
+    (["hydra.sweeper.sampler._target_=optuna.samplers.Nope"], "hydra.sweeper.sampler._target_=optuna.samplers.Nope: "
+                                                               "cannot be imported"),
+    (["hydra.sweeper.direction=up"], "hydra.sweeper.direction='up' is not allowed: minimize or maximize"),
+    (["+hydra.sweeper.params.x='interval(0'"], "hydra.sweeper.params.x=interval(0: not a sweep expression Hydra can"),
+    (["hydra/sweeper/sampler=grid"], "hydra/sweeper/sampler=grid: task.x is sampled from a continuous"),
+    (["hydra.sweeper.max_failure_rate=2"], "hydra.sweeper.max_failure_rate=2.0 is not allowed: a fraction from 0 to 1"),
+    (["objective=null"], "objective=None: hydra/sweeper=expgpu_optuna needs the metric to optimize"),
+    (["hydra.sweeper.storage=sqlite:////nonexistent/dir/s.db"], "hydra.sweeper.storage=sqlite:////nonexistent/"
+                                                                "dir/s.db: cannot be opened"),
+    (["objective=accuracy"], "trial 0: objective=accuracy: the task returned no metric 'accuracy'; it returned "
+                             "score, x"),
+])
+@pytest.mark.timeout(120)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
+    done = _sweep(PROBE + ["hydra.sweeper.n_trials=6", "task.max_steps=3"] + args, tmp_path / "sweep", 110)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and last.startswith("expgpu: error: ") and says in last, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    if args == ["objective=accuracy"]:   # said after the first trial, not after all six
+        assert _states_in_journal(tmp_path / "sweep") == {0: "FAIL"}
+
+
+@pytest.mark.timeout(120)
+def test_a_study_name_that_exists_with_other_directions_is_one_line(tmp_path):
+    store = f"hydra.sweeper.storage=sqlite:///{tmp_path}/s.db"
+    first = _sweep(PROBE + ["hydra.sweeper.n_trials=1", "task.max_steps=3", store, "hydra.sweeper.study_name=s"],
+                   tmp_path / "one")
+    assert first.returncode == 0, first.stderr[-3000:]
+    done = _sweep(PROBE + ["hydra.sweeper.n_trials=1", "task.max_steps=3", store, "hydra.sweeper.study_name=s",
+                           "hydra.sweeper.direction=maximize"], tmp_path / "two")
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "hydra.sweeper.study_name=s: the study in sqlite:///" in last, done.stderr[-2000:]
+    assert "exists with direction ['minimize'], not ['maximize']" in last
+
+
+@pytest.mark.timeout(150)
+def test_an_objective_the_task_does_not_return_stops_the_pool_sweep_after_one_trial_and_keeps_the_rest(tmp_path):
+    sweep = tmp_path / "sweep"
+    # trial 0 ends first (fast); the trials beside it are stopped, saved, and left for a rerun
+    done = _sweep(PROBE + POOL + ["objective=accuracy", "hydra.sweeper.n_trials=6", "task.max_steps=200",
+                                  "task.slow_step_s=0.001", "task.step_s=0.05"], sweep)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "trial 0: objective=accuracy: the task returned no metric" in last, \
+        done.stderr[-3000:]
+    states = _states_in_journal(sweep)
+    assert states[0] == "FAIL" and set(states.values()) == {"FAIL", "RUNNING"} and len(states) < 6, states
+    for n, state in states.items():
+        if state == "RUNNING" and (sweep / str(n) / "result.json").exists():
+            assert json.loads((sweep / str(n) / "result.json").read_text())["status"] == "stopped"
