@@ -1,6 +1,7 @@
 # make run   -> set up .venv on first use, then: python -m expgpu task=a gpu_map=ranked
 # make test  -> set up .venv on first use, then: the whole test suite (.ci/run runs this)
-# make check -> the fast tier: every module's logic in this process, no ranks, sweeps or SLURM
+# make check -> ruff, then the fast tier: every module's logic in this process, no ranks, sweeps or SLURM
+# make lint  -> ruff (lint + import order, 120 columns): also the first step of make test and make check
 # Extra arguments: make run ARGS="launch.nproc_per_node=2"   make test ARGS="-k ranks"
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,15 +12,18 @@ STAMP := $(VENV)/.expgpu-setup
 # worker, and so its expensive module-scoped fixture (an uninterrupted reference run, a real sweep).
 TEST_WORKERS ?= 3
 
-.PHONY: run test check setup bench slurm-up slurm-down
+.PHONY: run test check lint setup bench slurm-up slurm-down
 run: $(STAMP)
 	$(PY) -m expgpu task=a gpu_map=ranked $(ARGS)
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
-check: $(STAMP)
+check: lint
 	$(PY) -m pytest -q -m "not slow and not slurm and not gpu" $(ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests bench examples scripts
 
 bench: $(STAMP)
 	$(PY) bench/bench_ddp_overhead.py $(ARGS)
