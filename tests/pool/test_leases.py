@@ -30,7 +30,7 @@ def test_a_held_lease_is_refused_to_everyone_else(tmp_path):
     assert leases.try_acquire(tmp_path, GPUS[0]) is None           # not even to this process again
     assert [lease.gpu.index for lease in leases.acquire_free(tmp_path, GPUS)] == [1]
     other = subprocess.run([sys.executable, "-c", (
-        "import sys; from pathlib import Path; from expgpu import leases; from expgpu.gpus import inventory;"
+        "import sys; from pathlib import Path; from expgpu.pool import leases; from expgpu.gpus import inventory;"
         "g = inventory([{'name': 'A100', 'memory_mb': 40960}], env={})[0];"
         "sys.exit(0 if leases.try_acquire(Path(sys.argv[1]), g) is None else 1)"), str(tmp_path)], timeout=30)
     assert other.returncode == 0, "another process got a GPU that is leased"

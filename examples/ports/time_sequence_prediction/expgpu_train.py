@@ -1,16 +1,12 @@
 from __future__ import print_function
-
 import argparse
-
-import matplotlib
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.optim as optim
-
+import numpy as np
+import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt
-
 
 class Sequence(nn.Module):
     def __init__(self):

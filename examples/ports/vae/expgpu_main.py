@@ -1,7 +1,5 @@
 from __future__ import print_function
-
 import argparse
-
 import torch
 import torch.utils.data
 from torch import nn, optim
@@ -9,12 +7,13 @@ from torch.nn import functional as F
 from torchvision import datasets, transforms
 from torchvision.utils import save_image
 
+
 parser = argparse.ArgumentParser(description='VAE MNIST Example')
 parser.add_argument('--batch-size', type=int, default=128, metavar='N',
                     help='input batch size for training (default: 128)')
 parser.add_argument('--epochs', type=int, default=10, metavar='N',
                     help='number of epochs to train (default: 10)')
-parser.add_argument('--no-accel', action='store_true',
+parser.add_argument('--no-accel', action='store_true', 
                     help='disables accelerator')
 parser.add_argument('--seed', type=int, default=1, metavar='S',
                     help='random seed (default: 1)')

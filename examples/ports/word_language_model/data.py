@@ -1,8 +1,6 @@
 import os
 from io import open
-
 import torch
-
 
 class Dictionary(object):
     def __init__(self):

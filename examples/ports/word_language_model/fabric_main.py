@@ -1,14 +1,14 @@
 # coding: utf-8
 import argparse
+import time
 import math
 import os
-import time
-
-import data
 import torch
 import torch.nn as nn
 import torch.onnx
 from lightning.fabric import Fabric
+
+import data
 from model import PositionalEncoding, RNNModel, TransformerModel
 
 parser = argparse.ArgumentParser(description='PyTorch Wikitext-2 RNN/LSTM/GRU/Transformer Language Model')

@@ -1,9 +1,7 @@
 import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 
 class RNNModel(nn.Module):
     """Container module with an encoder, a recurrent module, and a decoder."""

@@ -126,7 +126,8 @@ def primable(hydra_context, task_function, own_code: bool) -> bool:
         return False
     # expgpu's is a closure in expgpu/__main__.py (under expgpu_optuna, inside the trial check's wrapper)
     code = getattr(inspect.unwrap(task_function), "__code__", None)
-    return own_code or (code is not None and Path(code.co_filename).parent == Path(procs.__file__).parent)
+    top = Path(__file__).resolve().parents[1]   # expgpu/, where __main__.py and app.py are
+    return own_code or (code is not None and Path(code.co_filename).resolve().parent == top)
 
 
 def task_modules(cfg, own_code: bool) -> list[str]:
