@@ -153,7 +153,7 @@ class StopAgreement:
 
         from expgpu.distributed.group import cpu_group
 
-        mine = strength(self.signals.received) if self.received else 0
+        mine = strength(self.signals.received) if self.signals.received else 0
         flags = torch.tensor([mine, -proposal], dtype=torch.int32)
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(), async_op=async_op)
         return (flags, work) if async_op else flags
