@@ -165,11 +165,14 @@ def test_max_failure_rate_decides_the_exit_code_as_hydras(tmp_path, hydra_optuna
     # every trial fails: both stop non-zero, past the rate at once, at 1.0 after all of them (Hydra's finds no best)
     assert mine.returncode == 1 and hydras.returncode != 0, (mine.stderr[-2000:], hydras.stderr[-2000:])
     states, last = [t.state.name for t in _trials(tmp_path / "mine")], _last_line(mine)
-    assert "first failure: trial 0: RuntimeError: asked to fail at x=" in last and "Traceback" not in last
-    if rate < 1:
+    if rate < 1:   # past the rate: the task's own traceback (as Hydra's shows it), then its one-line reason, last
         assert last.startswith("expgpu: the search stopped: 2 of the last 2 trial(s) failed") and states == ["FAIL"] * 2
-    else:
+        assert "first failure: trial 0: RuntimeError: asked to fail at x=" in last
+        assert 'raise RuntimeError(f"asked to fail at x={cfg.x}")' in mine.stderr
+    else:   # every trial ran: each one's reason is in the log (stdout), as Hydra's sweeper leaves it
         assert last.startswith("expgpu: no trial completed: 6 failed") and states == ["FAIL"] * 6
+        assert "asked to fail" not in mine.stderr and "trial 5: failed: RuntimeError: asked to fail" in mine.stdout
+        assert "Traceback" not in mine.stderr
 
 
 def test_a_failure_over_the_default_rate_stops_the_search_at_that_trial(tmp_path):

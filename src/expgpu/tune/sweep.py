@@ -190,9 +190,9 @@ class Sweep:
     def _finish(self) -> None:
         doc = studies.write_results(self.study, self.sweep_dir)
         if doc is None and self.first_failure is not None:   # nothing learnt, and not for want of trying
-            num, reason, _ = self.first_failure
-            raise SweepFailed(f"no trial completed: {self.failures} failed; first failure: trial {num}: "
-                              f"{reason}")
+            raise SweepFailed(f"no trial completed: {self.failures} failed, which max_failure_rate="
+                              f"{self.s.max_failure_rate:g} let the search go past (each trial's reason: the lines "
+                              f"above, and {self.sweep_dir / 'study.json'})")
         if doc is None:
             log.warning("study %s: no trial completed", self.study.study_name)
         elif "best_value" in doc:
