@@ -181,7 +181,7 @@ def main() -> None:
 def _report(e: BaseException) -> int | None:
     """Print what ended the run as one line; its exit code, or None for a real bug (traceback)."""
     from expgpu.checkpoint.verify import NotExact
-    from expgpu.errors import Stopped, WorkerFailed
+    from expgpu.errors import Hung, Stopped, WorkerFailed
 
     if isinstance(e, UserError):
         print(f"expgpu: error: {e}", file=sys.stderr)
@@ -191,7 +191,7 @@ def _report(e: BaseException) -> int | None:
         print("expgpu: the sweep failed (its failed jobs are listed above)" if getattr(e, "reported", False)
               else f"expgpu: {e}", file=sys.stderr)
         return 1
-    if isinstance(e, Stopped):
+    if isinstance(e, (Stopped, Hung)):
         print(f"expgpu: {e}", file=sys.stderr)
         return e.exit_code
     if isinstance(e, NotExact):

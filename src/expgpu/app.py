@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from expgpu import config, loggers, ranks, rundir, script
 from expgpu.checkpoint import verify
-from expgpu.errors import Stopped, UserError, WorkerFailed, first_line
+from expgpu.errors import EXIT_HUNG, Hung, Stopped, UserError, WorkerFailed, first_line
 from expgpu.gpus import memory_estimate, placement
 from expgpu.launch import requeue, spawn, worker
 from expgpu.procs import stop_signals
@@ -177,8 +177,20 @@ def _supervise(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int, ser
     if failure is not None:
         if failure.user_error:
             raise UserError(failure.message)
+        verdict = _hang_verdict(run_dir) if failure.returncode == EXIT_HUNG else None
+        if verdict is not None:
+            raise Hung(verdict["line"], str(rundir.hang_dir(run_dir)))
         raise WorkerFailed(failure)
     return json.loads((run_dir / rundir.RESULT).read_text()) if info.rank == 0 else None
+
+
+def _hang_verdict(run_dir: Path) -> dict | None:
+    """What the hang watchdog said (expgpu.train.watchdog), if it ended the ranks."""
+    try:
+        verdict = json.loads(rundir.hang_verdict(run_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return verdict if isinstance(verdict, dict) and "line" in verdict else None
 
 
 def _finished_earlier(run_dir: Path, plain: dict) -> dict | None:

@@ -79,6 +79,11 @@ class WandbMode(enum.Enum):
     disabled = "disabled"
 
 
+class OnHang(enum.Enum):
+    fail = "fail"         # stop every rank, free the GPUs, exit 124 (a crash exits 1)
+    restart = "restart"   # stop every rank and start the world again from the last checkpoint
+
+
 class FaultKind(enum.Enum):
     exception = "exception"  # the rank raises RuntimeError
     kill = "kill"     # the rank SIGKILLs itself (a segfault, the OOM killer)
@@ -113,6 +118,17 @@ class FsdpConfig:
 
 
 @dataclass
+class HangConfig:
+    # A run of several ranks is hung when no rank has finished a step for this long (a rank behind is
+    # named, with its stack; expgpu.train.watchdog). auto: 20 x the slowest rank's recent step time,
+    # at least 60 s; a number of seconds; null: no watchdog.
+    timeout_s: Any = "auto"
+    # The first step (compiling, loading), a checkpoint save and `with run.phase(...)` blocks (the built-in
+    # loop's evaluation) may take this long before they count as hung.
+    slow_phase_s: float = 600.0
+
+
+@dataclass
 class LaunchConfig:
     nproc_per_node: int = 1                       # >1: expgpu starts this many local workers
     # auto: a function task's rank sees only its GPU(s) (visible_devices); a script task's ranks
@@ -123,6 +139,11 @@ class LaunchConfig:
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)   # wrap=fsdp: FSDP2 (expgpu/distributed/fsdp.py)
     # what the task prints: every rank's on the console, or rank0's only (the others' in logs/rank<N>.out)
     stdout: Stdout = Stdout.all
+    hang: HangConfig = field(default_factory=HangConfig)   # the progress watchdog of a multi-rank run
+    on_hang: OnHang = OnHang.fail                          # restart: needs max_restarts >= 1
+    # After a rank crashes (or hangs, with on_hang=restart), every rank is stopped and the world starts
+    # again from the last checkpoint, in the same run dir, up to this many times.
+    max_restarts: int = 0
 
 
 @dataclass
@@ -250,7 +271,9 @@ def check(cfg: DictConfig) -> None:
     """Range checks that types cannot express; one line naming the key on failure."""
     def need(ok: bool, key: str, allowed: str) -> None:
         if not ok:
-            raise UserError(f"{key}={OmegaConf.select(cfg, key)!r} is not allowed: {allowed}")
+            value = OmegaConf.select(cfg, key)
+            shown = value.name if isinstance(value, enum.Enum) else repr(value)
+            raise UserError(f"{key}={shown} is not allowed: {allowed}")
 
     need(isinstance(cfg.task, DictConfig), "task", "a task file: a function (_target_) and its parameters, "
          "or the built-in loop's (model, dataset, optimizer, ...)")
@@ -260,6 +283,15 @@ def check(cfg: DictConfig) -> None:
          "objective", "null, a metric name the task returns (e.g. eval_loss), or a list of names")
     need(cfg.launch.nproc_per_node >= 1, "launch.nproc_per_node", "an integer >= 1")
     need(cfg.backend.timeout_s > 0, "backend.timeout_s", "seconds > 0")
+    hang = cfg.launch.hang.timeout_s
+    need(hang is None or hang == "auto" or (isinstance(hang, (int, float)) and not isinstance(hang, bool)
+                                            and math.isfinite(hang) and hang > 0),
+         "launch.hang.timeout_s", "auto, a number of seconds > 0, or null (no watchdog)")
+    need(math.isfinite(cfg.launch.hang.slow_phase_s) and cfg.launch.hang.slow_phase_s > 0, "launch.hang.slow_phase_s",
+         "a number of seconds > 0")
+    need(cfg.launch.max_restarts >= 0, "launch.max_restarts", "an integer >= 0")
+    need(cfg.launch.on_hang is not OnHang.restart or cfg.launch.max_restarts >= 1, "launch.on_hang",
+         "fail, or restart with launch.max_restarts >= 1 (how many times the world may start again)")
     need(cfg.gpu_map.gpus_per_rank >= 1, "gpu_map.gpus_per_rank", "an integer >= 1")
     need(0 <= cfg.gpu_map.max_util <= 100, "gpu_map.max_util", "a percentage 0..100")
     need(cfg.gpu_map.min_free_mb >= 0, "gpu_map.min_free_mb", "megabytes >= 0")

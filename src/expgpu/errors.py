@@ -21,6 +21,7 @@ class UserError(Exception):
 
 
 EXIT_USER_ERROR = 2
+EXIT_HUNG = 124   # a run the hang watchdog ended (GNU timeout's code for "timed out"); a crash exits 1
 
 
 @contextlib.contextmanager
@@ -95,6 +96,14 @@ class Stopped(_Outcome):
             super().__init__(f"stopped at step {result['steps']}{of} by {sig}; checkpoint saved. {next_step}")
         self.result = result
         self.exit_code = exit_code  # 128 + the signal: 130 Ctrl-C, 143 SIGTERM, 140 SIGUSR2
+
+
+class Hung(_Outcome):
+    """The run hung: the watchdog named the rank(s) at fault, wrote every rank's stacks, ended them all."""
+
+    def __init__(self, line: str, stacks: str):
+        super().__init__(f"hung: {line} (every rank's stacks: {stacks})")
+        self.exit_code = EXIT_HUNG
 
 
 class WorkerFailed(_Outcome):

@@ -20,6 +20,8 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
     RUN_DIR/logs/rank<N>.log                each spawned rank's log
     RUN_DIR/logs/rank<N>.script.log         a script task's output on rank N (stdout and stderr, every attempt)
     RUN_DIR/logs/rank<N>.out                what rank N > 0 printed, under launch.stdout=rank0
+    RUN_DIR/hang/rank<N>.txt, verdict.json  a hang's stacks, every thread of every rank, and what was said
+                                            (expgpu.train.watchdog)
     RUN_DIR/metrics.csv, tensorboard/,      rank 0, the chosen loggers (expgpu.loggers)
         wandb/, mlflow.db (a single run)
     RUN_DIR/.expgpu/                        expgpu's hand-over files between its own processes:
@@ -31,6 +33,7 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
         store-<launch>.port                 rank 0's TCPStore port, for spawned ranks
         script-rank<N>.json                 how rank N's script ended (exit code, stop), for rank 0's result
         script-log.json                     where this attempt's expgpu.log rows begin, for the loggers
+        backstop-rank<N>.txt                faulthandler's dump of a rank whose watchdog could not run
 
 and, under hydra/sweeper=expgpu_optuna (expgpu.tune):
 
@@ -67,6 +70,7 @@ POOL_RECORD = "pool.json"
 CONSOLE = "console.log"
 POOL_JOB, POOL_RETURN, SPARES_LOG = "pool-job.pkl", "pool-return.pkl", "pool-spares.log"
 STUDY = "study.json"
+HANG = "hang"
 
 
 def state_dir(run_dir: Path) -> Path:
@@ -79,6 +83,22 @@ def config_file(run_dir: Path) -> Path:
 
 def logging_file(run_dir: Path) -> Path:
     return state_dir(run_dir) / "logging.json"
+
+
+def hang_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / HANG
+
+
+def hang_stack(run_dir: Path, rank: int) -> Path:
+    return hang_dir(run_dir) / f"rank{rank}.txt"
+
+
+def hang_verdict(run_dir: Path) -> Path:
+    return hang_dir(run_dir) / "verdict.json"
+
+
+def backstop_file(run_dir: Path, rank: int) -> Path:
+    return state_dir(run_dir) / f"backstop-rank{rank}.txt"
 
 
 def failure_file(run_dir: Path, rank: int) -> Path:

@@ -62,7 +62,7 @@ BAD = {
     "poll_every word": (["checkpoint.poll_every=often"],
                         "checkpoint.poll_every='often' is not allowed: auto or an integer >= 1"),
     "faults half set": (["faults.crash_rank=0"], "set faults.crash_rank and faults.crash_step together"),
-    "dp with ranks": (["launch.wrap=dp", "launch.nproc_per_node=2"], "launch.wrap=<Wrap.dp: 'dp'> is not allowed"),
+    "dp with ranks": (["launch.wrap=dp", "launch.nproc_per_node=2"], "launch.wrap=dp is not allowed"),
     "objective type": (["objective=3"], "objective=3 is not allowed"),
     "task key misspelt": (["task.batch_sise=3"], "task.batch_sise: expgpu.tasks.supervised.train takes no parameter "
                                                  "'batch_sise' (did you mean task.batch_size?)"),

@@ -64,7 +64,7 @@ BAD = {
     "fsdp with dp's GPUs per rank": (["launch.wrap=fsdp", "gpu_map.gpus_per_rank=2"],
                                      "gpu_map.gpus_per_rank=2 is not allowed: 1 with launch.wrap=fsdp"),
     "fsdp with the single-file format": (["launch.wrap=fsdp", "checkpoint.format=pt"],
-                                         "checkpoint.format=<CheckpointFormat.pt: 'pt'> is not allowed: auto or dcp"),
+                                         "checkpoint.format=pt is not allowed: auto or dcp"),
     "fsdp settings under ddp": (["launch.fsdp.cpu_offload=true"],
                                 "launch.fsdp.cpu_offload=True is not allowed: set only with launch.wrap=fsdp"),
     "async without dcp": (["checkpoint.async_save=true"], "checkpoint.async_save=True is not allowed: true only"),

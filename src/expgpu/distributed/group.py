@@ -99,6 +99,18 @@ def process_group(info: RankInfo, backend: str, timeout_s: float, run_dir: Path,
 _cpu_group = None   # a gloo group beside an nccl one (process_group); None: the default group is gloo
 
 
+def store():
+    """The process group's store (a TCPStore, or the torchrun agent's), for side channels such as the
+    hang watchdog's; None without a group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
 def cpu_group():
     """The process group for small CPU tensors: the default group, unless that one is nccl."""
     return _cpu_group

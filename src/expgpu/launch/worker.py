@@ -25,7 +25,10 @@ from pathlib import Path
 
 from expgpu import envvars, results, rundir
 from expgpu.gpus import NodePlan, apply, placement
+from expgpu.procs import stop_signals
 from expgpu.ranks import RankInfo
+from expgpu.rundir import atomic_write_bytes
+from expgpu.train import watchdog
 
 log = logging.getLogger("expgpu")
 
@@ -60,29 +63,21 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
 
     from expgpu import task as tasks
     from expgpu.distributed import group
-    from expgpu.procs import stop_signals
-    from expgpu.train import proportional
-    from expgpu.train.agreement import StopAgreement
-    from expgpu.train.run import Run
 
     # A pinned rank ("inherited") knows only its own GPU; the launcher gave each rank one.
     node_gpus = ([[g.index for g in my_gpus]] if node.strategy == "inherited"
                  else [[g.index for g in a] for a in node.assignments])
     backend = group.choose_backend(cfg["backend"]["name"], node_gpus, cuda_available=device.type == "cuda")
-    # Installed already by the CLI entry or main() below (a signal during startup is kept);
-    # here when a launcher calls the task function itself. Left installed: a signal that
-    # lands after training (SLURM's own SIGTERM after a requeue) must not kill the exit path.
-    poll = cfg["checkpoint"]["poll_every"]
-    agreement = StopAgreement(stop_signals.install(), world_size=info.world_size,
-                              poll_every=None if poll == "auto" else poll,
-                              # checkpoint.verify's stop, at the same step on every rank
-                              stop_at=int(os.environ.get(envvars.STOP_AT) or stop_signals.NEVER))
+    agreement = _agreement(cfg, info)
     spec = tasks.resolve(cfg["task"])   # imports the user's module: only now that this process owns its GPU
     with group.process_group(info, backend, timeout, run_dir, device):
-        run = Run(info=info, device=device, run_dir=run_dir, cfg=cfg, spec=spec, agreement=agreement,
-                  wrap=cfg["launch"]["wrap"], n_gpus=len(my_gpus),
-                  gpu_speed=proportional.gpu_speed(node.scores, my_gpus, ranked=node.strategy == "ranked"),
-                  sinks=_sinks(cfg, run_dir) if info.rank == 0 else ())
+        run = _run(cfg, info, run_dir, spec, agreement, device, node, my_gpus)
+        base = {"task": spec.name, "function": spec.target, "task_config": cfg["task"], "source": info.source,
+                # One rank makes no process group: there is no backend to report.
+                "world_size": info.world_size, "backend": backend if info.world_size > 1 else None,
+                "strategy": node.strategy, "run_dir": str(run_dir)}
+        dog = watchdog.start(group.store(), info.rank, info.world_size, run_dir, watchdog.settings(cfg),
+                             run.progress, lambda verdict, text: _hung(run, base, verdict, text, info))
         try:
             status, metrics = _call(run, spec)
         except BaseException as e:
@@ -90,6 +85,9 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
                 on_error(e)
             run.finish_loggers("failed", {})
             raise
+        finally:
+            if dog is not None:
+                dog.done()
         # The run's speed beside what it returned: the loggers' runs compare it across a sweep.
         speed = run.timings(t_start)["steps_per_s"]
         run.finish_loggers(status, {**metrics, **({"steps_per_s": speed} if speed is not None else {})})
@@ -101,19 +99,49 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
         return None
     if status == "stopped" and run.stop_signal == stop_signals.PRUNED:
         status = "pruned"   # an optimizing sweeper's pruner ended it (expgpu.tune): final, not to resume
-    result = {
-        "status": status, "task": spec.name, "function": spec.target, "task_config": cfg["task"],
-        "source": info.source,
-        # One rank makes no process group: there is no backend to report.
-        "world_size": info.world_size, "backend": backend if info.world_size > 1 else None,
-        "strategy": node.strategy,
-        "plan": ranks,
-        "metrics": metrics,
-        **mine,
-        "rank_checksums": [r["param_checksum"] for r in ranks],
-        "run_dir": str(run_dir),
-    }
-    return results.write_result(run_dir, result)
+    return results.write_result(run_dir, {
+        "status": status, **base, "plan": ranks, "metrics": metrics, **mine,
+        "rank_checksums": [r["param_checksum"] for r in ranks]})
+
+
+def _agreement(cfg: dict, info: RankInfo):
+    """The ranks' stop agreement on this process's stop signals."""
+    from expgpu.train.agreement import StopAgreement
+
+    # Installed already by the CLI entry or main() below (a signal during startup is kept);
+    # here when a launcher calls the task function itself. Left installed: a signal that
+    # lands after training (SLURM's own SIGTERM after a requeue) must not kill the exit path.
+    poll = cfg["checkpoint"]["poll_every"]
+    return StopAgreement(stop_signals.install(), world_size=info.world_size,
+                         poll_every=None if poll == "auto" else poll,
+                         # checkpoint.verify's stop, at the same step on every rank
+                         stop_at=int(os.environ.get(envvars.STOP_AT) or stop_signals.NEVER))
+
+
+def _run(cfg: dict, info: RankInfo, run_dir: Path, spec, agreement, device, node, my_gpus):
+    from expgpu.train import proportional
+    from expgpu.train.run import Run
+
+    return Run(info=info, device=device, run_dir=run_dir, cfg=cfg, spec=spec, agreement=agreement,
+               wrap=cfg["launch"]["wrap"], n_gpus=len(my_gpus),
+               gpu_speed=proportional.gpu_speed(node.scores, my_gpus, ranked=node.strategy == "ranked"),
+               sinks=_sinks(cfg, run_dir) if info.rank == 0 else ())
+
+
+def _hung(run, base: dict, verdict: dict, text: str, info: RankInfo) -> None:
+    """The rank that claimed a hang's verdict: what was said, and result.json ("hung"), before every rank
+    exits (expgpu.train.watchdog). Under expgpu's spawn its supervisor prints the line; else this rank."""
+    run_dir = Path(base["run_dir"])
+    rundir.hang_dir(run_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(rundir.hang_verdict(run_dir), (json.dumps(verdict, indent=2) + "\n").encode())
+    results.write_result(run_dir, {
+        "status": "hung", **base, "plan": [], "metrics": {}, "steps": min(v["step"] for v in verdict["ranks"].values()),
+        "max_steps": run.max_steps, "epochs": None, "length_keys": run.length_keys, "step_means": STEP_MEANS,
+        "resumed_from_step": run.resumed_from_step, "stop_signal": None, "timing": {}, "param_checksum": None,
+        "rank_checksums": [], "hang": verdict})
+    log.error("hang: %s (every rank's stacks: %s)", text, rundir.hang_dir(run_dir))
+    if info.source != "local":   # no supervisor of expgpu's to say it
+        print(f"expgpu: hung: {text} (every rank's stacks: {rundir.hang_dir(run_dir)})", file=sys.stderr, flush=True)
 
 
 STEP_MEANS = "one iteration of run.steps on every rank"

@@ -93,6 +93,7 @@ class Run:
         self._in_step = False
         self._saved_at: int | None = None
         self._stopped = False
+        self._phase = "train"   # what the loop does between steps (the watchdog reads it: progress())
         # task.log_reduce chooses the class once: run.log, called every step, tests nothing for it
         log_class = WindowMeanLog if spec.log_reduce == "mean" else MetricsLog
         # rank 0's rows also go to `sinks` (expgpu.loggers.base.Sink: the chosen loggers, a sweeper's trial)
@@ -339,6 +340,28 @@ class Run:
         its share, e.g. an evaluation's (loss sum, count)."""
         return group.reduce_value(value, op, self.device)
 
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """A stretch of the loop that may take long without finishing a step (an evaluation, a long
+        save of your own): the hang watchdog gives it `launch.hang.slow_phase_s` instead of the step
+        limit, and names it if it hangs.
+
+            with run.phase("evaluation"):
+                metrics = evaluate(model, val_loader)
+        """
+        if not isinstance(name, str) or not name or name == "train":
+            raise UserError(f"run.phase({name!r}): name the stretch, e.g. run.phase('evaluation')")
+        before, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = before
+
+    def progress(self) -> tuple[int, str]:
+        """(steps done, what the loop does now: train, checkpoint, or a run.phase name); read by the
+        hang watchdog from a thread of its own."""
+        return self.step, self._phase
+
     def barrier(self) -> None:
         """Every rank waits here for all the others (e.g. while rank 0 downloads the data)."""
         group.barrier()
@@ -361,8 +384,12 @@ class Run:
 
     def _save(self, reason: str) -> None:
         """Collective: every rank calls it at the same step."""
-        self._state.save(self.step, self._where(), self._metrics, reason,
-                         global_batch(self._feed.loader if self._feed is not None else None))
+        before, self._phase = self._phase, "checkpoint"
+        try:
+            self._state.save(self.step, self._where(), self._metrics, reason,
+                             global_batch(self._feed.loader if self._feed is not None else None))
+        finally:
+            self._phase = before
         self._saved_at = self.step
 
     def _stop(self) -> None:

@@ -1,0 +1,49 @@
+"""A 2-rank training loop in which one rank stops making progress at one step, the way real runs hang
+(`--config-dir tests/conf task=probe_hangs`): the watchdog must name this file's line.
+
+    how=sleep       rank `rank` sleeps (its data loader stuck, a dead file system)
+    how=spin        a tight pure-Python loop that holds the GIL between switches
+    how=collective  a collective the other ranks never call
+    how=slow        no hang: step `at` takes `slow_s` (a slow step, not stuck)
+    how=phase       no hang: a long stretch inside run.phase("evaluation") at step `at`
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from expgpu import Run
+
+
+def hangs(run: Run, rank: int = 1, at: int = 5, how: str = "sleep", max_steps: int = 20, slow_s: float = 0.0,
+          step_s: float = 0.0):
+    torch.manual_seed(0)
+    net = run.wrap(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    run.track(net=net, opt=opt)
+    x = torch.randn(16, 8)
+    for step, _ in run.steps(None, max_steps):
+        if step == at and run.rank == rank:
+            if how == "sleep":
+                time.sleep(3600)
+            elif how == "spin":
+                n = 0
+                while True:
+                    n += 1
+            elif how == "collective":
+                torch.distributed.barrier()
+            elif how == "slow":
+                time.sleep(slow_s)
+        if step == at and how == "phase":
+            with run.phase("evaluation"):
+                time.sleep(slow_s)
+        if step_s:
+            time.sleep(step_s)
+        loss = net(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        run.log(loss=loss)
+    return {"loss": loss.item()}
