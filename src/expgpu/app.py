@@ -19,11 +19,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from expgpu import config, loggers, ranks, rundir, script
+from expgpu import config, envvars, loggers, ranks, rundir, script
 from expgpu.checkpoint import verify
-from expgpu.errors import EXIT_HUNG, Hung, Stopped, UserError, WorkerFailed, first_line
+from expgpu.errors import Stopped, UserError, WorkerFailed, first_line
 from expgpu.gpus import memory_estimate, placement
-from expgpu.launch import requeue, spawn, worker
+from expgpu.launch import requeue, restarts, spawn, worker
 from expgpu.procs import stop_signals
 from expgpu.results import is_script, write_job_failure
 from expgpu.rundir import atomic_write_bytes
@@ -146,7 +146,10 @@ def _train(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int) -> dict
     shared = (info.source == "single" and "SLURM_JOB_ID" not in os.environ
               and (nproc > 1 or "torch" not in sys.modules))
     server = spawn.rank_server(warm=not script_task, nproc=nproc, shared=shared)
-    if nproc == 1 and server is None:
+    # One rank trains in this process, unless it may have to start again (launch.max_restarts): a rank of
+    # its own then, which this process supervises, as torchrun's agent does.
+    alone = not (plain["launch"]["max_restarts"] and info.source == "single" and restarts.in_charge(1))
+    if nproc == 1 and server is None and alone:
         return worker.run_rank(plain, info, run_dir)
     # Else this process supervises: one rank forked by a warm server (this process then never
     # imports torch), or several.
@@ -166,31 +169,21 @@ def _supervise(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int, ser
     atomic_write_bytes(rundir.logging_file(run_dir), json.dumps(_job_logging()).encode())
     multi_node = info.world_size > 1  # one supervisor per node (e.g. srun --ntasks-per-node=1)
     script_task = plain.get("script")
-    # A script creates its process group itself, from MASTER_PORT: chosen here, before its ranks start
-    # (a function task's rank 0 binds one and publishes it, expgpu.distributed.group)
-    port = info.master_port if multi_node else spawn.free_port() if script_task else 0
     # a stopped rank's script has its grace period; then its rank writes how it ended
     grace = script_task["grace_s"] + spawn.GRACE_S if script_task else spawn.GRACE_S
-    failure = spawn.run_node(nproc, run_dir, node_rank=info.rank, nnodes=info.world_size,
-                        master_addr=info.master_addr if multi_node else "127.0.0.1", master_port=port,
-                        grace_s=grace, server=server)
-    if failure is not None:
-        if failure.user_error:
-            raise UserError(failure.message)
-        verdict = _hang_verdict(run_dir) if failure.returncode == EXIT_HUNG else None
-        if verdict is not None:
-            raise Hung(verdict["line"], str(rundir.hang_dir(run_dir)))
-        raise WorkerFailed(failure)
+
+    def attempt(n: int, cfg: dict):   # the node's ranks, once; a crash or hang may start them again
+        if cfg is not plain:   # a restart's (expgpu.launch.restarts.resuming)
+            atomic_write_bytes(rundir.config_file(run_dir), json.dumps(cfg).encode())
+        # A script creates its process group itself, from MASTER_PORT: chosen here, before its ranks start
+        # (a function task's rank 0 binds one and publishes it, expgpu.distributed.group)
+        port = info.master_port if multi_node else spawn.free_port() if script_task else 0
+        return spawn.run_node(nproc, run_dir, env_extra={envvars.ATTEMPT: str(n)}, node_rank=info.rank,
+                              nnodes=info.world_size, master_addr=info.master_addr if multi_node else "127.0.0.1",
+                              master_port=port, grace_s=grace, server=server)
+
+    restarts.supervise(run_dir, plain, attempt, info.world_size)
     return json.loads((run_dir / rundir.RESULT).read_text()) if info.rank == 0 else None
-
-
-def _hang_verdict(run_dir: Path) -> dict | None:
-    """What the hang watchdog said (expgpu.train.watchdog), if it ended the ranks."""
-    try:
-        verdict = json.loads(rundir.hang_verdict(run_dir).read_text())
-    except (OSError, ValueError):
-        return None
-    return verdict if isinstance(verdict, dict) and "line" in verdict else None
 
 
 def _finished_earlier(run_dir: Path, plain: dict) -> dict | None:

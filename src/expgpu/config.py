@@ -184,6 +184,7 @@ class CheckpointConfig:
 class FaultsConfig:
     crash_rank: Optional[int] = None  # inject a crash on this rank ...
     crash_step: Optional[int] = None  # ... at this step (both needed)
+    crash_attempts: Optional[int] = None  # ... in the run's first N attempts only (launch.max_restarts); null: every
     kind: FaultKind = FaultKind.exception
     slow_rank: Optional[int] = None   # tests/bench: make this (CPU) rank ...
     slow_factor: float = 1.0          # ... this many times slower (sleeps (f-1) x its compute time)
@@ -309,6 +310,8 @@ def check(cfg: DictConfig) -> None:
     if f.crash_rank is not None:
         need(f.crash_rank >= 0, "faults.crash_rank", "a rank >= 0")
         need(f.crash_step >= 0, "faults.crash_step", "a step >= 0")
+    need(f.crash_attempts is None or f.crash_attempts >= 1, "faults.crash_attempts",
+         "null (every attempt) or an integer >= 1 (the first N attempts of the run)")
     need(math.isfinite(f.slow_factor) and f.slow_factor >= 1, "faults.slow_factor", "a number >= 1")
     need(math.isfinite(f.device_ms_per_example) and f.device_ms_per_example >= 0,
          "faults.device_ms_per_example", "milliseconds >= 0")

@@ -19,6 +19,9 @@ RUN_DIR = "EXPGPU_RUN_DIR"           # the run dir a launcher chose for its job 
 START_TIME = "EXPGPU_START_TIME"     # when the launch (or a pool job's hand-over) began: startup_s counts from it
 STOP_SIGNALS = "EXPGPU_STOP_SIGNALS"   # the signals a worker stops on: its supervisor's (expgpu.procs.signals)
 STOP_AT = "EXPGPU_STOP_AT"           # checkpoint.verify: every rank stops at this step, as on SIGTERM
+# Which attempt of the run this process belongs to (1: the first), set by the loop that restarts it (expgpu.launch.
+# restarts: expgpu's spawn for its ranks); a supervisor that finds it set leaves restarts to that outer loop
+ATTEMPT = "EXPGPU_ATTEMPT"
 
 # Warm processes (expgpu.launch.warm, expgpu.launch.warm_server)
 WARM_SERVER = "EXPGPU_WARM_SERVER"   # user: the socket of a warm server that launches fork their ranks from

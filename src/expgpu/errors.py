@@ -101,8 +101,9 @@ class Stopped(_Outcome):
 class Hung(_Outcome):
     """The run hung: the watchdog named the rank(s) at fault, wrote every rank's stacks, ended them all."""
 
-    def __init__(self, line: str, stacks: str):
-        super().__init__(f"hung: {line} (every rank's stacks: {stacks})")
+    def __init__(self, line: str, stacks: str, text: str | None = None):
+        # text: the whole line instead, where it says more (expgpu.launch.restarts: hung again, not restarted)
+        super().__init__(text or f"hung: {line} (every rank's stacks: {stacks})")
         self.exit_code = EXIT_HUNG
 
 
@@ -111,6 +112,7 @@ class WorkerFailed(_Outcome):
 
     `failure`: expgpu.results.Failure for a rank (its rank, message, exit code), None for a job."""
 
-    def __init__(self, failure):
-        super().__init__(f"rank {failure.rank} failed: {failure.message}")
+    def __init__(self, failure, text: str | None = None):
+        # text: the whole line instead, where it says more (expgpu.launch.restarts: failed again, not restarted)
+        super().__init__(text or f"rank {failure.rank} failed: {failure.message}")
         self.failure = failure

@@ -8,9 +8,16 @@ import signal
 import time
 from dataclasses import dataclass
 
+from expgpu.results import current_attempt
+
 
 def crash(faults: dict, rank: int, step: int) -> None:
-    """At faults.crash_step: rank faults.crash_rank raises, or with faults.kind=kill dies outright."""
+    """At faults.crash_step: rank faults.crash_rank raises, or with faults.kind=kill dies outright; with
+    faults.crash_attempts=N only in the run's first N attempts (launch.max_restarts starts it again: a fault
+    that goes away, as most do), else in every one."""
+    attempts = faults.get("crash_attempts")
+    if attempts is not None and current_attempt() > attempts:
+        return
     if faults.get("crash_rank") == rank:
         if faults.get("kind") == "kill":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -7,10 +7,22 @@ and script tasks alike). Its keys, by kind of task:
                  script), task_config, source (who started the ranks), world_size, backend (null: no
                  process group of expgpu's), strategy, plan (a row per rank: host, device, GPUs),
                  metrics (what the task returned, or a script's last logged values), steps, max_steps,
-                 length_keys, stop_signal, timing (startup_s, train_s, ...), run_dir
+                 length_keys, stop_signal, timing (startup_s, train_s, ...), run_dir, and attempts (below;
+                 write_result adds it)
     a function   epochs, step_means, resumed_from_step, param_checksum, rank_checksums, and what the
                  task added with run.result_extra
-    a script     command (the argv each rank ran), exit_codes (by rank), resumed, attempt
+    a script     command (the argv each rank ran), exit_codes (by rank), resumed, attempt (how many times its
+                 script started in this run dir before, from 0: restarts, reruns and requeues alike)
+
+`attempts` lists the attempts of this launch, one row each, oldest first: those that failed and made the world
+start again (launch.max_restarts, expgpu.launch.restarts), then this one:
+
+    attempt      1 for the first
+    kind         crash or hung for a failed attempt; this result's status for the last row
+    reason       the one line it failed with (null for the last row, unless it hung)
+    ranks        the rank(s) at fault: a crash's first failed rank, a hang's culprits
+    step         the steps done: at a crash, the last step metrics.jsonl held; at a hang, the slowest rank's
+    at           when it ended (ISO 8601, local time)
 
 A failure record (RUN_DIR/.expgpu/rank<N>.failure.json, failure.json) says in one line why a rank or
 the job failed, and whether it was the user's error: the supervisor and the sweep report read them.
@@ -18,12 +30,15 @@ the job failed, and whether it was the user's error: the supervisor and the swee
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from expgpu.rundir import RESULT, atomic_write_bytes, failure_file, job_failure_file
+from expgpu import envvars
+from expgpu.rundir import RESULT, atomic_write_bytes, attempts_file, failure_file, job_failure_file
 
 EVERY_RUN = ("status", "task", "function", "task_config", "source", "world_size", "backend", "strategy", "plan",
              "metrics", "steps", "max_steps", "length_keys", "stop_signal", "timing", "run_dir")
@@ -37,12 +52,49 @@ def is_script(result: dict) -> bool:
 
 
 def write_result(run_dir: Path, result: dict) -> dict:
-    """result.json, atomically; a record missing a key of its kind's schema is a bug, not a file."""
+    """result.json, atomically, with its `attempts`; a record missing a key of its kind's schema is a bug,
+    not a file."""
     missing = [k for k in EVERY_RUN + (SCRIPT_KEYS if is_script(result) else FUNCTION_KEYS) if k not in result]
     if missing:
         raise ValueError(f"result.json without {', '.join(missing)}")
+    attempt = current_attempt()
+    result = {**result, "attempts": [*read_attempts(run_dir, before=attempt), {
+        "attempt": attempt, "kind": result["status"], "reason": (result.get("hang") or {}).get("line"),
+        "ranks": (result.get("hang") or {}).get("culprits"), "step": result["steps"], "at": now()}]}
     atomic_write_bytes(Path(run_dir) / RESULT, (json.dumps(result, indent=2) + "\n").encode())
     return result
+
+
+def current_attempt(env=None) -> int:
+    """This process's attempt of the run: 1, unless a restart loop said otherwise (EXPGPU_ATTEMPT)."""
+    raw = (os.environ if env is None else env).get(envvars.ATTEMPT, "")
+    return int(raw) if raw.isdigit() and int(raw) >= 1 else 1
+
+
+def read_attempts(run_dir: Path, before: int | None = None) -> list[dict]:
+    """The failed attempts recorded in the run dir (RUN_DIR/.expgpu/attempts.json), oldest first; with
+    `before`, only those numbered below it (rows left by an earlier launch in the same run dir are not)."""
+    try:
+        rows = json.loads(attempts_file(run_dir).read_text())
+    except (OSError, ValueError):
+        return []
+    rows = [r for r in rows if isinstance(r, dict) and isinstance(r.get("attempt"), int)] if isinstance(rows, list) \
+        else []
+    return [r for r in rows if before is None or r["attempt"] < before]
+
+
+def record_attempt(run_dir: Path, row: dict) -> list[dict]:
+    """A failed attempt's row added to RUN_DIR/.expgpu/attempts.json (replacing any of its number or later, an
+    earlier launch's); every row now."""
+    rows = [*read_attempts(run_dir, before=row["attempt"]), row]
+    path = attempts_file(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, (json.dumps(rows, indent=2) + "\n").encode())
+    return rows
+
+
+def now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
 def read_result(run_dir: Path) -> dict | None:

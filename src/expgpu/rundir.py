@@ -22,6 +22,8 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
     RUN_DIR/logs/rank<N>.out                what rank N > 0 printed, under launch.stdout=rank0
     RUN_DIR/hang/rank<N>.txt, verdict.json  a hang's stacks, every thread of every rank, and what was said
                                             (expgpu.train.watchdog)
+    RUN_DIR/hang-<N>/                       attempt N's hang/ (and its result.json), moved aside when the world
+                                            started again (launch.on_hang=restart, expgpu.launch.restarts)
     RUN_DIR/metrics.csv, tensorboard/,      rank 0, the chosen loggers (expgpu.loggers)
         wandb/, mlflow.db (a single run)
     RUN_DIR/.expgpu/                        expgpu's hand-over files between its own processes:
@@ -34,6 +36,8 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
         script-rank<N>.json                 how rank N's script ended (exit code, stop), for rank 0's result
         script-log.json                     where this attempt's expgpu.log rows begin, for the loggers
         backstop-rank<N>.txt                faulthandler's dump of a rank whose watchdog could not run
+        attempts.json                       this launch's failed attempts (a crash, a hang), one row each, for
+                                            rank 0's result.json and the restart loop (expgpu.launch.restarts)
 
 and, under hydra/sweeper=expgpu_optuna (expgpu.tune):
 
@@ -95,6 +99,14 @@ def hang_stack(run_dir: Path, rank: int) -> Path:
 
 def hang_verdict(run_dir: Path) -> Path:
     return hang_dir(run_dir) / "verdict.json"
+
+
+def hang_dir_of_attempt(run_dir: Path, attempt: int) -> Path:
+    return Path(run_dir) / f"{HANG}-{attempt}"
+
+
+def attempts_file(run_dir: Path) -> Path:
+    return state_dir(run_dir) / "attempts.json"
 
 
 def backstop_file(run_dir: Path, rank: int) -> Path:

@@ -199,6 +199,10 @@ def test_user_task_from_own_config_dir(tmp_path):
     (["launch.isolation=magic"], "launch.isolation"),
     (["checkpoint.poll_every=0"], "checkpoint.poll_every=0 is not allowed: auto or an integer >= 1"),
     (["checkpoint.poll_every=often"], "checkpoint.poll_every='often' is not allowed: auto or an integer >= 1"),
+    (["launch.max_restarts=-1"], "launch.max_restarts=-1 is not allowed: an integer >= 0"),
+    (["launch.on_hang=restart"], "launch.on_hang=restart is not allowed: fail, or restart with launch.max_restarts "
+                                 ">= 1"),
+    (["faults.crash_attempts=0"], "faults.crash_attempts=0 is not allowed: null (every attempt) or an integer >= 1"),
 ])
 @pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):

@@ -1,11 +1,13 @@
 """A torchrun-style script for the script-task tests: records how it was started, logs, fails or stops on demand.
 
-    python probe_script.py [--steps N] [--step-s S] [--log] [--fail-rank R --fail-code C]
-                           [--on-term default|save|ignore] [--resume] [--lr X] [--data PATH]
+    python probe_script.py [--steps N] [--step-s S] [--log] [--fail-rank R --fail-code C [--fail-at S] [--fail-once]]
+                           [--on-term default|save|ignore] [--save-every N] [--resume] [--lr X] [--data PATH]
 
 It writes into its working directory (the run dir): started-rank<R>.json (its torchrun variables,
 CUDA_VISIBLE_DEVICES, argv, cwd), at-rank<R> (the step it is at), ckpt.txt (on SIGTERM or
-SIGUSR2 with --on-term save), done-rank<R>.json at the end. No torch: the tests stay fast.
+SIGUSR2 with --on-term save, and from rank 0 every --save-every steps), done-rank<R>.json at the end.
+--fail-once: rank R fails only where it has not failed before (failed-rank<R> in the run dir). No torch:
+the tests stay fast.
 """
 
 import argparse
@@ -26,6 +28,9 @@ p.add_argument("--step-s", type=float, default=0.0)
 p.add_argument("--log", action="store_true")
 p.add_argument("--fail-rank", type=int, default=None)
 p.add_argument("--fail-code", type=int, default=3)
+p.add_argument("--fail-at", type=int, default=1)
+p.add_argument("--fail-once", action="store_true")
+p.add_argument("--save-every", type=int, default=0)
 p.add_argument("--on-term", choices=["default", "save", "ignore"], default="default")
 p.add_argument("--resume", action="store_true")
 p.add_argument("--lr", type=float, default=0.1)
@@ -55,7 +60,9 @@ first = 0
 if args.resume and os.path.exists("ckpt.txt"):
     first = int(open("ckpt.txt").read())
 for step in range(first, args.steps):
-    if args.fail_rank == rank and step == 1:
+    failed_before = args.fail_once and os.path.exists(f"failed-rank{rank}")
+    if args.fail_rank == rank and step == args.fail_at and not failed_before:
+        open(f"failed-rank{rank}", "w").close()
         print(f"rank {rank} about to fail", flush=True)
         print("Traceback (most recent call last):", file=sys.stderr)
         print("ValueError: injected failure", file=sys.stderr, flush=True)
@@ -68,6 +75,10 @@ for step in range(first, args.steps):
         import expgpu
 
         expgpu.log(loss=args.lr / (step + 1), step=step + 1)
+    if args.save_every and rank == 0 and (step + 1) % args.save_every == 0:
+        with open(".ckpt.txt", "w") as f:
+            f.write(str(step + 1))
+        os.replace(".ckpt.txt", "ckpt.txt")
     if stop:
         with open("ckpt.txt", "w") as f:
             f.write(str(step + 1))

@@ -1,0 +1,214 @@
+"""In-run restarts: after a rank crashes, or hangs under launch.on_hang=restart, every rank is stopped and the
+world starts again in the same run dir, up to launch.max_restarts times (torchrun's --max-restarts, for hangs
+too). A function task resumes from its last checkpoint there; a script task starts its script again, with
+task.resume_args where its resume_if file exists (expgpu.script.runner); both even under checkpoint.resume=false,
+which is about an earlier launch's checkpoint, not this one's (`resuming`).
+
+The loop: `supervise`, around spawn.run_node (app._supervise), when this supervisor is the run's only one (not
+one per node of a multi-node job) and no outer loop restarts it; the policy: `decide`.
+
+Never restarted: a user error (exit 2); a stop signal (Ctrl-C, SIGTERM, SIGUSR2: the checkpoint, and a requeue
+where there is one, take it from there); a hang under on_hang=fail. An attempt that fails as the one before it
+did (same kind, same rank(s), same step, same reason) ends the run at once, with that failure's exit code (1
+for a crash, 124 for a hang), instead of spending the attempts left on a failure that comes back.
+
+Each failed attempt is one row of RUN_DIR/.expgpu/attempts.json (expgpu.results.record_attempt), which rank 0's
+result.json lists under "attempts" beside its own. The step of a crash is the last one metrics.jsonl held;
+a hang's is the slowest rank's, from the watchdog's verdict. Before the world starts again after a hang, its
+hang/ (the stacks, verdict.json) and result.json (status hung) move to hang-<N>/. The ranks learn their
+attempt from EXPGPU_ATTEMPT (faults.crash_attempts reads it); one that finds it set in its own environment
+belongs to an outer loop, and a supervisor there leaves restarts to it. No torch here: the supervisor's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from expgpu import envvars, rundir
+from expgpu.errors import EXIT_HUNG, Hung, UserError, WorkerFailed
+from expgpu.procs import stop_signals
+from expgpu.results import Failure, current_attempt, now, read_result, record_attempt
+
+log = logging.getLogger("expgpu")
+
+
+@dataclass(frozen=True)
+class Policy:
+    max_restarts: int = 0    # launch.max_restarts
+    on_hang: str = "fail"    # launch.on_hang: fail | restart
+
+    @classmethod
+    def of(cls, cfg: dict) -> "Policy":
+        launch = cfg.get("launch") or {}
+        on_hang = launch.get("on_hang") or "fail"
+        return cls(int(launch.get("max_restarts") or 0), getattr(on_hang, "value", str(on_hang)))
+
+
+def in_charge(world_size: int, env=None) -> bool:
+    """Whether this process's loop restarts the run: it supervises the whole world (one supervisor: not one of
+    a multi-node job's, which would each restart alone), and no outer loop does (EXPGPU_ATTEMPT unset)."""
+    return world_size == 1 and envvars.ATTEMPT not in (os.environ if env is None else env)
+
+
+def supervise(run_dir: Path, cfg: dict, start: Callable[[int, dict], Failure | None], world_size: int = 1) -> None:
+    """Start the world (`start(attempt, cfg)`: the attempt's first failure, or None when every rank succeeded)
+    until an attempt succeeds; raises what ended the run when the policy restarts it no more (UserError, Hung,
+    WorkerFailed)."""
+    ours = in_charge(world_size)
+    policy = Policy.of(cfg) if ours else Policy()
+    attempt = first = current_attempt()
+    if ours:
+        rundir.attempts_file(run_dir).unlink(missing_ok=True)   # an earlier launch's, in this run dir
+    while True:
+        failure = start(attempt, cfg if attempt == first else resuming(cfg))
+        if failure is None:
+            return
+        if failure.user_error:
+            raise UserError(failure.message)
+        verdict = hang_verdict(run_dir) if failure.returncode == EXIT_HUNG else None
+        row = failed_attempt(run_dir, attempt, verdict, failure.message, [failure.rank])
+        rows = record_attempt(run_dir, row) if ours else [row]
+        decision = decide(rows, policy, run_dir, stopping=_stopping(), checkpoint=_restarts_from(run_dir, cfg))
+        if not decision.restart:
+            if verdict is not None:
+                raise Hung(verdict["line"], str(rundir.hang_dir(run_dir)), decision.text)
+            raise WorkerFailed(failure, decision.text)
+        log.warning("%s", decision.text)
+        set_aside(run_dir, row)
+        attempt += 1
+
+
+def resuming(cfg: dict) -> dict:
+    """The config of a restarted attempt: it resumes from what the attempts before it saved, whatever
+    checkpoint.resume says (which is about an earlier launch's checkpoint in the run dir)."""
+    return {**cfg, "checkpoint": {**cfg["checkpoint"], "resume": True}}
+
+
+def _stopping() -> bool:
+    """A stop signal reached this process (its ranks stop too): no restart."""
+    stopper = stop_signals.current()
+    return stopper is not None and stopper.received is not None
+
+
+def _restarts_from(run_dir: Path, cfg: dict) -> str:
+    """How the next attempt starts, as the restart's line says it."""
+    if cfg.get("script") is not None:
+        return "starting the script again, with task.resume_args where they apply"
+    if (Path(run_dir) / rundir.CHECKPOINT).exists() or (Path(run_dir) / rundir.SHARDED_CHECKPOINT).exists():
+        return "starting again from the last checkpoint"
+    return "starting again from the start (no checkpoint yet: checkpoint.every_steps saves some)"
+
+
+def hang_verdict(run_dir: Path) -> dict | None:
+    """What the hang watchdog said (expgpu.train.watchdog), if it ended the ranks."""
+    try:
+        verdict = json.loads(rundir.hang_verdict(run_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return verdict if isinstance(verdict, dict) and "line" in verdict else None
+
+
+def failed_attempt(run_dir: Path, attempt: int, verdict: dict | None, message: str,
+                   ranks: list[int] | None) -> dict:
+    """The row of attempts.json for an attempt that failed: hung (the watchdog's `verdict`), else a crash
+    (`message`, as the rank at fault said it)."""
+    if verdict is not None:
+        steps = [int(r["step"]) for r in (verdict.get("ranks") or {}).values() if "step" in r]
+        return {"attempt": attempt, "kind": "hung", "reason": verdict["line"], "ranks": verdict.get("culprits"),
+                "step": min(steps) if steps else None, "at": now()}
+    return {"attempt": attempt, "kind": "crash", "reason": message, "ranks": ranks,
+            "step": last_step(Path(run_dir) / rundir.METRICS), "at": now()}
+
+
+def last_step(path: Path, tail_bytes: int = 65536) -> int | None:
+    """The step of metrics.jsonl's last whole row (read from its end: it may be long), or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue   # torn by a kill mid-write, or the first, partial line of the tail
+    return None
+
+
+@dataclass(frozen=True)
+class Decision:
+    restart: bool
+    text: str | None   # the line to say: the restart's, or why not (None: the failure's own line, as ever)
+
+
+def decide(rows: list[dict], policy: Policy, run_dir: Path, stopping: bool = False,
+           checkpoint: str = "starting again from the last checkpoint") -> Decision:
+    """Restart after the last of `rows` (this launch's failed attempts, oldest first), or not, and the line
+    (`checkpoint`: how the next attempt starts)."""
+    row = rows[-1]
+    stacks = rundir.hang_dir(run_dir)
+    n, total = row["attempt"], policy.max_restarts + 1
+    if stopping or policy.max_restarts == 0:
+        return Decision(False, None)
+    hung = row["kind"] == "hung"
+    if hung and policy.on_hang != "restart":
+        return Decision(False, _final(row, "not restarted: launch.on_hang=fail", stacks))
+    before = rows[-2] if len(rows) > 1 and rows[-2]["attempt"] == n - 1 else None
+    if before is not None and same(before, row):
+        return Decision(False, f"{_who(row)} {'hung' if hung else 'failed'} again{_at(row)} for the same reason "
+                               f"({row['reason']}): not restarting (attempt {n} of {total})"
+                               + (f"; every rank's stacks: {stacks}" if hung else ""))
+    if n > policy.max_restarts:
+        return Decision(False, _final(row, f"attempt {n} of {total}, no restarts left", stacks))
+    if hung:
+        return Decision(True, f"restart {n} of {policy.max_restarts}: hung{_at(row)} ({row['reason']}); "
+                              f"{checkpoint} (this attempt's stacks: {rundir.hang_dir_of_attempt(run_dir, n)})")
+    return Decision(True, f"restart {n} of {policy.max_restarts}: {_who(row)} failed: {row['reason']}{_at(row)}; "
+                          f"{checkpoint}")
+
+
+def same(a: dict, b: dict) -> bool:
+    """Two failed attempts alike: kind, rank(s), step and reason (a hang's line but for its seconds waited)."""
+    def reason(row: dict) -> str:
+        return re.sub(r"\b\d+ s\b", "N s", row["reason"] or "") if row["kind"] == "hung" else row["reason"]
+
+    return (a["kind"], a["ranks"], a["step"], reason(a)) == (b["kind"], b["ranks"], b["step"], reason(b))
+
+
+def _who(row: dict) -> str:
+    ranks = row.get("ranks") or []
+    if not ranks:
+        return "a rank"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(str(r) for r in ranks)}"
+
+
+def _at(row: dict) -> str:
+    return f" at step {row['step']}" if row.get("step") is not None else ""
+
+
+def _final(row: dict, why: str, stacks: Path) -> str:
+    if row["kind"] == "hung":
+        return f"hung: {row['reason']} (every rank's stacks: {stacks}); {why}"
+    return f"{_who(row)} failed: {row['reason']} ({why})"
+
+
+def set_aside(run_dir: Path, row: dict) -> None:
+    """Before the world starts again after a hang: its stacks, verdict and result.json (status hung) to
+    hang-<N>/, where the next attempt's hang/ (if any) does not mix with them."""
+    if row["kind"] != "hung" or not rundir.hang_dir(run_dir).is_dir():
+        return
+    kept = rundir.hang_dir_of_attempt(run_dir, row["attempt"])
+    shutil.rmtree(kept, ignore_errors=True)   # an earlier launch's attempt of that number
+    rundir.hang_dir(run_dir).rename(kept)
+    result = read_result(run_dir)
+    if result is not None and result.get("status") == "hung":
+        (Path(run_dir) / rundir.RESULT).rename(kept / rundir.RESULT)
