@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from expgpu import config, envvars, loggers, ranks, rundir, script
 from expgpu.checkpoint import verify
-from expgpu.errors import Stopped, UserError, WorkerFailed, first_line
+from expgpu.errors import Hung, Stopped, UserError, WorkerFailed, first_line
 from expgpu.gpus import memory_estimate, placement
 from expgpu.launch import requeue, restarts, spawn, worker
 from expgpu.procs import stop_signals
@@ -76,9 +76,21 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         # The first failure is the cause (under srun every rank runs this; the others echo it).
         # A config error before the run dir exists leaves nothing behind.
         if run_dir.is_dir() and not rundir.job_failure_file(run_dir).exists():
-            write_job_failure(run_dir, str(e) if isinstance(e, (UserError, WorkerFailed))
-                                    else f"{type(e).__name__}: {first_line(e)}", isinstance(e, UserError))
+            said = isinstance(e, (UserError, WorkerFailed))
+            # a rank's own error (an srun task's): which rank, for the restart's line (expgpu.launch.restarts)
+            rank = None if said or isinstance(e, Hung) else _rank_of_several()
+            write_job_failure(run_dir, str(e) if said else f"{type(e).__name__}: {first_line(e)}",
+                              isinstance(e, UserError), rank=rank)
         raise
+
+
+def _rank_of_several() -> int | None:
+    """This process's rank where it is one of several (an srun task, a torchrun worker), else None."""
+    try:
+        info = ranks.detect()
+    except UserError:
+        return None
+    return info.rank if info.world_size > 1 else None
 
 
 def _run(cfg: DictConfig, run_dir: Path) -> dict | None:

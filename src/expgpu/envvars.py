@@ -20,7 +20,8 @@ START_TIME = "EXPGPU_START_TIME"     # when the launch (or a pool job's hand-ove
 STOP_SIGNALS = "EXPGPU_STOP_SIGNALS"   # the signals a worker stops on: its supervisor's (expgpu.procs.signals)
 STOP_AT = "EXPGPU_STOP_AT"           # checkpoint.verify: every rank stops at this step, as on SIGTERM
 # Which attempt of the run this process belongs to (1: the first), set by the loop that restarts it (expgpu.launch.
-# restarts: expgpu's spawn for its ranks); a supervisor that finds it set leaves restarts to that outer loop
+# restarts: expgpu's spawn for its ranks, scripts/expgpu.sbatch for its srun steps); a supervisor that finds it set
+# leaves restarts to that outer loop
 ATTEMPT = "EXPGPU_ATTEMPT"
 
 # Warm processes (expgpu.launch.warm, expgpu.launch.warm_server)

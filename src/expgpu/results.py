@@ -121,11 +121,22 @@ def write_failure(run_dir: Path, rank: int, message: str, user_error: bool = Fal
     atomic_write_bytes(path, json.dumps({"rank": rank, "message": message, "user_error": user_error}).encode())
 
 
-def write_job_failure(run_dir: Path, message: str, user_error: bool = False) -> None:
-    """Why the job (not one rank) failed, in one line, for `expgpu-report` whatever the launcher."""
+def write_job_failure(run_dir: Path, message: str, user_error: bool = False, rank: int | None = None) -> None:
+    """Why the job (not one rank) failed, in one line, for `expgpu-report` whatever the launcher; `rank`: the
+    rank whose own error it is (srun's tasks, each a rank, write it), None when the message names it."""
     path = job_failure_file(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, json.dumps({"message": " ".join(message.split()), "user_error": user_error}).encode())
+    atomic_write_bytes(path, json.dumps({"message": " ".join(message.split()), "user_error": user_error,
+                                         "rank": rank}).encode())
+
+
+def read_job_failure(run_dir: Path) -> dict | None:
+    """RUN_DIR/.expgpu/failure.json ({message, user_error, rank}), or None."""
+    try:
+        doc = json.loads(job_failure_file(run_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and "message" in doc else None
 
 
 def read_failure(run_dir: Path, rank: int, code: int) -> Failure:

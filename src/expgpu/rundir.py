@@ -17,6 +17,7 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
         .metadata, __<rank>_0.distcp,       shards (torch.distributed.checkpoint) and rank 0's expgpu.pt,
         expgpu.pt                           renamed into place from .checkpoint.tmp-<step>/ (expgpu.checkpoint.sharded)
     RUN_DIR/plan.json                       the node plan (dry run and spawn)
+    RUN_DIR/.hydra/config.yaml              the composed config, as Hydra saves it (a sbatch restart reads it)
     RUN_DIR/logs/rank<N>.log                each spawned rank's log
     RUN_DIR/logs/rank<N>.script.log         a script task's output on rank N (stdout and stderr, every attempt)
     RUN_DIR/logs/rank<N>.out                what rank N > 0 printed, under launch.stdout=rank0
@@ -75,6 +76,10 @@ CONSOLE = "console.log"
 POOL_JOB, POOL_RETURN, SPARES_LOG = "pool-job.pkl", "pool-return.pkl", "pool-spares.log"
 STUDY = "study.json"
 HANG = "hang"
+
+
+def hydra_config(run_dir: Path) -> Path:
+    return Path(run_dir) / ".hydra" / "config.yaml"
 
 
 def state_dir(run_dir: Path) -> Path:

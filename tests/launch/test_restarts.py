@@ -1,16 +1,20 @@
 """In-run restarts (launch.max_restarts, launch.on_hang=restart; expgpu.launch.restarts): the policy and the
 attempts' record in this process, then real 2-rank runs over gloo on CPU whose rank 1 crashes or hangs in the
 first attempt only (they end with the parameters of a run that never failed, bitwise) or in every attempt (they
-stop at the repeat), and a script task."""
+stop at the repeat), a script task, and a plain sbatch job on the local SLURM cluster."""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+import time
 
 import pytest
+from slurm_cluster import restarts as requeues
+from slurm_cluster import slurm_cluster  # noqa: F401
 
-from conftest import HELPERS, TESTS, clean_env, expgpu
+from conftest import HELPERS, REPO, TESTS, clean_env, expgpu
 from expgpu import results, rundir
 from expgpu.errors import EXIT_HUNG
 from expgpu.launch import restarts
@@ -92,6 +96,60 @@ def test_the_step_reached_is_the_last_whole_row_of_metrics_jsonl(tmp_path):
     rows = "".join(json.dumps({"step": s, "loss": 1.0 / s, "epoch": 0, "time": 0.0}) + "\n" for s in range(1, 5001))
     path.write_text(rows + '{"step": 5001, "lo')   # longer than the tail read, and torn by a kill mid-write
     assert restarts.last_step(path) == 5000
+
+
+def _step_dir(tmp_path, max_restarts: int = 1, on_hang: str = "fail"):
+    """A run dir as an srun step of scripts/expgpu.sbatch leaves it: Hydra's config, and metrics up to step 13."""
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text(
+        f"task:\n  max_steps: 30\nlaunch:\n  max_restarts: {max_restarts}\n  on_hang: {on_hang}\n")
+    (run_dir / "checkpoint.pt").write_bytes(b"")
+    (run_dir / rundir.METRICS).write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 14)))
+    return run_dir
+
+
+def test_after_an_srun_step_what_it_left_in_the_run_dir_says_whether_it_starts_again(tmp_path, capsys):
+    run_dir, started = _step_dir(tmp_path), time.time()
+    results.write_job_failure(run_dir, CRASH, rank=1)   # srun's code: 143, the peer its --kill-on-bad-exit ended
+    assert restarts.after_step(run_dir, 1, 143, started) == 0
+    assert capsys.readouterr().err == (f"expgpu: restart 1 of 1: rank 1 failed: {CRASH} at step 13; starting again "
+                                       "from the last checkpoint\n")
+    assert restarts.after_step(run_dir, 2, 143, started) == 1   # the same failure again: a crash's code
+    assert "expgpu: rank 1 failed again at step 13 for the same reason (" in capsys.readouterr().err
+    assert [(r["attempt"], r["ranks"], r["reason"]) for r in results.read_attempts(run_dir)] == \
+        [(1, [1], CRASH), (2, [1], CRASH)]
+
+
+def test_after_an_srun_step_a_stop_or_a_user_error_never_starts_it_again(tmp_path, capsys):
+    run_dir = _step_dir(tmp_path, max_restarts=3)
+    old = rundir.job_failure_file(run_dir)
+    results.write_job_failure(run_dir, CRASH, rank=1)
+    os.utime(old, (time.time() - 600, time.time() - 600))   # an earlier step's
+    started = time.time()
+    assert restarts.after_step(run_dir, 1, 143, started) == 143   # SIGTERM, and no failure since: a stop
+    (run_dir / rundir.RESULT).write_text(json.dumps({"status": "stopped"}))
+    assert restarts.after_step(run_dir, 1, 140, started) == 140
+    assert restarts.after_step(run_dir, 1, 2, started) == 2
+    results.write_job_failure(run_dir, "task.lr: no such parameter", user_error=True)
+    assert restarts.after_step(run_dir, 1, 1, started) == 1
+    assert capsys.readouterr().err == "" and results.read_attempts(run_dir) == []
+
+
+def test_after_an_srun_step_a_hang_starts_it_again_under_on_hang_restart_with_its_stacks_kept(tmp_path, capsys):
+    run_dir, started = _step_dir(tmp_path, on_hang="restart"), time.time()
+    rundir.hang_dir(run_dir).mkdir()
+    rundir.hang_verdict(run_dir).write_text(json.dumps({"line": HANG.format(6), "culprits": [1],
+                                                        "ranks": {"0": {"step": 6}, "1": {"step": 5}}}))
+    (run_dir / rundir.RESULT).write_text(json.dumps({"status": "hung"}))
+    assert restarts.after_step(run_dir, 1, EXIT_HUNG, started) == 0
+    assert f"expgpu: restart 1 of 1: hung at step 5 ({HANG.format(6)}); " in capsys.readouterr().err
+    assert (run_dir / "hang-1" / "verdict.json").exists() and (run_dir / "hang-1" / "result.json").exists()
+    assert not rundir.hang_dir(run_dir).exists() and not (run_dir / rundir.RESULT).exists()
+    # an expgpu spawn inside the step (launch.nproc_per_node) said which rank, in its line
+    results.write_job_failure(run_dir, f"rank 1 failed: {CRASH}")
+    assert restarts.after_step(run_dir, 2, 1, started) == 1   # no restarts left
+    assert results.read_attempts(run_dir)[-1]["ranks"] == [1] and results.read_attempts(run_dir)[-1]["reason"] == CRASH
 
 
 # Real runs. Checkpoints every 5 steps, a row every step: a crash at step 13 resumes from step 10.
@@ -235,3 +293,23 @@ def test_a_script_task_that_crashes_once_starts_again_with_its_resume_args_and_f
     assert "--resume" in json.loads((run.run_dir / "started-rank1.json").read_text())["argv"]
     losses = [r["step"] for r in run.metrics() if "loss" in r]
     assert losses == [1, 2, 3, 4, 5, 6]   # expgpu.log's rows go on: every step once
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_sbatch_starts_the_srun_step_again_after_a_crash_in_the_same_job(slurm_cluster, tmp_path, reference):
+    job = slurm_cluster.sbatch(["--cpus-per-task=1", "--gpus-per-node=0", str(REPO / "scripts" / "expgpu.sbatch"),
+                                *ARGS, *FAULT, "faults.crash_attempts=1", "launch.max_restarts=1", "logger=none"],
+                               cwd=tmp_path)
+    out = tmp_path / f"slurm-{job}.out"
+    assert slurm_cluster.wait_job(job, timeout=240) == "COMPLETED", out.read_text()[-4000:]
+    log = out.read_text()
+    assert requeues(slurm_cluster, job) == 0   # the same allocation, not a requeue
+    assert (f"expgpu: restart 1 of 1: rank 1 failed: {CRASH} at step 13; starting again from the last checkpoint"
+            in log.splitlines()), log[-4000:]
+    res = json.loads((tmp_path / "outputs" / "slurm" / job / "result.json").read_text())
+    assert (res["status"], res["source"], res["world_size"], res["resumed_from_step"]) == ("finished", "slurm", 2, 10)
+    assert res["param_checksum"] == reference["param_checksum"]   # as expgpu's own 2-rank spawn, never failed
+    assert [(a["attempt"], a["kind"], a["ranks"], a["step"]) for a in res["attempts"]] == \
+        [(1, "crash", [1], 13), (2, "finished", None, STEPS)]
+

@@ -6,7 +6,8 @@
     warm_server.py  such a process shared by every launch on the machine (`python -m expgpu.warm_server`)
     warm_client.py  a launch's side of the warm server
     requeue.py      after a stop checkpoint: who requeues the job, and how the process ends
-    restarts.py     after a crash or a hang: the world started again, up to launch.max_restarts times
+    restarts.py     after a crash or a hang: the world started again, up to launch.max_restarts times (spawn's
+                    loop, and `python -m expgpu.launch.restarts` for scripts/expgpu.sbatch's)
 
 Launchers only start processes with the right environment; each rank then walks the same straight
 line (docs/architecture.md). Nothing here is imported at `import expgpu`.

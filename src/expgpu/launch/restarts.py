@@ -4,8 +4,12 @@ too). A function task resumes from its last checkpoint there; a script task star
 task.resume_args where its resume_if file exists (expgpu.script.runner); both even under checkpoint.resume=false,
 which is about an earlier launch's checkpoint, not this one's (`resuming`).
 
-The loop: `supervise`, around spawn.run_node (app._supervise), when this supervisor is the run's only one (not
-one per node of a multi-node job) and no outer loop restarts it; the policy: `decide`.
+Two loops restart, with one policy (`decide`):
+- expgpu's spawn: `supervise`, around spawn.run_node (app._supervise), when this supervisor is the run's only
+  one (not one per node of a multi-node job) and no outer loop restarts it;
+- scripts/expgpu.sbatch, around its srun step: after a failed step it runs
+  `python -m expgpu.launch.restarts RUN_DIR ATTEMPT CODE STARTED`, whose exit code 0 starts the step again
+  and any other ends the job with that code.
 
 Never restarted: a user error (exit 2); a stop signal (Ctrl-C, SIGTERM, SIGUSR2: the checkpoint, and a requeue
 where there is one, take it from there); a hang under on_hang=fail. An attempt that fails as the one before it
@@ -27,16 +31,21 @@ import logging
 import os
 import re
 import shutil
+import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from expgpu import envvars, rundir
-from expgpu.errors import EXIT_HUNG, Hung, UserError, WorkerFailed
+from expgpu.errors import EXIT_HUNG, EXIT_USER_ERROR, Hung, UserError, WorkerFailed
 from expgpu.procs import stop_signals
-from expgpu.results import Failure, current_attempt, now, read_result, record_attempt
+from expgpu.results import Failure, current_attempt, now, read_job_failure, read_result, record_attempt
 
 log = logging.getLogger("expgpu")
+
+# The exit codes of a stopped run: 128 + the signal (SIGINT, SIGUSR2, SIGTERM; expgpu.errors.Stopped)
+STOP_CODES = {128 + s for s in (signal.SIGINT, signal.SIGUSR2, signal.SIGTERM)}
 
 
 @dataclass(frozen=True)
@@ -212,3 +221,72 @@ def set_aside(run_dir: Path, row: dict) -> None:
     result = read_result(run_dir)
     if result is not None and result.get("status") == "hung":
         (Path(run_dir) / rundir.RESULT).rename(kept / rundir.RESULT)
+
+
+def after_step(run_dir: Path, attempt: int, code: int, started: float) -> int:
+    """scripts/expgpu.sbatch's srun step `attempt` exited with `code` (not 0): 0 to start it again, else the
+    exit code to end the job with. What the step left in the run dir since `started` (epoch seconds) says what
+    happened, more than srun's code does (the highest of its tasks': a crash's peers, ended by
+    --kill-on-bad-exit, make it 143 as a stop does); its config (.hydra/config.yaml, as the step's ranks
+    composed it) says what to do."""
+    if code == EXIT_USER_ERROR:
+        return code
+    cfg = _step_config(run_dir)
+    if cfg is None:
+        return code
+
+    def fresh(path: Path) -> bool:
+        try:
+            return path.stat().st_mtime >= started - 1.0
+        except OSError:
+            return False
+
+    job = read_job_failure(run_dir) if fresh(rundir.job_failure_file(run_dir)) else None
+    if job is not None and job.get("user_error"):
+        return code
+    result = read_result(run_dir) if fresh(Path(run_dir) / rundir.RESULT) else None
+    if result is not None and result.get("status") in ("stopped", "pruned"):
+        return code
+    verdict = hang_verdict(run_dir) if fresh(rundir.hang_verdict(run_dir)) else None
+    if verdict is None and job is None and code in STOP_CODES:
+        return code   # a stop signal (its checkpoint saved, perhaps a requeue under way), no failure
+    message = job["message"] if job is not None else f"the srun step exited with code {code}"
+    rank = job.get("rank") if job is not None else None
+    said = re.fullmatch(r"rank (\d+) failed: (.*)", message)
+    if rank is None and said:   # an expgpu spawn's line, inside the step (launch.nproc_per_node)
+        rank, message = int(said.group(1)), said.group(2)
+    row = failed_attempt(run_dir, attempt, verdict, message, None if rank is None else [rank])
+    rows = record_attempt(run_dir, row)
+    decision = decide(rows, Policy.of(cfg), run_dir, checkpoint=_restarts_from(run_dir, cfg))
+    if decision.text is not None:
+        print(f"expgpu: {decision.text}", file=sys.stderr, flush=True)
+    if not decision.restart:   # the failure's own code, as under expgpu's spawn (srun's may be a peer's 143)
+        return EXIT_HUNG if verdict is not None else 1 if job is not None else code
+    set_aside(run_dir, row)
+    return 0
+
+
+def _step_config(run_dir: Path) -> dict | None:
+    """launch.* (and whether it is a script task) from the config the step's ranks composed."""
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = OmegaConf.load(rundir.hydra_config(run_dir))
+        task = cfg.get("task") or {}
+        return {"launch": OmegaConf.to_container(cfg.launch, resolve=True),
+                "script": {} if ("script" in task or "module" in task) else None}
+    except Exception:   # no config (the step failed before Hydra wrote it), or one we cannot read
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m expgpu.launch.restarts RUN_DIR ATTEMPT CODE STARTED` (scripts/expgpu.sbatch)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 4:
+        print("usage: python -m expgpu.launch.restarts RUN_DIR ATTEMPT CODE STARTED", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return after_step(Path(args[0]), int(args[1]), int(args[2]), float(args[3]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
