@@ -6,6 +6,7 @@
     how=collective  a collective the other ranks never call
     how=slow        no hang: step `at` takes `slow_s` (a slow step, not stuck)
     how=phase       no hang: a long stretch inside run.phase("evaluation") at step `at`
+    how=save        no hang: every checkpoint save (checkpoint.every_steps) takes `slow_s` on rank `rank`
 """
 
 from __future__ import annotations
@@ -17,12 +18,26 @@ import torch
 from expgpu import Run
 
 
+class SlowState:
+    """Tracked state whose state_dict() takes `seconds` on one rank (a big model saved to a slow disk)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def state_dict(self) -> dict:
+        time.sleep(self.seconds)
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 def hangs(run: Run, rank: int = 1, at: int = 5, how: str = "sleep", max_steps: int = 20, slow_s: float = 0.0,
           step_s: float = 0.0):
     torch.manual_seed(0)
     net = run.wrap(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    run.track(net=net, opt=opt)
+    run.track(net=net, opt=opt, **({"slow": SlowState(slow_s if run.rank == rank else 0)} if how == "save" else {}))
     x = torch.randn(16, 8)
     for step, _ in run.steps(None, max_steps):
         if step == at and run.rank == rank:

@@ -358,9 +358,13 @@ class Run:
             self._phase = before
 
     def progress(self) -> tuple[int, str]:
-        """(steps done, what the loop does now: train, checkpoint, or a run.phase name); read by the
-        hang watchdog from a thread of its own."""
-        return self.step, self._phase
+        """(steps done, what the loop does now: "first step" until this process has finished one (it
+        builds, loads, compiles), then train, checkpoint, or a run.phase name); read by the hang
+        watchdog from a thread of its own."""
+        phase = self._phase
+        if phase == "train" and self.step == self._start_step:
+            phase = "first step"
+        return self.step, phase
 
     def barrier(self) -> None:
         """Every rank waits here for all the others (e.g. while rank 0 downloads the data)."""

@@ -178,6 +178,8 @@ class Watchdog:
                 self._tick()
                 failing_since = None
             except Exception as e:   # the store unreachable: its host, rank 0, is gone, or the network
+                if failing_since is None:
+                    log.warning("rank %d: the hang watchdog cannot reach the run's store (%s)", self.rank, e)
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since > limit(self.s, "train", self._step_s):
                     self._alone(e)

@@ -1,0 +1,132 @@
+"""The hang watchdog (expgpu.train.watchdog): its verdict on the ranks' records and the line it says, in
+this process; then real 2-rank runs over gloo whose rank 1 sleeps, spins or waits in a collective its
+peer never calls, and runs that are slow but not hung."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import psutil
+import pytest
+
+from conftest import HELPERS, TESTS, clean_env, expgpu
+from expgpu.errors import EXIT_HUNG
+from expgpu.train import watchdog
+from expgpu.train.watchdog import HangSettings
+
+FIVE = HangSettings(timeout_s=5.0, slow_phase_s=60.0)
+AUTO = HangSettings(timeout_s=None, slow_phase_s=600.0)
+
+
+def rec(step, age, phase="train", step_s=0.01):
+    return {"step": step, "age": age, "phase": phase, "step_s": step_s}
+
+
+def test_a_hang_is_every_training_rank_past_its_limit():
+    assert watchdog.judge({0: rec(5, 6.0), 1: rec(5, 4.0)}, FIVE) is None   # rank 1 moved 4 s ago
+    verdict = watchdog.judge({0: rec(6, 6.0), 1: rec(5, 7.5)}, FIVE)
+    assert verdict["behind"] == [1] and verdict["step"] == 6 and verdict["waited_s"] == 7.5
+    # a rank in a slow phase (saving, evaluating, its first step) has slow_phase_s, and holds the verdict
+    assert watchdog.judge({0: rec(5, 30.0), 1: rec(5, 30.0, "checkpoint")}, FIVE) is None
+    assert watchdog.judge({0: rec(5, 30.0), 1: rec(5, 30.0, "evaluation")}, FIVE) is None
+    assert watchdog.judge({0: rec(5, 61.0), 1: rec(5, 61.0, "evaluation")}, FIVE) is not None
+    # a rank that is done (waiting for its peers at the end) is no hang of its own
+    assert watchdog.judge({0: rec(20, 100.0, "done"), 1: rec(12, 3.0)}, FIVE) is None
+    assert watchdog.judge({0: rec(20, 100.0, "done"), 1: rec(12, 6.0)}, FIVE)["behind"] == [1]
+
+
+def test_auto_is_twenty_of_the_slowest_ranks_step_time_and_never_below_a_minute():
+    assert watchdog.limit(AUTO, "train", 0.01) == watchdog.FLOOR_S == 60.0
+    assert watchdog.limit(AUTO, "train", 10.0) == 200.0                   # a slow model is not a hang
+    assert watchdog.limit(AUTO, "first step", 0.01) == 600.0
+    assert watchdog.judge({0: rec(5, 150.0, step_s=10.0), 1: rec(5, 150.0, step_s=0.5)}, AUTO) is None
+    assert watchdog.judge({0: rec(5, 201.0, step_s=10.0), 1: rec(5, 201.0, step_s=0.5)}, AUTO) is not None
+
+
+def test_the_line_names_the_rank_at_fault_by_its_own_frame_and_where_the_others_wait():
+    verdict = watchdog.judge({0: rec(5, 6.0), 1: rec(5, 6.0)}, FIVE)
+    frames = {0: {"own": "train.py:40 in train: loss.backward()", "inside": "torch's _engine_run_backward"},
+              1: {"own": "train.py:30 in train: time.sleep(3600)"}}
+    assert watchdog.culprits(verdict, frames) == [1]   # all at one step: the one not waiting in a collective
+    assert watchdog.line(verdict, frames) == (
+        "rank 1 has not finished step 6 for 6 s (limit 5 s); rank 1 at train.py:30 in train: time.sleep(3600); "
+        "the others (rank 0) wait in torch's _engine_run_backward at train.py:40 in train: loss.backward()")
+    # every rank waiting in a collective (one the others never call): all named, each where it is
+    both = {0: frames[0], 1: {"own": "train.py:33 in train: dist.barrier()", "inside": "torch's barrier"}}
+    assert watchdog.line(verdict, both).startswith("no rank has finished step 6 for 6 s (limit 5 s); rank 0 at ")
+    assert "rank 1 at train.py:33 in train: dist.barrier() (in torch's barrier)" in watchdog.line(verdict, both)
+    # a rank whose watchdog could not say where it is (a C call holding the GIL)
+    assert "rank 1 at an unknown place (its watchdog could not run" in watchdog.line(verdict, {0: frames[0]})
+
+
+def _hang(tmp_path, how: str, *extra: str, timeout: float = 120):
+    args = ["--config-dir", str(TESTS / "conf"), "task=probe_hangs", f"task.how={how}", "launch.nproc_per_node=2",
+            "launch.hang.timeout_s=5", *extra]
+    t0 = time.monotonic()
+    run = expgpu(args, tmp_path / "run", env=clean_env(PYTHONPATH=str(HELPERS)), timeout=timeout)
+    return run, time.monotonic() - t0
+
+
+def _at(code: str) -> str:
+    """How the line names the probe's line that holds `code`: hang_probe.py:<n> in hangs: <code>."""
+    lines = (HELPERS / "hang_probe.py").read_text().splitlines()
+    n = next(i for i, text in enumerate(lines, 1) if text.strip() == code)
+    return f"hang_probe.py:{n} in hangs: {code}"
+
+
+def _leftovers(run_dir) -> list:
+    """Processes that still hold a file of the run dir open (a rank that outlived the run)."""
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if any(str(run_dir) in f.path for f in p.open_files()):
+                found.append(p.pid)
+        except (psutil.Error, OSError):
+            pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_sleeping_rank_is_named_with_its_line_within_the_timeout_and_nothing_outlives_it(tmp_path):
+    run, took = _hang(tmp_path, "sleep")
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == EXIT_HUNG, run.stderr[-3000:]
+    assert last.startswith("expgpu: hung: rank 1 has not finished step 6 for ") and \
+        f"rank 1 at {_at('time.sleep(3600)')}" in last, last
+    assert "the others (rank 0) wait in torch's _engine_run_backward" in last
+    stacks = {r: (run.run_dir / "hang" / f"rank{r}.txt").read_text() for r in (0, 1)}
+    assert "time.sleep(3600)" in stacks[1] and "loss.backward()" in stacks[0]
+    verdict = json.loads((run.run_dir / "hang" / "verdict.json").read_text())
+    assert verdict["culprits"] == [1] and run.result["status"] == "hung" and run.result["hang"]["culprits"] == [1]
+    # the timeout (5 s) and the launch's start-up (a few seconds on 2 busy cores), no collective timeout
+    assert took < run.result.get("timing", {}).get("startup_s", 0) + 5 + 5 + 20, took
+    assert _leftovers(run.run_dir) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how,says", [
+    ("spin", ["rank 1 has not finished step 6 for ", f" s (limit 5 s); rank 1 at {_at('while True:')}"]),
+    ("collective", ["no rank has finished step 6 for ", f" s (limit 5 s); rank 0 at {_at('loss.backward()')} "
+                    f"(in torch's _engine_run_backward); rank 1 at {_at('torch.distributed.barrier()')} "
+                    "(in torch's barrier)"]),
+])
+def test_a_spinning_rank_and_a_collective_nobody_else_calls_are_named(tmp_path, how, says):
+    run, _ = _hang(tmp_path, how)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == EXIT_HUNG and all(part in last for part in says), run.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how,extra", [
+    ("slow", ["task.slow_s=4", "task.step_s=0.3"]),       # one step 13x the others, under the 5 s limit
+    ("phase", ["task.slow_s=8"]),                          # an evaluation longer than the limit, in run.phase
+    ("save", ["task.slow_s=8", "checkpoint.every_steps=4"]),   # a checkpoint save longer than the limit
+])
+def test_slow_is_not_hung(tmp_path, how, extra):
+    run, _ = _hang(tmp_path, how, "task.max_steps=8", *extra)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.result["status"] == "finished" and not (run.run_dir / "hang").exists()
