@@ -73,15 +73,22 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     except (Stopped, KeyboardInterrupt):
         raise
     except BaseException as e:
-        # The first failure is the cause (under srun every rank runs this; the others echo it).
-        # A config error before the run dir exists leaves nothing behind.
-        if run_dir.is_dir() and not rundir.job_failure_file(run_dir).exists():
-            said = isinstance(e, (UserError, WorkerFailed))
-            # a rank's own error (an srun task's): which rank, for the restart's line (expgpu.launch.restarts)
-            rank = None if said or isinstance(e, Hung) else _rank_of_several()
-            write_job_failure(run_dir, str(e) if said else f"{type(e).__name__}: {first_line(e)}",
-                              isinstance(e, UserError), rank=rank)
+        _record_failure(run_dir, e)
         raise
+
+
+def _record_failure(run_dir: Path, e: BaseException, step: int | None = None) -> None:
+    """The job's failure, once: the first is the cause (under srun every rank records it; the others echo
+    it). A config error before the run dir exists leaves nothing behind. `step`: the steps the failing rank's
+    run had done, which a restart compares (expgpu.launch.restarts)."""
+    if isinstance(e, (Stopped, KeyboardInterrupt, SystemExit)) or not run_dir.is_dir() or \
+            rundir.job_failure_file(run_dir).exists():
+        return
+    said = isinstance(e, (UserError, WorkerFailed))
+    # a rank's own error (an srun task's): which rank, for the restart's line
+    rank = None if said or isinstance(e, Hung) else _rank_of_several()
+    write_job_failure(run_dir, str(e) if said else f"{type(e).__name__}: {first_line(e)}",
+                      isinstance(e, UserError), rank=rank, step=step)
 
 
 def _rank_of_several() -> int | None:
@@ -162,7 +169,8 @@ def _train(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int) -> dict
     # its own then, which this process supervises, as torchrun's agent does.
     alone = not (plain["launch"]["max_restarts"] and info.source == "single" and restarts.in_charge(1))
     if nproc == 1 and server is None and alone:
-        return worker.run_rank(plain, info, run_dir)
+        # its error recorded before its process group goes (the others' echo would come first)
+        return worker.run_rank(plain, info, run_dir, on_error=lambda e, step: _record_failure(run_dir, e, step))
     # Else this process supervises: one rank forked by a warm server (this process then never
     # imports torch), or several.
     try:

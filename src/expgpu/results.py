@@ -21,7 +21,8 @@ start again (launch.max_restarts, expgpu.launch.restarts), then this one:
     kind         crash or hung for a failed attempt; this result's status for the last row
     reason       the one line it failed with (null for the last row, unless it hung)
     ranks        the rank(s) at fault: a crash's first failed rank, a hang's culprits
-    step         the steps done: at a crash, the last step metrics.jsonl held; at a hang, the slowest rank's
+    step         the steps done: at a crash, the failing rank's (a script's: the last step metrics.jsonl held);
+                 at a hang, the slowest rank's
     at           when it ended (ISO 8601, local time)
 
 A failure record (RUN_DIR/.expgpu/rank<N>.failure.json, failure.json) says in one line why a rank or
@@ -108,30 +109,35 @@ def read_result(run_dir: Path) -> dict | None:
 
 @dataclass
 class Failure:
-    """Why a rank failed: its message, whether it was the user's error, its exit code (as Popen's)."""
+    """Why a rank failed: its message, whether it was the user's error, its exit code (as Popen's), and the
+    steps its run had done (None: not known, or not a task function's)."""
     rank: int
     message: str
     user_error: bool
     returncode: int
+    step: int | None = None
 
 
-def write_failure(run_dir: Path, rank: int, message: str, user_error: bool = False) -> None:
+def write_failure(run_dir: Path, rank: int, message: str, user_error: bool = False, step: int | None = None) -> None:
     path = failure_file(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, json.dumps({"rank": rank, "message": message, "user_error": user_error}).encode())
+    atomic_write_bytes(path, json.dumps({"rank": rank, "message": message, "user_error": user_error,
+                                         "step": step}).encode())
 
 
-def write_job_failure(run_dir: Path, message: str, user_error: bool = False, rank: int | None = None) -> None:
+def write_job_failure(run_dir: Path, message: str, user_error: bool = False, rank: int | None = None,
+                      step: int | None = None) -> None:
     """Why the job (not one rank) failed, in one line, for `expgpu-report` whatever the launcher; `rank`: the
-    rank whose own error it is (srun's tasks, each a rank, write it), None when the message names it."""
+    rank whose own error it is (srun's tasks, each a rank, write it), None when the message names it; `step`:
+    the steps that rank's run had done."""
     path = job_failure_file(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps({"message": " ".join(message.split()), "user_error": user_error,
-                                         "rank": rank}).encode())
+                                         "rank": rank, "step": step}).encode())
 
 
 def read_job_failure(run_dir: Path) -> dict | None:
-    """RUN_DIR/.expgpu/failure.json ({message, user_error, rank}), or None."""
+    """RUN_DIR/.expgpu/failure.json ({message, user_error, rank, step}), or None."""
     try:
         doc = json.loads(job_failure_file(run_dir).read_text())
     except (OSError, ValueError):
@@ -143,7 +149,7 @@ def read_failure(run_dir: Path, rank: int, code: int) -> Failure:
     """Rank `rank`'s failure as it recorded it, else as its exit code tells it."""
     try:
         info = json.loads(failure_file(run_dir, rank).read_text())
-        return Failure(rank, info["message"], info["user_error"], code)
+        return Failure(rank, info["message"], info["user_error"], code, info.get("step"))
     except (OSError, ValueError, KeyError):
         if code < 0:
             return Failure(rank, f"killed by {signal.Signals(-code).name}", False, code)

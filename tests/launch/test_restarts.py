@@ -111,7 +111,7 @@ def _step_dir(tmp_path, max_restarts: int = 1, on_hang: str = "fail"):
 
 def test_after_an_srun_step_what_it_left_in_the_run_dir_says_whether_it_starts_again(tmp_path, capsys):
     run_dir, started = _step_dir(tmp_path), time.time()
-    results.write_job_failure(run_dir, CRASH, rank=1)   # srun's code: 143, the peer its --kill-on-bad-exit ended
+    results.write_job_failure(run_dir, CRASH, rank=1, step=13)   # srun gives 143: the peer --kill-on-bad-exit ended
     assert restarts.after_step(run_dir, 1, 143, started) == 0
     assert capsys.readouterr().err == (f"expgpu: restart 1 of 1: rank 1 failed: {CRASH} at step 13; starting again "
                                        "from the last checkpoint\n")

@@ -17,8 +17,9 @@ did (same kind, same rank(s), same step, same reason) ends the run at once, with
 for a crash, 124 for a hang), instead of spending the attempts left on a failure that comes back.
 
 Each failed attempt is one row of RUN_DIR/.expgpu/attempts.json (expgpu.results.record_attempt), which rank 0's
-result.json lists under "attempts" beside its own. The step of a crash is the last one metrics.jsonl held;
-a hang's is the slowest rank's, from the watchdog's verdict. Before the world starts again after a hang, its
+result.json lists under "attempts" beside its own. The step of a crash is the one the failing rank's run had
+reached (its failure record; else, a script's, the last one metrics.jsonl held); a hang's is the slowest rank's,
+from the watchdog's verdict. Before the world starts again after a hang, its
 hang/ (the stacks, verdict.json) and result.json (status hung) move to hang-<N>/. The ranks learn their
 attempt from EXPGPU_ATTEMPT (faults.crash_attempts reads it); one that finds it set in its own environment
 belongs to an outer loop, and a supervisor there leaves restarts to it. No torch here: the supervisor's.
@@ -82,7 +83,7 @@ def supervise(run_dir: Path, cfg: dict, start: Callable[[int, dict], Failure | N
         if failure.user_error:
             raise UserError(failure.message)
         verdict = hang_verdict(run_dir) if failure.returncode == EXIT_HUNG else None
-        row = failed_attempt(run_dir, attempt, verdict, failure.message, [failure.rank])
+        row = failed_attempt(run_dir, attempt, verdict, failure.message, [failure.rank], failure.step)
         rows = record_attempt(run_dir, row) if ours else [row]
         decision = decide(rows, policy, run_dir, stopping=_stopping(), checkpoint=_restarts_from(run_dir, cfg))
         if not decision.restart:
@@ -125,15 +126,15 @@ def hang_verdict(run_dir: Path) -> dict | None:
 
 
 def failed_attempt(run_dir: Path, attempt: int, verdict: dict | None, message: str,
-                   ranks: list[int] | None) -> dict:
+                   ranks: list[int] | None, step: int | None = None) -> dict:
     """The row of attempts.json for an attempt that failed: hung (the watchdog's `verdict`), else a crash
-    (`message`, as the rank at fault said it)."""
+    (`message`, as the rank at fault said it, at `step` as its run counted them: else metrics.jsonl's last)."""
     if verdict is not None:
         steps = [int(r["step"]) for r in (verdict.get("ranks") or {}).values() if "step" in r]
         return {"attempt": attempt, "kind": "hung", "reason": verdict["line"], "ranks": verdict.get("culprits"),
                 "step": min(steps) if steps else None, "at": now()}
     return {"attempt": attempt, "kind": "crash", "reason": message, "ranks": ranks,
-            "step": last_step(Path(run_dir) / rundir.METRICS), "at": now()}
+            "step": step if step is not None else last_step(Path(run_dir) / rundir.METRICS), "at": now()}
 
 
 def last_step(path: Path, tail_bytes: int = 65536) -> int | None:
@@ -255,7 +256,8 @@ def after_step(run_dir: Path, attempt: int, code: int, started: float) -> int:
     said = re.fullmatch(r"rank (\d+) failed: (.*)", message)
     if rank is None and said:   # an expgpu spawn's line, inside the step (launch.nproc_per_node)
         rank, message = int(said.group(1)), said.group(2)
-    row = failed_attempt(run_dir, attempt, verdict, message, None if rank is None else [rank])
+    row = failed_attempt(run_dir, attempt, verdict, message, None if rank is None else [rank],
+                         job.get("step") if job is not None else None)
     rows = record_attempt(run_dir, row)
     decision = decide(rows, Policy.of(cfg), run_dir, checkpoint=_restarts_from(run_dir, cfg))
     if decision.text is not None:

@@ -37,8 +37,9 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
         t_start: float | None = None, on_error=None) -> dict | None:
     """Train as this rank; returns the result dict on rank 0.
 
-    `on_error(e)` hears of an error before the process group is torn down, which makes the other
-    ranks fail too ("connection reset by peer"): whoever collects failures can tell cause from echo."""
+    `on_error(e, step)` hears of an error, and the steps the run had done, before the process group is torn
+    down, which makes the other ranks fail too ("connection reset by peer"): whoever collects failures can
+    tell cause from echo."""
     t_start = t_start or float(os.environ.get(envvars.START_TIME, time.time()))
     timeout = cfg["backend"]["timeout_s"]
     if node is None:
@@ -82,7 +83,9 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
             status, metrics = _call(run, spec)
         except BaseException as e:
             if on_error is not None:
-                on_error(e)
+                on_error(e, run.step)
+            if dog is not None and not isinstance(e, KeyboardInterrupt):
+                dog.done(failed=True)   # its peers stop now, not at the collective's timeout
             run.finish_loggers("failed", {})
             raise
         finally:
@@ -288,7 +291,7 @@ def main() -> None:
         info = ranks.detect()
         cfg = json.loads(rundir.config_file(run_dir).read_text())
         node = NodePlan.from_dict(json.loads((run_dir / rundir.PLAN).read_text())["node"])
-        run_rank(cfg, info, run_dir, node, on_error=lambda e: _record_failure(run_dir, rank, e))
+        run_rank(cfg, info, run_dir, node, on_error=lambda e, step: _record_failure(run_dir, rank, e, step))
     except UserError as e:
         # The supervisor prints it, once: every rank may hit the same bad input (a checkpoint
         # of another world size), and the user should read one line, not one per rank.
@@ -311,8 +314,9 @@ def main() -> None:
     procs.fast_exit(0)
 
 
-def _record_failure(run_dir: Path, rank: int, e: BaseException) -> None:
-    """This rank's failure, for the supervisor, once: the first record is the time it failed."""
+def _record_failure(run_dir: Path, rank: int, e: BaseException, step: int | None = None) -> None:
+    """This rank's failure, for the supervisor, once: the first record is the time it failed; `step`: the
+    steps its run had done (expgpu.launch.restarts compares them)."""
     from expgpu.errors import UserError, WorkerFailed
     from expgpu.results import write_failure
 
@@ -325,7 +329,7 @@ def _record_failure(run_dir: Path, rank: int, e: BaseException) -> None:
     elif isinstance(e, KeyboardInterrupt):
         write_failure(run_dir, rank, "interrupted (second Ctrl-C)")
     else:
-        write_failure(run_dir, rank, f"{type(e).__name__}: {e}")
+        write_failure(run_dir, rank, f"{type(e).__name__}: {e}", step=step)
 
 
 if __name__ == "__main__":
