@@ -217,7 +217,7 @@ def test_a_crash_in_every_attempt_stops_at_the_first_repeat_with_one_line(tmp_pa
 
 def _hangs(tmp_path, *extra: str, name: str = "run"):
     # Rank 1 stops in step 18 (at=17), 7 steps of 0.3 s after the checkpoint at step 10 that a restart resumes
-    # from: well after the watchdog's first look in each attempt (the first step it sees has slow_phase_s).
+    # from: not in an attempt's first step, which the watchdog gives launch.hang.slow_phase_s.
     args = ["--config-dir", str(TESTS / "conf"), "launch.nproc_per_node=2", "launch.hang.timeout_s=5",
             "task.max_steps=24", "checkpoint.every_steps=10", "backend.timeout_s=60", "logger=none", *extra]
     return expgpu(args, tmp_path / name, env=clean_env(PYTHONPATH=str(HELPERS)), timeout=200)
