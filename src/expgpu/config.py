@@ -189,6 +189,7 @@ class FaultsConfig:
     slow_rank: Optional[int] = None   # tests/bench: make this (CPU) rank ...
     slow_factor: float = 1.0          # ... this many times slower (sleeps (f-1) x its compute time)
     device_ms_per_example: float = 0.0  # bench: every rank sleeps this per example (an emulated device)
+    slow_write_s: float = 0.0         # tests: a background checkpoint save (async_save) takes this much longer
 
 
 # logger=csv (the default), logger=[csv,tensorboard], logger=none: each chosen logger's settings

@@ -7,10 +7,13 @@
     how=slow        no hang: step `at` takes `slow_s` (a slow step, not stuck)
     how=phase       no hang: a long stretch inside run.phase("evaluation") at step `at`
     how=save        no hang: every checkpoint save (checkpoint.every_steps) takes `slow_s` on rank `rank`
+    how=crash       rank `rank` raises at step `at`, with a thread of its own that keeps its process
+                    alive `slow_s` more (the interpreter waits for it at exit)
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -51,6 +54,9 @@ def hangs(run: Run, rank: int = 1, at: int = 5, how: str = "sleep", max_steps: i
                 torch.distributed.barrier()
             elif how == "slow":
                 time.sleep(slow_s)
+            elif how == "crash":
+                threading.Thread(target=time.sleep, args=(slow_s,), name="prefetcher").start()
+                raise RuntimeError(f"rank {run.rank} crashed at step {step}")
         if step == at and how == "phase":
             with run.phase("evaluation"):
                 time.sleep(slow_s)

@@ -5,6 +5,7 @@ peer never calls, and runs that are slow but not hung."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import psutil
@@ -130,3 +131,45 @@ def test_slow_is_not_hung(tmp_path, how, extra):
     run, _ = _hang(tmp_path, how, "task.max_steps=8", *extra)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.result["status"] == "finished" and not (run.run_dir / "hang").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_that_crashes_during_an_async_save_stops_its_peers_at_once_and_keeps_the_last_checkpoint(tmp_path):
+    """Rank 1 raises at step 5, while the background save of step 4 is being written (faults.slow_write_s:
+    30 s): its process is slow to end (the writer's thread), and its peer would wait in its next collective
+    until then. The watchdog stops the peer within seconds; the save of step 2 stays in place, whole."""
+    args = ["task=a", "task.max_steps=40", "launch.wrap=fsdp", "launch.nproc_per_node=2", "backend.timeout_s=120",
+            "checkpoint.every_steps=2", "checkpoint.async_save=true"]
+    run = expgpu([*args, "faults.slow_write_s=30", "faults.crash_rank=1", "faults.crash_step=5"], tmp_path / "run",
+                 timeout=240)
+    ended = time.time()
+    assert run.returncode == 1 and "rank 1 failed: RuntimeError: injected crash" in run.stderr, run.stderr[-3000:]
+    crashed = (tmp_path / "run" / ".expgpu" / "rank1.failure.json").stat().st_mtime
+    assert ended - crashed < 15, ended - crashed   # the write in flight would hold it 30 s more
+    resumed = expgpu([*args, "task.max_steps=6"], tmp_path / "run")
+    assert resumed.returncode == 0 and resumed.result["resumed_from_step"] == 2, resumed.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_crashed_rank_whose_process_lingers_stops_its_peers_at_once_under_torchrun(tmp_path):
+    """Rank 1 raises, and a thread of its own keeps its process alive 90 s more (the interpreter waits for
+    it at exit): without the watchdog its peer waits in the gradients' all-reduce until then (torchrun
+    only acts once a process ends). With it, the peer stops within seconds of the crash."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "expgpu"]
+    run = expgpu(["--config-dir", str(TESTS / "conf"), "task=probe_hangs", "task.how=crash", "task.slow_s=90",
+                  "backend.timeout_s=120", "launch.hang.timeout_s=5"], tmp_path / "run", cmd=cmd,
+                 env=clean_env(PYTHONPATH=str(HELPERS)), timeout=200)
+    assert run.returncode != 0 and "rank 1 crashed at step 5" in run.stderr, run.stderr[-3000:]
+    started = _logged_at(run.output, "rank 1/2 on ")          # the crash comes 5 short steps later
+    stopped = _logged_at(run.output, "rank 0: stopping: rank(s) 1 failed")
+    assert stopped - started < 10, (started, stopped)
+
+
+def _logged_at(text: str, what: str) -> float:
+    """The time of the first log line holding `what` ([2026-01-31 12:00:00,123][expgpu][...] - ...)."""
+    import datetime
+
+    line = next(line for line in text.splitlines() if what in line)
+    return datetime.datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()

@@ -26,6 +26,7 @@ import copy
 import datetime
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,10 @@ def is_sharded_state(obj: Any) -> bool:
 class ShardedCheckpoint:
     """RUN_DIR/checkpoint/: saved by every rank (collective), read by every rank."""
 
-    def __init__(self, run_dir: Path, rank: int, world_size: int, asynchronous: bool, timeout_s: float):
+    def __init__(self, run_dir: Path, rank: int, world_size: int, asynchronous: bool, timeout_s: float,
+                 slow_write_s: float = 0.0):
         self.run_dir = Path(run_dir)
+        self._slow_write_s = slow_write_s   # faults.slow_write_s: a background save's write takes this longer
         self.path = self.run_dir / DIR
         self._rank, self._world_size = rank, world_size
         self._async, self._timeout_s = asynchronous, timeout_s
@@ -83,7 +86,8 @@ class ShardedCheckpoint:
             # renamed into place as soon as it is written, by the thread that wrote it: a crash
             # before the next save then loses nothing that was saved
             placed = concurrent.futures.Future()
-            future.add_done_callback(lambda done: _place(done, placed, lambda: self._finish(tmp, step, mine, meta)))
+            future.add_done_callback(lambda done: _place(done, placed, lambda: self._finish(tmp, step, mine, meta),
+                                                         self._slow_write_s))
             self._pending = (placed, step)
             return
         with _single_process_quiet():
@@ -207,10 +211,12 @@ class ShardedCheckpoint:
                 set_model_state_dict(obj, state[name])
 
 
-def _place(written, placed, finish) -> None:
+def _place(written, placed, finish, slow_s: float = 0.0) -> None:
     """An async save's last part, in its writer's thread: renamed into place once written."""
     try:
         written.result()
+        if slow_s:
+            time.sleep(slow_s)   # faults.slow_write_s: a slow file system, for the tests
         finish()
         placed.set_result(None)
     except BaseException as e:   # handed to settle(), which raises it in the training's thread

@@ -40,12 +40,12 @@ class CheckpointState:
     """The objects a run tracks, and the checkpoint that carries them across a stop."""
 
     def __init__(self, run_dir: Path, spec, rank: int, world_size: int, device, fmt: str = "pt",
-                 async_save: bool = False, timeout_s: float = 300.0):
+                 async_save: bool = False, timeout_s: float = 300.0, slow_write_s: float = 0.0):
         self.path = Path(run_dir) / rundir.CHECKPOINT
         self.objects: dict[str, Any] = {}
         self._spec, self._rank, self._world_size, self._device = spec, rank, world_size, device
         self._format = fmt   # pt: checkpoint.pt from rank 0; dcp: checkpoint/, every rank its shards
-        self._sharded = sharded.ShardedCheckpoint(run_dir, rank, world_size, async_save, timeout_s)
+        self._sharded = sharded.ShardedCheckpoint(run_dir, rank, world_size, async_save, timeout_s, slow_write_s)
         # the loop's length (steps), saved: a resume that extends it checks the key's shift
         self.length: int | None = None
         self._read: dict | None = None   # the checkpoint file as read, once (peek, then load)

@@ -45,8 +45,8 @@ STEP_FACTOR = 20       # auto: this many of the slowest rank's recent step time
 FRAMES_WAIT_S = 3.0    # the claimer waits this long for every rank's frame before it writes the verdict
 BACKSTOP_S = 60.0      # faulthandler ends a rank whose watchdog could not run this long after its limit
 PREFIX = "expgpu/watchdog"
-SLOW_PHASES = ("first step", "checkpoint")   # and every run.phase(name)
-DONE = "done"
+DONE = "done"       # a rank whose loop is over: no hang of its own while it waits for its peers
+FAILED = "failed"   # a rank whose task raised: its peers stop now (its own process may be slow to end)
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,11 @@ def limit(s: HangSettings, phase: str, step_s: float | None) -> float:
 
 
 def judge(records: dict[int, dict], s: HangSettings) -> dict | None:
-    """The verdict on everyone's records ({rank: {step, phase, age, step_s}}), or None: no hang."""
+    """The verdict on everyone's records ({rank: {step, phase, age, step_s}}), or None: no hang.
+    A rank that failed is a verdict at once: its peers would wait for it in their next collective."""
+    failed = sorted(r for r, rec in records.items() if rec["phase"] == FAILED)
+    if failed:
+        return {"failed": failed}
     active = {r: rec for r, rec in records.items() if rec["phase"] != DONE}
     if not active:
         return None
@@ -156,12 +160,16 @@ class Watchdog:
         self._thread.start()
         return self
 
-    def done(self) -> None:
-        """This rank's loop is over (it may still wait for its peers): not a hang of its own."""
+    def done(self, failed: bool = False) -> None:
+        """This rank's loop is over (it may still wait for its peers): not a hang of its own. `failed`:
+        its task raised, and its peers are told to stop at once."""
+        if self._stop.is_set() and not failed:
+            return
         self._stop.set()
-        self._thread.join(timeout=5)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
         try:
-            self._publish(DONE)
+            self._publish(FAILED if failed else DONE)
         except Exception:   # the store's host (rank 0) may be gone already
             pass
         faulthandler.cancel_dump_traceback_later()
@@ -232,8 +240,13 @@ class Watchdog:
         return out
 
     def _act(self, verdict: dict, claimed: bool) -> None:
-        """Stacks to disk, this rank's frame to the store; the claimer writes the verdict; then exit."""
+        """Stacks to disk, this rank's frame to the store; the claimer writes the verdict; then exit.
+        A peer's failure: nothing to say (its own record does), just stop waiting for it."""
         self._stop.set()
+        if "failed" in verdict:
+            log.error("rank %d: stopping: rank(s) %s failed (their error is their own record)", self.rank,
+                      ", ".join(map(str, verdict["failed"])))
+            _exit(1)
         faulthandler.cancel_dump_traceback_later()
         header = (f"rank {self.rank} (pid {os.getpid()}, {socket.gethostname()}), step {self._step}, "
                   f"phase {self.where()[1]}; the run hung: {json.dumps(verdict)}")
@@ -286,14 +299,14 @@ class Watchdog:
         faulthandler.dump_traceback_later(seconds, exit=True, file=self._backstop)
 
 
-def _exit() -> None:
+def _exit(code: int = EXIT_HUNG) -> None:
     """End this rank at once: its main thread is stuck (and holds the GPU); flush the logs first."""
     for handler in logging.getLogger().handlers + log.handlers:
         try:
             handler.flush()
         except Exception:
             pass
-    os._exit(EXIT_HUNG)
+    os._exit(code)
 
 
 def start(store, rank: int, world_size: int, run_dir: Path, s: HangSettings | None, where, on_verdict):
