@@ -84,9 +84,9 @@ def _record_failure(run_dir: Path, e: BaseException, step: int | None = None) ->
     if isinstance(e, (Stopped, KeyboardInterrupt, SystemExit)) or not run_dir.is_dir() or \
             rundir.job_failure_file(run_dir).exists():
         return
-    said = isinstance(e, (UserError, WorkerFailed))
+    said = isinstance(e, (UserError, WorkerFailed, Hung))   # their own line already says what happened
     # a rank's own error (an srun task's): which rank, for the restart's line
-    rank = None if said or isinstance(e, Hung) else _rank_of_several()
+    rank = None if said else _rank_of_several()
     write_job_failure(run_dir, str(e) if said else f"{type(e).__name__}: {first_line(e)}",
                       isinstance(e, UserError), rank=rank, step=step)
 

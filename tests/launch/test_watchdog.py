@@ -5,6 +5,7 @@ peer never calls, and runs that are slow but not hung."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 
@@ -173,3 +174,24 @@ def _logged_at(text: str, what: str) -> float:
 
     line = next(line for line in text.splitlines() if what in line)
     return datetime.datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_sweeps_report_says_which_job_hung_and_why(tmp_path):
+    """The sweep goes on past a hung job; its report shows it as hung (not failed), with the watchdog's line
+    and where the stacks are."""
+    from conftest import multirun
+
+    sweep = tmp_path / "sweep"
+    run = multirun(["--config-dir", str(TESTS / "conf"), "task=probe_hangs", "task.how=sleep,none",
+                    "launch.nproc_per_node=2", "launch.hang.timeout_s=5"], sweep,
+                   env=clean_env(PYTHONPATH=str(HELPERS)), timeout=200)
+    assert "expgpu: hung: rank 1 has not finished step 6" in run.stderr, run.stderr[-3000:]
+    report = subprocess.run([sys.executable, "-m", "expgpu.report", str(sweep)], capture_output=True, text=True,
+                            timeout=120)
+    rows = {line.split()[1]: line.split() for line in report.stdout.splitlines() if line[:1] in "-1" and
+            len(line.split()) > 3 and line.split()[1] in "01"}
+    assert rows["0"][2] == "hung" and rows["1"][2] == "finished", report.stdout
+    assert f"job 0: rank 1 has not finished step 6 for 5 s (limit 5 s); rank 1 at {_at('time.sleep(3600)')}" \
+        in report.stdout and f"(every rank's stacks: {sweep / '0' / 'hang'})" in report.stdout, report.stdout

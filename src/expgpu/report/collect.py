@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from expgpu.errors import UserError
-from expgpu.rundir import METRICS, POOL_RECORD, RESULT, failure_files, job_failure_file
+from expgpu.rundir import METRICS, POOL_RECORD, RESULT, failure_files, hang_dir, job_failure_file
 
 # Every metrics.jsonl row's own bookkeeping, not a metric the task logged: no panel of its own.
 _NOT_PLOTTED = ("epoch", "time", "step")
@@ -213,7 +213,11 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
         if isinstance(timing.get("train_s"), (int, float)):
             row.wall_s = round(float(timing.get("startup_s") or 0) + float(timing["train_s"]), 3)
     reason = None
-    if row.status != "broken" and (result is None or row.status not in ("finished", "stopped")):
+    if row.status == "hung":   # the watchdog's line names the rank at fault; its stacks are in hang/
+        line = (result.get("hang") or {}).get("line")
+        reason = f"{line} (every rank's stacks: {hang_dir(job_dir)})" if line else _failure(job_dir, row)
+        row.error = reason or ""
+    elif row.status != "broken" and (result is None or row.status not in ("finished", "stopped")):
         reason = _failure(job_dir, row)
         if reason is not None:
             row.status, row.error = "failed", reason
@@ -222,7 +226,7 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
     if pool:
         # The launcher saw how each job ended, and which ones are still running or never ran.
         state = pool.get("state")
-        if state in ("failed", "stopped") and row.status != "broken":
+        if state in ("failed", "stopped") and row.status not in ("broken", "hung"):
             row.status = state
         elif state in ("running", "queued", "not_started") and row.status == "no result":
             row.status = state
