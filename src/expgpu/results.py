@@ -7,8 +7,8 @@ and script tasks alike). Its keys, by kind of task:
                  script), task_config, source (who started the ranks), world_size, backend (null: no
                  process group of expgpu's), strategy, plan (a row per rank: host, device, GPUs),
                  metrics (what the task returned, or a script's last logged values), steps, max_steps,
-                 length_keys, stop_signal, timing (startup_s, train_s, ...), run_dir, and attempts (below;
-                 write_result adds it)
+                 length_keys, stop_signal, timing (startup_s, train_s, ...), run_dir, attempts and
+                 excluded_nodes (below; write_result adds them)
     a function   epochs, step_means, resumed_from_step, param_checksum, rank_checksums, and what the
                  task added with run.result_extra
     a script     command (the argv each rank ran), exit_codes (by rank), resumed, attempt (how many times its
@@ -25,8 +25,23 @@ start again (launch.max_restarts, expgpu.launch.restarts), then this one:
                  at a hang, the slowest rank's
     at           when it ended (ISO 8601, local time)
 
+`excluded_nodes` lists the SLURM nodes this job left out after a crash or a hang that was one node's
+(launch.exclude_bad_nodes, expgpu.launch.bad_nodes), oldest first; [] when none was (and outside SLURM):
+
+    node         the node's name, as SLURM spells it (what `srun --exclude` takes)
+    reason       why: the failed attempt's line (`rank 1 failed: ...`, `hung: ...`)
+    attempt      the attempt that failed on it (as in `attempts`)
+    ranks        its rank(s) at fault
+    how          step: the next srun step of the same allocation ran without it (--exclude); requeue: the job
+                 was requeued with it in its ExcNodeList (the allocation had no other node for the step)
+    job          the SLURM job; restart: SLURM's restart count of the job then (0: before any requeue)
+    at           when (ISO 8601, local time)
+
 A failure record (RUN_DIR/.expgpu/rank<N>.failure.json, failure.json) says in one line why a rank or
-the job failed, and whether it was the user's error: the supervisor and the sweep report read them.
+the job failed, whether it was the user's error, and the node it was on (`node`: SLURM's name of it, else the
+host name): the supervisor, the sweep report and a restart (which node to leave out) read them. Under SLURM
+every rank also says at its start which node it runs on (RUN_DIR/.expgpu/rank<N>.node.json): a hang's culprits
+write no failure record.
 """
 
 from __future__ import annotations
@@ -35,10 +50,11 @@ import datetime
 import json
 import os
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from expgpu import envvars
+from expgpu import envvars, rundir
 from expgpu.rundir import RESULT, atomic_write_bytes, attempts_file, failure_file, job_failure_file
 
 EVERY_RUN = ("status", "task", "function", "task_config", "source", "world_size", "backend", "strategy", "plan",
@@ -61,7 +77,8 @@ def write_result(run_dir: Path, result: dict) -> dict:
     attempt = current_attempt()
     result = {**result, "attempts": [*read_attempts(run_dir, before=attempt), {
         "attempt": attempt, "kind": result["status"], "reason": (result.get("hang") or {}).get("line"),
-        "ranks": (result.get("hang") or {}).get("culprits"), "step": result["steps"], "at": now()}]}
+        "ranks": (result.get("hang") or {}).get("culprits"), "step": result["steps"], "at": now()}],
+        "excluded_nodes": read_excluded_nodes(run_dir, os.environ.get("SLURM_JOB_ID"), before=attempt)}
     atomic_write_bytes(Path(run_dir) / RESULT, (json.dumps(result, indent=2) + "\n").encode())
     return result
 
@@ -94,6 +111,57 @@ def record_attempt(run_dir: Path, row: dict) -> list[dict]:
     return rows
 
 
+def read_excluded_nodes(run_dir: Path, job: str | None, before: int | None = None) -> list[dict]:
+    """The nodes SLURM job `job` left out (RUN_DIR/.expgpu/excluded-nodes.json), oldest first; with `before`, only
+    those left out after an attempt numbered below it. [] outside SLURM (`job` None)."""
+    if job is None:
+        return []
+    try:
+        rows = json.loads(rundir.excluded_nodes_file(run_dir).read_text())
+    except (OSError, ValueError):
+        return []
+    rows = rows if isinstance(rows, list) else []
+    return [r for r in rows if isinstance(r, dict) and r.get("job") == job and isinstance(r.get("attempt"), int)
+            and (before is None or r["attempt"] < before)]
+
+
+def record_excluded_node(run_dir: Path, row: dict) -> list[dict]:
+    """A node left out added to RUN_DIR/.expgpu/excluded-nodes.json; the rows of the same job before its attempt
+    are kept (another job's, in the same run dir, are not); every row now."""
+    rows = [*read_excluded_nodes(run_dir, row["job"], before=row["attempt"]), row]
+    path = rundir.excluded_nodes_file(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, (json.dumps(rows, indent=2) + "\n").encode())
+    return rows
+
+
+def node_name(env=None) -> str:
+    """The node this process runs on as SLURM names it (SLURMD_NODENAME: what `srun --exclude` and ExcNodeList
+    take; the name may differ from the host's, and two nodes may share one host), else the host name."""
+    return (os.environ if env is None else env).get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def write_rank_node(run_dir: Path, rank: int, env=None) -> None:
+    """Under SLURM (an srun task, or a rank an expgpu spawn inside one started): the node rank `rank` runs on in
+    this attempt (RUN_DIR/.expgpu/rank<N>.node.json), which a hang's verdict (ranks only) is mapped to nodes with."""
+    env = os.environ if env is None else env
+    if not env.get("SLURMD_NODENAME"):
+        return
+    path = rundir.rank_node_file(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps({"rank": rank, "node": node_name(env), "host": socket.gethostname(),
+                                         "attempt": current_attempt(env)}).encode())
+
+
+def read_rank_node(run_dir: Path, rank: int) -> dict | None:
+    """RUN_DIR/.expgpu/rank<N>.node.json ({rank, node, host, attempt}), or None."""
+    try:
+        doc = json.loads(rundir.rank_node_file(run_dir, rank).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("node"), str) else None
+
+
 def now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
@@ -122,7 +190,7 @@ def write_failure(run_dir: Path, rank: int, message: str, user_error: bool = Fal
     path = failure_file(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps({"rank": rank, "message": message, "user_error": user_error,
-                                         "step": step}).encode())
+                                         "step": step, "node": node_name()}).encode())
 
 
 def write_job_failure(run_dir: Path, message: str, user_error: bool = False, rank: int | None = None,
@@ -133,11 +201,11 @@ def write_job_failure(run_dir: Path, message: str, user_error: bool = False, ran
     path = job_failure_file(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps({"message": " ".join(message.split()), "user_error": user_error,
-                                         "rank": rank, "step": step}).encode())
+                                         "rank": rank, "step": step, "node": node_name()}).encode())
 
 
 def read_job_failure(run_dir: Path) -> dict | None:
-    """RUN_DIR/.expgpu/failure.json ({message, user_error, rank, step}), or None."""
+    """RUN_DIR/.expgpu/failure.json ({message, user_error, rank, step, node}), or None."""
     try:
         doc = json.loads(job_failure_file(run_dir).read_text())
     except (OSError, ValueError):

@@ -39,6 +39,10 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
         backstop-rank<N>.txt                faulthandler's dump of a rank whose watchdog could not run
         attempts.json                       this launch's failed attempts (a crash, a hang), one row each, for
                                             rank 0's result.json and the restart loop (expgpu.launch.restarts)
+        rank<N>.node.json                   the SLURM node rank N runs on (this attempt's), for a failure that is
+                                            one node's (expgpu.launch.bad_nodes)
+        excluded-nodes.json                 the nodes a SLURM job left out after such a failure (launch.
+                                            exclude_bad_nodes), one row each, for rank 0's result.json
 
 and, under hydra/sweeper=expgpu_optuna (expgpu.tune):
 
@@ -112,6 +116,14 @@ def hang_dir_of_attempt(run_dir: Path, attempt: int) -> Path:
 
 def attempts_file(run_dir: Path) -> Path:
     return state_dir(run_dir) / "attempts.json"
+
+
+def rank_node_file(run_dir: Path, rank: int) -> Path:
+    return state_dir(run_dir) / f"rank{rank}.node.json"
+
+
+def excluded_nodes_file(run_dir: Path) -> Path:
+    return state_dir(run_dir) / "excluded-nodes.json"
 
 
 def backstop_file(run_dir: Path, rank: int) -> Path:

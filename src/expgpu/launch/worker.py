@@ -42,6 +42,7 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
     tell cause from echo."""
     t_start = t_start or float(os.environ.get(envvars.START_TIME, time.time()))
     timeout = cfg["backend"]["timeout_s"]
+    results.write_rank_node(run_dir, info.rank)   # under SLURM: which node a hang of this rank's is on
     if node is None:
         node = placement.shared(cfg, info, run_dir, timeout)
     if cfg.get("script") is not None:   # no torch in this process: the script's child imports it
