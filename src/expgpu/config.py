@@ -144,6 +144,12 @@ class LaunchConfig:
     # After a rank crashes (or hangs, with on_hang=restart), every rank is stopped and the world starts
     # again from the last checkpoint, in the same run dir, up to this many times.
     max_restarts: int = 0
+    # Under SLURM (scripts/expgpu.sbatch), a restart after a crash or a hang that was one node's (the failing
+    # rank's node; a hang's culprits all on one node) runs without that node: the next srun step with --exclude
+    # when the allocation has another node for it, else the job requeued with the node in its ExcNodeList when
+    # the partition has enough other nodes, else on the same nodes (one line says which). result.json's
+    # excluded_nodes lists them (expgpu/launch/bad_nodes.py).
+    exclude_bad_nodes: bool = True
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The EXPGPU_* environment variables: how expgpu's processes tell each other what they need, and the
 few a user sets. One name each, spelled here only (grep for the constant, not the string).
 
-A user may set: WARM_SERVER, WARM_RANKS, CACHE_DIR, LEASE_DIR, ATEXIT_GRACE_S, TORCH (scripts/setup-env.sh).
+A user may set: WARM_SERVER, WARM_RANKS, CACHE_DIR, LEASE_DIR, ATEXIT_GRACE_S, TORCH (scripts/setup-env.sh),
+SPARE_NODES (scripts/expgpu.sbatch).
 Everything else is set by one expgpu process for another and is kept out of what a script task's own
 process inherits where it would mislead it (expgpu.script.environ).
 """
@@ -23,6 +24,9 @@ STOP_AT = "EXPGPU_STOP_AT"           # checkpoint.verify: every rank stops at th
 # restarts: expgpu's spawn for its ranks, scripts/expgpu.sbatch for its srun steps); a supervisor that finds it set
 # leaves restarts to that outer loop
 ATTEMPT = "EXPGPU_ATTEMPT"
+# user, read by scripts/expgpu.sbatch only: its srun step runs on this many nodes fewer than the job got, spares
+# that replace a node a crash or a hang was on (launch.exclude_bad_nodes, expgpu.launch.bad_nodes)
+SPARE_NODES = "EXPGPU_SPARE_NODES"
 
 # Warm processes (expgpu.launch.warm, expgpu.launch.warm_server)
 WARM_SERVER = "EXPGPU_WARM_SERVER"   # user: the socket of a warm server that launches fork their ranks from

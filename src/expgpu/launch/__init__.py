@@ -8,9 +8,11 @@
     requeue.py      after a stop checkpoint: who requeues the job, and how the process ends
     restarts.py     after a crash or a hang: the world started again, up to launch.max_restarts times (spawn's
                     loop, and `python -m expgpu.launch.restarts` for scripts/expgpu.sbatch's)
+    bad_nodes.py    on SLURM, such a restart without the node the failure was on (launch.exclude_bad_nodes): the
+                    next srun step's --exclude, or the job requeued with it in its ExcNodeList
 
 Launchers only start processes with the right environment; each rank then walks the same straight
 line (docs/architecture.md). Nothing here is imported at `import expgpu`.
 """
 
-__all__ = ["requeue", "restarts", "spawn", "warm", "warm_client", "warm_server", "worker"]
+__all__ = ["bad_nodes", "requeue", "restarts", "spawn", "warm", "warm_client", "warm_server", "worker"]

@@ -8,8 +8,9 @@ Two loops restart, with one policy (`decide`):
 - expgpu's spawn: `supervise`, around spawn.run_node (app._supervise), when this supervisor is the run's only
   one (not one per node of a multi-node job) and no outer loop restarts it;
 - scripts/expgpu.sbatch, around its srun step: after a failed step it runs
-  `python -m expgpu.launch.restarts RUN_DIR ATTEMPT CODE STARTED`, whose exit code 0 starts the step again
-  and any other ends the job with that code.
+  `python -m expgpu.launch.restarts RUN_DIR ATTEMPT CODE STARTED [STEP_NODES LEFT_OUT]`, whose exit code 0
+  starts the step again (leaving out the nodes it prints, launch.exclude_bad_nodes: expgpu.launch.bad_nodes)
+  and any other ends the job with that code (or the job was requeued without a bad node).
 
 Never restarted: a user error (exit 2); a stop signal (Ctrl-C, SIGTERM, SIGUSR2: the checkpoint, and a requeue
 where there is one, take it from there); a hang under on_hang=fail. An attempt that fails as the one before it
@@ -40,6 +41,7 @@ from typing import Callable
 
 from expgpu import envvars, rundir
 from expgpu.errors import EXIT_HUNG, EXIT_USER_ERROR, Hung, UserError, WorkerFailed
+from expgpu.launch import bad_nodes
 from expgpu.procs import stop_signals
 from expgpu.results import Failure, current_attempt, now, read_job_failure, read_result, record_attempt
 
@@ -224,12 +226,16 @@ def set_aside(run_dir: Path, row: dict) -> None:
         (Path(run_dir) / rundir.RESULT).rename(kept / rundir.RESULT)
 
 
-def after_step(run_dir: Path, attempt: int, code: int, started: float) -> int:
+def after_step(run_dir: Path, attempt: int, code: int, started: float,
+               alloc: bad_nodes.Allocation | None = None) -> int:
     """scripts/expgpu.sbatch's srun step `attempt` exited with `code` (not 0): 0 to start it again, else the
     exit code to end the job with. What the step left in the run dir since `started` (epoch seconds) says what
     happened, more than srun's code does (the highest of its tasks': a crash's peers, ended by
     --kill-on-bad-exit, make it 143 as a stop does); its config (.hydra/config.yaml, as the step's ranks
-    composed it) says what to do."""
+    composed it) says what to do. With `alloc` (the job's allocation, under SLURM) a restart after a failure
+    that was one node's leaves that node out (launch.exclude_bad_nodes): the nodes the next step leaves out are
+    printed on stdout, one comma-separated line, for the loop's `srun --exclude`; when the job was requeued
+    without the node instead, the failure's code ends this run of the job."""
     if code == EXIT_USER_ERROR:
         return code
     cfg = _step_config(run_dir)
@@ -262,9 +268,19 @@ def after_step(run_dir: Path, attempt: int, code: int, started: float) -> int:
     decision = decide(rows, Policy.of(cfg), run_dir, checkpoint=_restarts_from(run_dir, cfg))
     if decision.text is not None:
         print(f"expgpu: {decision.text}", file=sys.stderr, flush=True)
+    failed = EXIT_HUNG if verdict is not None else 1 if job is not None else code
     if not decision.restart:   # the failure's own code, as under expgpu's spawn (srun's may be a peer's 143)
-        return EXIT_HUNG if verdict is not None else 1 if job is not None else code
+        return failed
     set_aside(run_dir, row)
+    if alloc is None:
+        return 0
+    left_out = alloc.left_out
+    if cfg["launch"].get("exclude_bad_nodes", True):
+        left_out = bad_nodes.leave_out(run_dir, row, job, alloc,
+                                       lambda text: print(f"expgpu: {text}", file=sys.stderr, flush=True))
+    if left_out is None:   # requeued: this allocation runs no more steps
+        return failed
+    print(",".join(left_out), flush=True)
     return 0
 
 
@@ -281,13 +297,26 @@ def _step_config(run_dir: Path) -> dict | None:
         return None
 
 
+USAGE = ("usage: python -m expgpu.launch.restarts RUN_DIR ATTEMPT CODE STARTED [STEP_NODES LEFT_OUT]\n"
+         "       python -m expgpu.launch.restarts --first-attempt RUN_DIR")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m expgpu.launch.restarts RUN_DIR ATTEMPT CODE STARTED` (scripts/expgpu.sbatch)."""
+    """scripts/expgpu.sbatch's: `RUN_DIR ATTEMPT CODE STARTED [STEP_NODES LEFT_OUT]` after a failed srun step
+    (STEP_NODES: the nodes its step runs on, empty when srun's default; LEFT_OUT: the nodes it leaves out,
+    comma-separated), and `--first-attempt RUN_DIR` (printed: the attempt a requeued job's run starts at)."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 4:
-        print("usage: python -m expgpu.launch.restarts RUN_DIR ATTEMPT CODE STARTED", file=sys.stderr)
+    if len(args) == 2 and args[0] == "--first-attempt":
+        print(bad_nodes.first_attempt(Path(args[1]), os.environ), flush=True)
+        return 0
+    if len(args) not in (4, 6) or (len(args) == 6 and args[4] and not args[4].isdigit()):
+        print(USAGE, file=sys.stderr)
         return EXIT_USER_ERROR
-    return after_step(Path(args[0]), int(args[1]), int(args[2]), float(args[3]))
+    alloc = None
+    if len(args) == 6:
+        alloc = bad_nodes.Allocation.from_env(int(args[4]) if args[4] else None,
+                                              tuple(n for n in args[5].split(",") if n), os.environ)
+    return after_step(Path(args[0]), int(args[1]), int(args[2]), float(args[3]), alloc)
 
 
 if __name__ == "__main__":
