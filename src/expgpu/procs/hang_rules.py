@@ -1,0 +1,118 @@
+"""When a run is hung, and how it is said: the rules both hang watches share, pure functions.
+
+A function task's ranks (expgpu.train.watchdog) and a script task's (expgpu.script.watch) each watch their
+own signs of progress (a step of run.steps; a row of expgpu.log, or output); the rules are one:
+
+- the limit: `launch.hang.timeout_s`, or by default (auto) STEP_FACTOR x the slowest rank's recent step time,
+  at least FLOOR_S; a rank in a slow phase (its first step, a checkpoint save, a `run.phase` block, the wait
+  for a script's second row) has at least `launch.hang.slow_phase_s` (`limit`);
+- the rank(s) at fault: those behind the others' step, else, all at one step, those not waiting in a
+  collective by their frames (`culprits`);
+- the one line a hang prints: the rank(s) at fault, their own frame, where the others wait (`line`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FLOOR_S = 60.0         # auto: the limit is never below this
+STEP_FACTOR = 20       # auto: this many of the slowest rank's recent step time
+DONE = "done"       # a rank whose loop is over: no hang of its own while it waits for its peers
+FAILED = "failed"   # a rank whose task raised: its peers stop now (its own process may be slow to end)
+
+
+@dataclass(frozen=True)
+class HangSettings:
+    timeout_s: float | None   # None: auto
+    slow_phase_s: float
+
+
+def settings(cfg: dict) -> HangSettings | None:
+    """launch.hang as settings; None when the watchdog is off (timeout_s: null)."""
+    hang = cfg["launch"].get("hang") or {}
+    timeout = hang.get("timeout_s", "auto")
+    if timeout is None:
+        return None
+    return HangSettings(None if timeout == "auto" else float(timeout), float(hang.get("slow_phase_s", 600.0)))
+
+
+def limit(s: HangSettings, phase: str, step_s: float | None) -> float:
+    """How long a rank in `phase` may go without finishing a step."""
+    base = s.timeout_s if s.timeout_s is not None else max(FLOOR_S, STEP_FACTOR * (step_s or 0.0))
+    return base if phase == "train" else max(base, s.slow_phase_s)
+
+
+def judge(records: dict[int, dict], s: HangSettings) -> dict | None:
+    """The verdict on everyone's records ({rank: {step, phase, age, step_s}}), or None: no hang.
+    A rank that failed is a verdict at once: its peers would wait for it in their next collective."""
+    failed = sorted(r for r, rec in records.items() if rec["phase"] == FAILED)
+    if failed:
+        return {"failed": failed}
+    active = {r: rec for r, rec in records.items() if rec["phase"] != DONE}
+    if not active:
+        return None
+    slowest = max((rec.get("step_s") or 0.0) for rec in active.values())
+    over = {r: rec["age"] > limit(s, rec["phase"], slowest) for r, rec in active.items()}
+    if not all(over.values()):
+        return None
+    top = max(rec["step"] for rec in active.values())
+    behind = sorted(r for r, rec in active.items() if rec["step"] < top) or sorted(active)
+    oldest = max(active[r]["age"] for r in behind)
+    return {"behind": behind, "step": min(active[r]["step"] for r in behind) + 1, "waited_s": round(oldest, 1),
+            "limit_s": round(limit(s, active[behind[0]]["phase"], slowest), 1),
+            "ranks": {str(r): {"step": rec["step"], "phase": rec["phase"]} for r, rec in sorted(active.items())}}
+
+
+# Where a rank waits for its peers, by the innermost Python function it is in: a rank found there is
+# waiting, not the one at fault (a DDP backward waits in the C++ engine, for the gradients' all-reduce).
+WAITING = ("_engine_run_backward", "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor",
+           "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce_scatter",
+           "reduce_scatter_tensor", "gather_object", "scatter_object_list", "wait", "synchronize", "all_to_all")
+
+
+def waiting(frame: dict | None) -> bool:
+    return bool(frame and frame.get("inside") and frame["inside"].split("'s ")[-1].split(".")[-1] in WAITING)
+
+
+def culprits(verdict: dict, frames: dict[int, dict]) -> list[int]:
+    """The rank(s) at fault: those behind the others' step, else, all at one step, those not waiting
+    in a collective (by their frames); all of them when that tells nothing."""
+    behind = verdict["behind"]
+    if len(behind) < len(verdict["ranks"]):
+        return behind
+    stuck = [r for r in behind if not waiting(frames.get(r))]
+    return stuck if 0 < len(stuck) < len(behind) else behind
+
+
+def line(verdict: dict, frames: dict[int, dict], head: str | None = None) -> str:
+    """The one line a hang prints: the rank(s) at fault, the step, their own frame, where the others wait.
+    `head`: what is late, said otherwise than a function task's step (a script's rows, its output)."""
+    ranks = sorted(int(r) for r in verdict["ranks"])
+    behind = culprits(verdict, frames)
+    who = ", ".join(f"rank {r}" for r in behind)
+    if head is None:
+        head = (f"{who} {'has' if len(behind) == 1 else 'have'} not finished step {verdict['step']}"
+                if len(behind) < len(ranks) else f"no rank has finished step {verdict['step']}")
+    parts = [f"{head} for {verdict['waited_s']:.0f} s (limit {verdict['limit_s']:.0f} s)"]
+    parts += [f"rank {r} at {_frame(frames.get(r))}" for r in behind]
+    others = [r for r in ranks if r not in behind]
+    if others:
+        where = {_frame(frames.get(r), short=True) for r in others}
+        parts.append(f"the others ({', '.join(f'rank {r}' for r in others)}) wait {' / '.join(sorted(where))}")
+    return "; ".join(parts)
+
+
+def _frame(frame: dict | None, short: bool = False) -> str:
+    """A rank's place in words. A frame may say why it is unknown ({"unknown": "an unknown place (why)"})."""
+    if frame is None:
+        return "an unknown place (its watchdog could not run: a C call holding the GIL? see RUN_DIR/hang/)"
+    if frame.get("unknown"):
+        return "at an unknown place" if short else frame["unknown"]
+    own, inside = frame.get("own"), frame.get("inside")
+    if short:
+        return f"in {inside}" + (f" at {own}" if own else "") if inside else f"at {own}" if own else "in expgpu's code"
+    return f"{own or 'no frame of your code'}" + (f" (in {inside})" if inside else "")
+
+
+__all__ = ["DONE", "FAILED", "FLOOR_S", "STEP_FACTOR", "WAITING", "HangSettings", "culprits", "judge", "limit",
+           "line", "settings", "waiting"]
