@@ -6,6 +6,10 @@
     stop_signals.py  the one owner of SIGINT / SIGTERM / SIGUSR2 in a process: a stop request, not a kill
     forkserver.py    a warm process that forks jobs or ranks (gpu_pool's, a launch's, the warm server's)
     handles.py       ProcHandle and RankStarter: what launchers need of a process, however it started
+    stacks.py        where a process is: its threads' stacks and the frame that says it (this one's; a
+                     script's, read by py-spy)
+    hang_rules.py    when a run is hung and how it is said: the limit, the verdict, the culprits, the line
+                     (the function tasks' watchdog and the script tasks' watch share them)
 
 The helpers of lifetime.py and threads.py are this package's face: `from expgpu import procs;
 procs.kill_group(pid)`.

@@ -4,10 +4,15 @@ The frame that says it is the innermost one of the user's own code (not the stan
 package's or expgpu's): `hangfn.py:10 in train: time.sleep(3600)`, with what it was in beneath, if that
 was Python (`in torch's _engine_run_backward`). Native frames come from py-spy when it is installed
 (`pip install 'expgpu[hang]'`): a thread in C code shows only its last Python frame otherwise.
+
+Another process (a script task's script, expgpu.script.watch) is read from outside, by py-spy only: `spy` (its
+dump as text, its subprocesses' too) and `spied_frame` (the frame that says it, from its main thread). Without
+py-spy nothing is read: a signal would be the script's to handle, and faulthandler is the script's own.
 """
 
 from __future__ import annotations
 
+import json
 import linecache
 import os
 import shutil
@@ -35,20 +40,26 @@ def where(frame) -> dict:
     """The user's innermost frame of a stack (`frame`: its innermost), and the innermost one overall."""
     frames = []
     while frame is not None:
-        frames.append(frame)
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
         frame = frame.f_back
+    return _where(frames)
+
+
+def _where(frames: list[tuple[str, int, str]]) -> dict:
+    """where() of a stack as (filename, line, function) tuples, innermost first."""
     innermost = frames[0] if frames else None
-    own = next((f for f in frames if _own(f.f_code.co_filename)), None)
+    own = next((f for f in frames if _own(f[0])), None)
 
     def spelled(f) -> str:
-        line = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
-        at = f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
+        filename, lineno, name = f
+        line = linecache.getline(filename, lineno).strip()
+        at = f"{os.path.basename(filename)}:{lineno} in {name}"
         return f"{at}: {line}" if line else at
 
     out = {"own": spelled(own) if own is not None else None}
     if innermost is not None and innermost is not own:
-        package = _package(innermost.f_code.co_filename)
-        out["inside"] = f"{package}'s {innermost.f_code.co_name}" if package else innermost.f_code.co_name
+        package = _package(innermost[0])
+        out["inside"] = f"{package}'s {innermost[2]}" if package else innermost[2]
     return out
 
 
@@ -86,12 +97,53 @@ def dump(path: Path, header: str, skip: int | None = None, native_timeout_s: flo
 
 def _native(timeout_s: float) -> str | None:
     """py-spy's dump of this process with native frames, where py-spy is installed and may attach."""
+    return spy(os.getpid(), timeout_s)
+
+
+def has_spy() -> bool:
+    return shutil.which("py-spy") is not None
+
+
+def spy(pid: int, timeout_s: float, subprocesses: bool = False) -> str | None:
+    """py-spy's dump of process `pid` (every thread, native frames too; `subprocesses`: its children's as
+    well), or why py-spy could not attach; None where py-spy is not installed."""
     spy = shutil.which("py-spy")
     if spy is None:
         return None
     try:
-        done = subprocess.run([spy, "dump", "--native", "--pid", str(os.getpid())], capture_output=True,
-                              text=True, timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+        done = subprocess.run([spy, "dump", "--native", *(["--subprocesses"] if subprocesses else []),
+                               "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"(py-spy did not answer within {timeout_s:g} s)"
+    except OSError as e:
+        return f"(py-spy could not run: {e})"
     return done.stdout if done.returncode == 0 else f"(py-spy could not attach: {done.stderr.strip()[:300]})"
+
+
+def spied_frame(pid: int, timeout_s: float) -> dict | None:
+    """where() of another process's main thread, as py-spy reads it (its Python frames); None where py-spy
+    is not installed or could not attach."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return None
+    try:
+        done = subprocess.run([spy, "dump", "--json", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=timeout_s)
+        threads = json.loads(done.stdout) if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+    return frame_of_dump(threads, pid)
+
+
+def frame_of_dump(threads, pid: int) -> dict | None:
+    """where() of the main thread in py-spy's `dump --json` ([{thread_name, os_thread_id, frames: [{filename,
+    line, name}, ...]}, ...], innermost frame first), by its name or its thread id (the pid); None: none."""
+    if not isinstance(threads, list):
+        return None
+    main = next((t for t in threads if isinstance(t, dict) and t.get("thread_name") == "MainThread"), None) or \
+        next((t for t in threads if isinstance(t, dict) and t.get("os_thread_id") == pid), None)
+    if main is None:
+        return None
+    frames = [(f.get("filename") or "?", int(f.get("line") or 0), str(f.get("name") or "?"))
+              for f in main.get("frames") or [] if isinstance(f, dict)]
+    return _where(frames)
