@@ -11,6 +11,8 @@ one launch, and gives the median of its per-pair ratios and the ratio of its tot
 machine two runs of one command differ by 10-40 %, far more than the cost measured here).
 
 steps/s ratio = run.steps / plain loop     (goal >= 0.99)
+With several ranks the hang watchdog runs in both loops' processes: its thread's CPU share is printed, the
+most it can slow a loop (so a plain loop without it would be at most 1 / (1 - share) as fast).
 """
 
 import argparse
@@ -39,6 +41,7 @@ def run(task: str, args: list[str], nproc: int, run_dir: Path) -> dict:
 def interleaved(args) -> None:
     kinds = ["run", "control"] if args.control else ["run"]
     pairs: dict[str, list[float]] = {k: [] for k in kinds}
+    watchdog: list[float] = []
     totals: dict[str, list[float]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
@@ -47,6 +50,8 @@ def interleaved(args) -> None:
                                       f"+task.control={kind == 'control'}", *args.overrides],
                         args.nproc, Path(tmp) / f"{kind}{i}")
                 pairs[kind].append(m["ratio_median"])
+                if m.get("watchdog_cpu_share") is not None:
+                    watchdog.append(m["watchdog_cpu_share"])
                 totals[kind].append(m["run_steps_per_s"] / m["plain_steps_per_s"])
                 what = "run.steps" if kind == "run" else "plain #2 (A/A)"
                 print(f"round {i + 1}/{args.rounds}: plain {m['plain_steps_per_s']:.0f} steps/s, {what} "
@@ -61,6 +66,12 @@ def interleaved(args) -> None:
     print(f"run.steps/run.log vs the plain loop, interleaved: steps/s ratio {statistics.median(totals['run']):.3f} "
           f"(median over launches of the ratio of totals, range {min(totals['run']):.3f}-{max(totals['run']):.3f}; "
           f"median of chunk-pair medians {statistics.median(pairs['run']):.3f}) (goal >= 0.99)")
+    if watchdog:   # both loops run beside it: its whole CPU time is what it can cost them
+        print(f"the hang watchdog's thread (on in both loops' processes): {100 * statistics.median(watchdog):.3f} % "
+              f"of a core (rank 0, median over launches): a plain loop without it is at most "
+              f"{1 / (1 - statistics.median(watchdog)):.4f}x as fast")
+    else:
+        print("the hang watchdog was off (one rank, or launch.hang.timeout_s=null)")
 
 
 def separate(args) -> None:

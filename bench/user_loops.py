@@ -148,6 +148,7 @@ def interleaved(run: Run, steps: int = 3000, chunk: int = 100, control: bool = F
     first = _plain_half(run, data, seed=0)
     second = _plain_half(run, data, seed=1) if control else _run_half(run, data, steps)
     times: tuple[list, list] = ([], [])
+    wall0, watchdog0 = time.perf_counter(), _watchdog_cpu_s()
     for _ in range(steps // chunk):
         for half, spent in ((first, times[0]), (second, times[1])):
             t0 = time.perf_counter()
@@ -155,7 +156,19 @@ def interleaved(run: Run, steps: int = 3000, chunk: int = 100, control: bool = F
             spent.append(time.perf_counter() - t0)
     for _ in getattr(second, "rest", ()):
         pass
-    return _ratios(times, chunk)
+    watchdog = _watchdog_cpu_s()
+    share = None if watchdog is None else (watchdog - watchdog0) / (time.perf_counter() - wall0)
+    return {**_ratios(times, chunk), "watchdog_cpu_share": share}
+
+
+def _watchdog_cpu_s() -> float | None:
+    """The CPU seconds the hang watchdog's thread has used in this process (None: it is not running):
+    the most it can take from the loops, which share its process and its GIL."""
+    import threading
+
+    found = [t for t in threading.enumerate() if t.name == "expgpu-watchdog"]
+    # the thread's own CPU clock (ns resolution; /proc's per-thread times count 10 ms ticks)
+    return time.clock_gettime(time.pthread_getcpuclockid(found[0].ident)) if found else None
 
 
 def builtin_interleaved(run: Run, precision: str, steps: int = 3000, chunk: int = 50):

@@ -87,6 +87,7 @@ class OnHang(enum.Enum):
 class FaultKind(enum.Enum):
     exception = "exception"  # the rank raises RuntimeError
     kill = "kill"     # the rank SIGKILLs itself (a segfault, the OOM killer)
+    hang = "hang"     # the rank sleeps for good (a stuck data loader, a dead file system): the watchdog's case
 
 
 @dataclass

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -10,17 +11,23 @@ from dataclasses import dataclass
 
 from expgpu.results import current_attempt
 
+log = logging.getLogger("expgpu")
+
 
 def crash(faults: dict, rank: int, step: int) -> None:
-    """At faults.crash_step: rank faults.crash_rank raises, or with faults.kind=kill dies outright; with
-    faults.crash_attempts=N only in the run's first N attempts (launch.max_restarts starts it again: a fault
-    that goes away, as most do), else in every one."""
+    """At faults.crash_step: rank faults.crash_rank raises, or with faults.kind=kill dies outright, or with
+    faults.kind=hang stops making progress for good; with faults.crash_attempts=N only in the run's first N
+    attempts (launch.max_restarts starts it again: a fault that goes away, as most do), else in every one."""
     attempts = faults.get("crash_attempts")
     if attempts is not None and current_attempt() > attempts:
         return
     if faults.get("crash_rank") == rank:
         if faults.get("kind") == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if faults.get("kind") == "hang":
+            log.warning("rank %d: injected hang at step %d (faults.kind=hang)", rank, step)
+            while True:   # as a stuck read does; the hang watchdog must find it
+                time.sleep(3600)
         raise RuntimeError(f"injected crash (faults.crash_rank={rank} faults.crash_step={step})")
 
 
