@@ -36,6 +36,10 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
         store-<launch>.port                 rank 0's TCPStore port, for spawned ranks
         script-rank<N>.json                 how rank N's script ended (exit code, stop), for rank 0's result
         script-log.json                     where this attempt's expgpu.log rows begin, for the loggers
+        script-watch-rank<N>.json           where rank N's script is (its last row's step, when it moved, its
+                                            output), for the ranks' hang verdict (expgpu.script.watch)
+        script-frame-rank<N>.json           where a hung script was (its frame, by py-spy), for the verdict's line
+        script-hang-<launch>.json           a launch's hang claimed by the first rank that saw it
         backstop-rank<N>.txt                faulthandler's dump of a rank whose watchdog could not run
         attempts.json                       this launch's failed attempts (a crash, a hang), one row each, for
                                             rank 0's result.json and the restart loop (expgpu.launch.restarts)
@@ -168,6 +172,18 @@ def script_record(run_dir: Path, rank: int) -> Path:
 
 def script_log_marker(run_dir: Path) -> Path:
     return state_dir(run_dir) / "script-log.json"
+
+
+def script_watch(run_dir: Path, rank: int) -> Path:
+    return state_dir(run_dir) / f"script-watch-rank{rank}.json"
+
+
+def script_frame(run_dir: Path, rank: int) -> Path:
+    return state_dir(run_dir) / f"script-frame-rank{rank}.json"
+
+
+def script_hang_claim(run_dir: Path, launch: str) -> Path:
+    return state_dir(run_dir) / f"script-hang-{launch}.json"
 
 
 def rank_stdout(run_dir: Path, rank: int) -> Path:

@@ -2,12 +2,15 @@
 
     python probe_script.py [--steps N] [--step-s S] [--log] [--fail-rank R --fail-code C [--fail-at S] [--fail-once]]
                            [--on-term default|save|ignore] [--save-every N] [--resume] [--lr X] [--data PATH]
+                           [--print-steps] [--hang-at S [--hang-rank R] [--hang-once]]
 
 It writes into its working directory (the run dir): started-rank<R>.json (its torchrun variables,
 CUDA_VISIBLE_DEVICES, argv, cwd), at-rank<R> (the step it is at), ckpt.txt (on SIGTERM or
 SIGUSR2 with --on-term save, and from rank 0 every --save-every steps), done-rank<R>.json at the end.
---fail-once: rank R fails only where it has not failed before (failed-rank<R> in the run dir). No torch:
-the tests stay fast.
+--fail-once: rank R fails only where it has not failed before (failed-rank<R> in the run dir). --print-steps:
+a line per step. --hang-at S: after step S (its row logged, its line printed), rank R (every rank without
+--hang-rank) sleeps for ever, silently, having written hung-rank<R> (when, and its step); --hang-once: only
+where it has not hung before. No torch: the tests stay fast.
 """
 
 import argparse
@@ -35,6 +38,10 @@ p.add_argument("--on-term", choices=["default", "save", "ignore"], default="defa
 p.add_argument("--resume", action="store_true")
 p.add_argument("--lr", type=float, default=0.1)
 p.add_argument("--data", default=None)
+p.add_argument("--print-steps", action="store_true")
+p.add_argument("--hang-at", type=int, default=None)
+p.add_argument("--hang-rank", type=int, default=None)
+p.add_argument("--hang-once", action="store_true")
 args = p.parse_args()
 rank = int(os.environ.get("RANK", "0"))
 
@@ -75,6 +82,13 @@ for step in range(first, args.steps):
         import expgpu
 
         expgpu.log(loss=args.lr / (step + 1), step=step + 1)
+    if args.print_steps:
+        print(f"rank {rank}: step {step + 1}", flush=True)
+    if args.hang_at == step + 1 and args.hang_rank in (None, rank) and \
+            not (args.hang_once and os.path.exists(f"hung-rank{rank}")):
+        write(f"hung-rank{rank}", {"at": time.time(), "step": step + 1})
+        while True:
+            time.sleep(3600)
     if args.save_every and rank == 0 and (step + 1) % args.save_every == 0:
         with open(".ckpt.txt", "w") as f:
             f.write(str(step + 1))

@@ -100,14 +100,19 @@ def _native(timeout_s: float) -> str | None:
     return spy(os.getpid(), timeout_s)
 
 
+def spy_path() -> str | None:
+    """py-spy's executable: beside this Python's (a venv not activated: `.venv/bin/python -m expgpu`), else on PATH."""
+    return shutil.which("py-spy", path=os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")]))
+
+
 def has_spy() -> bool:
-    return shutil.which("py-spy") is not None
+    return spy_path() is not None
 
 
 def spy(pid: int, timeout_s: float, subprocesses: bool = False) -> str | None:
     """py-spy's dump of process `pid` (every thread, native frames too; `subprocesses`: its children's as
     well), or why py-spy could not attach; None where py-spy is not installed."""
-    spy = shutil.which("py-spy")
+    spy = spy_path()
     if spy is None:
         return None
     try:
@@ -123,7 +128,7 @@ def spy(pid: int, timeout_s: float, subprocesses: bool = False) -> str | None:
 def spied_frame(pid: int, timeout_s: float) -> dict | None:
     """where() of another process's main thread, as py-spy reads it (its Python frames); None where py-spy
     is not installed or could not attach."""
-    spy = shutil.which("py-spy")
+    spy = spy_path()
     if spy is None:
         return None
     try:

@@ -29,7 +29,7 @@ from expgpu.script.log import ENV_RESUMED, ENV_RUN_DIR
 
 # What expgpu's spawn tells its own workers: not the script's (a `python -m expgpu` it starts
 # would take itself for one of expgpu's workers).
-_NOT_PASSED = (*local_source.VARIABLES.values(), envvars.LAUNCH_ID, envvars.STOP_SIGNALS)
+_NOT_PASSED = (*local_source.VARIABLES.values(), envvars.LAUNCH_ID, envvars.STOP_SIGNALS, envvars.SCRIPT_HEARTBEAT)
 
 
 def torchrun_variables(info: RankInfo, run_id: str, restarts: int) -> dict[str, str]:

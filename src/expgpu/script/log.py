@@ -7,8 +7,10 @@ In a script expgpu runs (EXPGPU_SCRIPT_RUN_DIR, set by expgpu.script.environ), o
 unset), it appends a row to the run dir's metrics.jsonl through expgpu.loggers.jsonl.MetricsLog, the writer
 run.log uses: the same row format ({"step", names..., "epoch", "time"}), handed to the OS at most once
 a second and at the script's exit; rank 0's supervisor gives the rows to the chosen loggers. `epoch=`
-sets the row's epoch (kept for later rows). Anywhere else (another rank, plain python or torchrun) it
-does nothing, after one look at the environment.
+sets the row's epoch (kept for later rows). On every rank of a script expgpu runs, each call is also the
+rank's heartbeat (expgpu.script.heartbeat: two numbers stored in shared memory, no I/O), which its supervisor
+watches for hangs (expgpu.script.watch): on other ranks that is all it does. Anywhere else (plain python
+or torchrun) it does nothing, after one look at the environment.
 
 A rerun that resumed the script (resume_args added) continues the history: without step=, at the
 step after the last row; with step=, the rows from its first step on are dropped first (logged after
@@ -28,20 +30,25 @@ from expgpu import envvars
 from expgpu.loggers.jsonl import ROW_KEYS, MetricsLog, trim
 from expgpu.procs.stop_signals import NEVER
 from expgpu.rundir import METRICS, atomic_write_bytes, script_log_marker
+from expgpu.script.heartbeat import Beat
 
 # Set by expgpu.script.environ in the script's environment
 ENV_RUN_DIR = envvars.SCRIPT_RUN_DIR
 ENV_RESUMED = envvars.SCRIPT_RESUMED
 _sink = None   # None: not looked yet; False: logging nowhere
+_beat: Beat | None = None
 
 
 def log(step: int | None = None, **scalars) -> None:
     """Record numbers (or one-element tensors) for a step; see the module's docstring."""
-    global _sink
+    global _sink, _beat
     if _sink is None:
         _sink = _ScriptLog.from_env(os.environ) or False
+        _beat = Beat.from_env(os.environ)
     if _sink:
-        _sink.log(step, scalars)
+        step = _sink.log(step, scalars)
+    if _beat is not None:
+        _beat.beat(step)
 
 
 class _ScriptLog:
@@ -60,7 +67,8 @@ class _ScriptLog:
         self.lock = threading.Lock()
         atexit.register(self.close)
 
-    def log(self, step: int | None, values: dict) -> None:
+    def log(self, step: int | None, values: dict) -> int:
+        """The row's step (given, or the one after the last)."""
         if "epoch" in values:
             self.epoch = values.pop("epoch")
         taken = ROW_KEYS & values.keys()
@@ -75,6 +83,7 @@ class _ScriptLog:
             self.metrics.log(step, values)
             self.metrics.flush(self.epoch)
             self.next_step = step + 1
+        return step
 
     def _begin(self, first: int | None) -> None:
         """Trim what this attempt redoes, open metrics.jsonl, and say where its rows begin (expgpu.script.loggers)."""

@@ -7,6 +7,9 @@
   terminal, SLURM, expgpu's spawn or the pool) is passed to the script once, as the same signal; the
   script has grace_s to exit, then its whole process group gets SIGKILL. A second Ctrl-C more than a
   second later (KeyboardInterrupt here) kills it at once.
+- Hangs: a `watch` (expgpu.script.watch) is shown the script's pid and when it last wrote output at every
+  tick; when it says the script hung (its stacks taken), the script is stopped as on SIGTERM: grace_s,
+  then SIGKILL for its whole process group.
 - No orphans: the script dies with this process (PR_SET_PDEATHSIG), runs in a session of its own (a
   terminal's Ctrl-C reaches it only through here, once), and what it leaves running when it exits
   (a DataLoader worker, a stray child) is killed with its group.
@@ -37,6 +40,7 @@ class Outcome:
     returncode: int | None            # Popen's: -N for a signal; None: never started
     stopped_by: str | None = None     # the stop signal passed to the script (or that kept it from starting)
     killed: bool = False              # SIGKILLed after the grace period
+    hung: bool = False                # stopped because its watch found it hung
     tail: list[str] = field(default_factory=list)   # the last lines of its stderr
     started: float = 0.0
     ended: float = 0.0
@@ -62,8 +66,9 @@ def _setup_child() -> None:
 
 
 def run_script(argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, stopper, grace_s: float,
-        on_tick: Callable[[], None] | None = None) -> Outcome:
-    """Start the script and supervise it to its end; a stop requested before it starts keeps it from starting."""
+        on_tick: Callable[[], None] | None = None, watch=None) -> Outcome:
+    """Start the script and supervise it to its end; a stop requested before it starts keeps it from starting.
+    `watch.tick(pid, output_at)` (output_at: time.monotonic() of its last output) -> True: it hung."""
     if stopper.received:
         now = time.time()
         return Outcome(None, stopped_by=stopper.received, started=now, ended=now)
@@ -75,27 +80,31 @@ def run_script(argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, 
                                 stderr=subprocess.PIPE, preexec_fn=_setup_child, start_new_session=True)
         outcome = Outcome(None, started=time.time())
         try:
-            _supervise(proc, log, outcome, stopper, grace_s, on_tick)
+            _supervise(proc, log, outcome, stopper, grace_s, on_tick, watch)
         finally:
             procs.kill_group(proc.pid)   # whatever it left behind, or all of it on a second Ctrl-C
             proc.wait()
             outcome.returncode, outcome.ended = proc.returncode, time.time()
-    if outcome.stopped_by is None and -outcome.returncode in _STOPS:
+    if outcome.stopped_by is None and not outcome.hung and -outcome.returncode in _STOPS:
         # a stop signal sent to the script itself (SLURM signals every process of a step; under submitit,
         # whose SIGTERM this process leaves alone, the script still gets one): a stop, not a crash
         outcome.stopped_by = signal.Signals(-outcome.returncode).name
     return outcome
 
 
-def _supervise(proc, log, outcome: Outcome, stopper, grace_s: float, on_tick) -> None:
+def _supervise(proc, log, outcome: Outcome, stopper, grace_s: float, on_tick, watch) -> None:
     tee = _Tee(proc, log)
     deadline = None
     exited_at = None
     while True:
         tee.pump(TICK_S)
-        if stopper.received and outcome.stopped_by is None and proc.poll() is None:
+        if stopper.received and outcome.stopped_by is None and not outcome.hung and proc.poll() is None:
             outcome.stopped_by = stopper.received
             proc.send_signal(signal.Signals[stopper.received])
+            deadline = time.monotonic() + grace_s
+        if watch is not None and deadline is None and proc.poll() is None and watch.tick(proc.pid, tee.output_at):
+            outcome.hung = True
+            proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
         if deadline is not None and time.monotonic() > deadline and proc.poll() is None:
             procs.kill_group(proc.pid)
@@ -118,6 +127,7 @@ class _Tee:
         self.sel = selectors.DefaultSelector()
         self.partial = b""
         self.lines: collections.deque[bytes] = collections.deque(maxlen=TAIL_LINES)
+        self.output_at = time.monotonic()   # when the script last wrote to either pipe (or started)
         for pipe, console in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             os.set_blocking(pipe.fileno(), False)
             self.sel.register(pipe, selectors.EVENT_READ, (console, pipe is proc.stderr))
@@ -140,6 +150,7 @@ class _Tee:
                 key.fileobj.close()
                 continue
             console, is_err = key.data
+            self.output_at = time.monotonic()
             _echo(console, data)
             self.log.write(data)
             self.log.flush()

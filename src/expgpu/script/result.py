@@ -4,7 +4,9 @@ Every rank writes RUN_DIR/.expgpu/script-rank<N>.json when its script ends (exit
 passed to it, its GPUs, the last lines of its stderr). Rank 0 reads the others' (the same launch's;
 they end together, in destroy_process_group, but waits at most RECORD_WAIT_S) and writes result.json:
 
-    status      failed: a rank's script exited non-zero (or died) without a stop passed to it;
+    status      hung: the ranks' watch found the script hung and stopped it (expgpu.script.watch; `hang`
+                holds its verdict: the line, the rank(s) at fault);
+                failed: a rank's script exited non-zero (or died) without a stop passed to it;
                 stopped: a stop signal was passed on (the script may have exited 0 on it);
                 finished: every known rank exited 0
     exit_codes  by rank, as a shell reports them (143: killed by SIGTERM); null: not known
@@ -31,16 +33,28 @@ RECORD_WAIT_S = 10.0
 
 
 def previous(run_dir: Path) -> dict | None:
-    """An earlier attempt's result.json of a script task in this run dir, if any."""
+    """An earlier attempt's result.json of a script task in this run dir, if any: RUN_DIR/result.json, else
+    the last hang's (a restart after a hang moves it to hang-<N>/, expgpu.launch.restarts)."""
     doc = read_json(Path(run_dir) / rundir.RESULT)
+    if doc is None:
+        kept = sorted(Path(run_dir).glob(f"{rundir.HANG}-*/{rundir.RESULT}"), key=_mtime)
+        doc = read_json(kept[-1]) if kept else None
     return doc if doc is not None and is_script(doc) else None
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def write_record(run_dir: Path, info: RankInfo, launch: str, outcome, gpus: list, names: list, device: str) -> dict:
     record = {"rank": info.rank, "launch": launch, "host": socket.gethostname(), "device": device, "gpus": gpus,
               "names": names, "exit_code": outcome.exit_code, "stopped_by": outcome.stopped_by,
               "signal": signal.Signals(-outcome.returncode).name if (outcome.returncode or 0) < 0 else None,
-              "killed_after_grace": outcome.killed, "stderr_tail": outcome.tail[-10:], "ended": outcome.ended}
+              "killed_after_grace": outcome.killed, "hung": outcome.hung, "stderr_tail": outcome.tail[-10:],
+              "ended": outcome.ended}
     path = rundir.script_record(run_dir, info.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps(record).encode())
@@ -48,11 +62,12 @@ def write_record(run_dir: Path, info: RankInfo, launch: str, outcome, gpus: list
 
 
 def collect(run_dir: Path, world_size: int, launch: str, own: dict) -> list[dict | None]:
-    """Every rank's record of this launch, by rank (None: not there within RECORD_WAIT_S)."""
-    records: list[dict | None] = [own] + [None] * (world_size - 1)
+    """Every rank's record of this launch, by rank (None: not there within RECORD_WAIT_S); `own`: this rank's."""
+    records: list[dict | None] = [None] * world_size
+    records[own["rank"]] = own
     deadline = time.monotonic() + RECORD_WAIT_S
     while True:
-        for rank in range(1, world_size):
+        for rank in range(world_size):
             if records[rank] is None:
                 doc = read_json(rundir.script_record(run_dir, rank))
                 records[rank] = doc if doc is not None and doc.get("launch") == launch else None
@@ -62,7 +77,8 @@ def collect(run_dir: Path, world_size: int, launch: str, own: dict) -> list[dict
 
 
 def failed(record: dict) -> bool:
-    return record["exit_code"] not in (0, None) and not record["stopped_by"]
+    """Its script failed: not a stop passed to it, not a hang (whose watch stopped it)."""
+    return record["exit_code"] not in (0, None) and not record["stopped_by"] and not record.get("hung")
 
 
 def first_failure(records: list[dict | None]) -> dict | None:
@@ -81,16 +97,18 @@ def failure(record: dict, run_dir: Path) -> Failure:
 
 
 def write(cfg: dict, info: RankInfo, node: NodePlan, run_dir: Path, spec, records: list[dict | None],
-          argv: list[str], resumed: bool, attempt: int, t_start: float, outcome) -> dict:
+          argv: list[str], resumed: bool, attempt: int, t_start: float, outcome, hang: dict | None = None) -> dict:
+    """result.json from every rank's record; `hang`: the verdict of a hang (status hung)."""
     stops = [r["stopped_by"] for r in records if r is not None and r["stopped_by"]]
-    status = "failed" if first_failure(records) else "stopped" if stops else "finished"
+    hung = hang is not None or any(r is not None and r.get("hung") for r in records)
+    status = "hung" if hung else "failed" if first_failure(records) else "stopped" if stops else "finished"
     rows = read_rows(Path(run_dir) / rundir.METRICS)
     metrics = {k: v for row in rows for k, v in row.items() if k not in ROW_KEYS}
     doc = {
         "status": status, "task": spec.name, "function": None, "command": argv, "task_config": cfg["task"],
         "source": info.source, "world_size": info.world_size, "backend": None, "strategy": node.strategy,
         "plan": [_plan_row(r, rank) for rank, r in enumerate(records)],
-        "metrics": metrics, "steps": rows[-1]["step"] if rows else None, "max_steps": None, "length_keys": [],
+        "metrics": metrics, "steps": _steps(rows, hang), "max_steps": None, "length_keys": [],
         "exit_codes": [r["exit_code"] if r is not None else None for r in records],
         "stop_signal": ((records[0] or {}).get("stopped_by") or stops[0]) if status == "stopped" else None,
         "resumed": resumed, "attempt": attempt,
@@ -98,7 +116,15 @@ def write(cfg: dict, info: RankInfo, node: NodePlan, run_dir: Path, spec, record
                    "train_s": round(outcome.ended - outcome.started, 3)},
         "run_dir": str(run_dir),
     }
+    if hang is not None:
+        doc["hang"] = hang
     return write_result(run_dir, doc)
+
+
+def _steps(rows: list[dict], hang: dict | None) -> int | None:
+    """metrics.jsonl's last step; after a hang, the lowest step a rank still running had logged, where one had."""
+    logged = [r["step"] for r in ((hang or {}).get("ranks") or {}).values() if "step" in r]
+    return min(logged) if logged else rows[-1]["step"] if rows else None
 
 
 def _plan_row(record: dict | None, rank: int) -> dict:

@@ -2,7 +2,8 @@
 over here).
 
     resume or not -> inputs linked into the run dir -> the child's environment -> the script, supervised
-        -> how it ended (every rank's record) -> rank 0: result.json, the loggers' outcome
+    (and watched for hangs, expgpu.script.watch) -> how it ended (every rank's record) -> rank 0: result.json,
+    the loggers' outcome; after a hang, the rank that claimed it: result.json (hung), and every rank exits 124
 
 Resume: a rerun in a run dir where the script ran before (an earlier attempt's result.json: a stop, a
 requeue, a crash, or a finished run rerun with other args) adds task.resume_args, and with
@@ -18,8 +19,8 @@ import shlex
 import socket
 from pathlib import Path
 
-from expgpu import loggers, rundir
-from expgpu.errors import UserError, WorkerFailed
+from expgpu import loggers, procs, rundir
+from expgpu.errors import EXIT_HUNG, Hung, UserError, WorkerFailed
 from expgpu.gpus import NodePlan, placement
 from expgpu.gpus.mask import gpu_env
 from expgpu.procs import stop_signals
@@ -27,6 +28,7 @@ from expgpu.ranks import RankInfo
 from expgpu.script import environ, process, result
 from expgpu.script.loggers import LoggerFeed
 from expgpu.script.spec import ScriptSpec
+from expgpu.script.watch import Watch
 
 log = logging.getLogger("expgpu")
 
@@ -45,6 +47,10 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
     env = environ.child_env(os.environ, info, node, isolation, run_dir=run_dir, launch_dir=spec.launch_dir,
                             module=spec.module, run_id=launch, restarts=attempt, resumed=resumed)
     argv = spec.argv(resumed)
+    script_log = rundir.script_log(run_dir, info.rank)
+    watch = Watch.of(cfg, spec.output_timeout_s, info.rank, info.world_size, run_dir, launch, script_log)
+    if watch is not None:
+        env.update(watch.env())
     mine = node.gpus_of(info.local_rank)
     log.info("rank %d/%d on %s: %s (CUDA_VISIBLE_DEVICES=%s%s)%s", info.rank, info.world_size, socket.gethostname(),
              shlex.join(argv[1:]), env.get("CUDA_VISIBLE_DEVICES") or "(none)",
@@ -54,16 +60,32 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
     if info.rank == 0:
         rundir.script_log_marker(run_dir).unlink(missing_ok=True)   # the rows of this attempt start anew
         feed = LoggerFeed(cfg, run_dir) if loggers.chosen(cfg) else None
-    outcome = process.run_script(argv, env, run_dir, rundir.script_log(run_dir, info.rank), stopper, spec.grace_s,
-                        feed.poll if feed else None)
+    try:
+        outcome = process.run_script(argv, env, run_dir, script_log, stopper, spec.grace_s,
+                                     feed.poll if feed else None, watch)
+        if watch is not None and not outcome.hung:
+            watch.done()
+    finally:
+        if watch is not None:
+            watch.close()
     device = "cuda" if mine and cfg["inventory"]["simulate"] is None else "cpu"
     record = result.write_record(run_dir, info, launch, outcome, [g.index for g in mine], [g.name for g in mine],
                                  device)
+    if outcome.hung:
+        _hung(watch, feed, info, run_dir, launch, record,
+              lambda records, verdict: result.write(cfg, info, node, run_dir, spec, records, argv, resumed, attempt,
+                                                    t_start, outcome, hang=verdict))
     if outcome.stopped_by:
         stopper.agreed = outcome.stopped_by   # the exit code and the requeue follow it (app._finished)
     doc = None
     if info.rank == 0:
         records = result.collect(run_dir, info.world_size, launch, record)
+        if watch is not None and any(r is not None and r.get("hung") for r in records):
+            # a peer's script hung: the rank that claimed the hang writes result.json, then the verdict
+            watch.wait_for_verdict()
+            if feed is not None:
+                feed.finish("failed", {}, None)
+            return None
         doc = result.write(cfg, info, node, run_dir, spec, records, argv, resumed, attempt, t_start, outcome)
         if feed is not None:
             feed.finish(doc["status"], doc["metrics"], doc["steps"])
@@ -73,6 +95,25 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
     elif result.failed(record):
         raise WorkerFailed(result.failure(record, run_dir))
     return doc
+
+
+def _hung(watch: Watch, feed, info: RankInfo, run_dir: Path, launch: str, record: dict, write) -> None:
+    """After the watch stopped a hung script: the rank that claimed the hang writes the verdict (result.json with
+    status hung, then RUN_DIR/hang/verdict.json, which the others wait for); every rank exits with EXIT_HUNG.
+    Under expgpu's spawn its supervisor says the line; elsewhere (one process, torchrun, srun) the claimer
+    raises Hung, which says it, and the others leave quietly."""
+    if feed is not None:
+        feed.finish("failed", {}, None)
+    if not watch.claimed:
+        watch.wait_for_verdict()
+        procs.fast_exit(EXIT_HUNG)
+    verdict = watch.conclude()
+    write(result.collect(run_dir, info.world_size, launch, record), verdict)
+    watch.write_verdict(verdict)
+    log.error("hang: %s (every rank's stacks: %s)", verdict["line"], rundir.hang_dir(run_dir))
+    if info.source == "local":
+        procs.fast_exit(EXIT_HUNG)
+    raise Hung(verdict["line"], str(rundir.hang_dir(run_dir)))
 
 
 def _isolation(cfg: dict) -> str:

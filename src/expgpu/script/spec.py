@@ -11,6 +11,8 @@ command line is rendered here too, so a bad value is one line now, not a crash i
     resume_if            ... only when this file exists in the run dir (the script's checkpoint)
     inputs               paths under the launch dir, linked into the run dir at the same place
     grace_s              seconds a stopped script has to exit before SIGKILL
+    output_timeout_s     seconds without output on every rank's stdout and stderr that make a hang (null: off),
+                         for a script that logs no rows (expgpu.script.watch)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any, Mapping
 
 from expgpu.errors import UserError, first_line
 
-KEYS = ("script", "module", "args", "args_style", "inputs", "resume_args", "resume_if", "grace_s")
+KEYS = ("script", "module", "args", "args_style", "inputs", "resume_args", "resume_if", "grace_s", "output_timeout_s")
 STYLES = {"space": "--key value", "equals": "--key=value",
           "configurator": "--key=value with values as Python literals, for nanoGPT's configurator.py"}
 # Well under SLURM's KillWait (30 s between its SIGTERM and SIGKILL): expgpu still writes the
@@ -52,6 +54,7 @@ class ScriptSpec:
     grace_s: float
     launch_dir: str
     module: bool
+    output_timeout_s: float | None = None   # None: the script's output is not watched
 
     def argv(self, resume: bool) -> list[str]:
         return self.command + (self.resume_args if resume else self.args)
@@ -110,7 +113,8 @@ def build(task: Mapping, launch_dir: Path) -> ScriptSpec:
         again = first + render.words(resume, "task.resume_args")
     return ScriptSpec(name=task.get("name") or name, command=command, args=first, resume_args=again,
                       resume_if=_resume_if(task.get("resume_if")), inputs=inputs,
-                      grace_s=_grace(task.get("grace_s", GRACE_S)), launch_dir=str(launch_dir), module=is_module)
+                      grace_s=_grace(task.get("grace_s", GRACE_S)), launch_dir=str(launch_dir), module=is_module,
+                      output_timeout_s=_output_timeout(task.get("output_timeout_s")))
 
 
 def _check_keys(task: Mapping) -> None:
@@ -128,8 +132,8 @@ def _check_keys(task: Mapping) -> None:
             continue
         close = difflib.get_close_matches(key, KEYS, n=1)
         hint = f"task.{close[0]}" if close else f"task.args.{key}"
-        raise UserError(f"task.{key}: a script task has no key {key!r} (did you mean {hint}?); its keys: "
-                        f"script or module, args, args_style, inputs, resume_args, resume_if, grace_s, name")
+        raise UserError(f"task.{key}: a script task has no key {key!r} (did you mean {hint}?); its keys: script or "
+                        "module, args, args_style, inputs, resume_args, resume_if, grace_s, output_timeout_s, name")
 
 
 def _script_file(script: Any, launch_dir: Path) -> Path:
@@ -205,6 +209,16 @@ def _grace(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise UserError(f"task.grace_s={value!r} is not allowed: seconds > 0 that a stopped script has to exit "
                         f"before SIGKILL (default {GRACE_S:g}; keep it under SLURM's KillWait, 30 s by default)")
+    return float(value)
+
+
+def _output_timeout(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise UserError(f"task.output_timeout_s={value!r} is not allowed: null (the script's output is not watched), "
+                        "or seconds > 0 without a line of output on any rank that make the run hung (for a script "
+                        "that logs no rows with expgpu.log: those are watched by launch.hang.timeout_s)")
     return float(value)
 
 
