@@ -7,6 +7,9 @@
     how=slow        no hang: step `at` takes `slow_s` (a slow step, not stuck)
     how=phase       no hang: a long stretch inside run.phase("evaluation") at step `at`
     how=save        no hang: every checkpoint save (checkpoint.every_steps) takes `slow_s` on rank `rank`
+    how=setup       no hang: before run.steps, rank `rank` takes `slow_s` (a download) while the others wait
+                    in run.barrier()
+    how=after       no hang: after run.steps, every rank's own code takes `slow_s` (an evaluation, no run.phase)
     how=crash       rank `rank` raises at step `at`, with a thread of its own that keeps its process
                     alive `slow_s` more (the interpreter waits for it at exit)
 """
@@ -42,6 +45,10 @@ def hangs(run: Run, rank: int = 1, at: int = 5, how: str = "sleep", max_steps: i
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     run.track(net=net, opt=opt, **({"slow": SlowState(slow_s if run.rank == rank else 0)} if how == "save" else {}))
     x = torch.randn(16, 8)
+    if how == "setup":
+        if run.rank == rank:
+            time.sleep(slow_s)
+        run.barrier()
     for step, _ in run.steps(None, max_steps):
         if step == at and run.rank == rank:
             if how == "sleep":
@@ -67,4 +74,6 @@ def hangs(run: Run, rank: int = 1, at: int = 5, how: str = "sleep", max_steps: i
         loss.backward()
         opt.step()
         run.log(loss=loss)
+    if how == "after":
+        time.sleep(slow_s)
     return {"loss": loss.item()}

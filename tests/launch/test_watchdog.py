@@ -14,6 +14,7 @@ import pytest
 
 from conftest import HELPERS, TESTS, clean_env, expgpu
 from expgpu.errors import EXIT_HUNG
+from expgpu.procs.stacks import has_spy
 from expgpu.train import watchdog
 from expgpu.train.watchdog import HangSettings
 
@@ -33,6 +34,14 @@ def test_a_hang_is_every_training_rank_past_its_limit():
     assert watchdog.judge({0: rec(5, 30.0), 1: rec(5, 30.0, "checkpoint")}, FIVE) is None
     assert watchdog.judge({0: rec(5, 30.0), 1: rec(5, 30.0, "evaluation")}, FIVE) is None
     assert watchdog.judge({0: rec(5, 61.0), 1: rec(5, 61.0, "evaluation")}, FIVE) is not None
+    # its own code outside run.steps (an evaluation between epochs, not in a run.phase) is a slow phase too
+    assert watchdog.judge({0: rec(5, 59.0, "outside the steps"), 1: rec(5, 59.0, "outside the steps")}, FIVE) \
+        is None
+    # ranks whose loop has not begun (setup, or a task without run.steps) hold no verdict alone, only beside
+    # a rank whose loop began, with slow_phase_s
+    assert watchdog.judge({0: rec(0, 5000.0, "setup"), 1: rec(0, 5000.0, "setup")}, FIVE) is None
+    assert watchdog.judge({0: rec(0, 30.0, "first step"), 1: rec(0, 30.0, "setup")}, FIVE) is None
+    assert watchdog.judge({0: rec(0, 61.0, "first step"), 1: rec(0, 61.0, "setup")}, FIVE)["behind"] == [0, 1]
     # a rank that is done (waiting for its peers at the end) is no hang of its own
     assert watchdog.judge({0: rec(20, 100.0, "done"), 1: rec(12, 3.0)}, FIVE) is None
     assert watchdog.judge({0: rec(20, 100.0, "done"), 1: rec(12, 6.0)}, FIVE)["behind"] == [1]
@@ -100,6 +109,9 @@ def test_a_sleeping_rank_is_named_with_its_line_within_the_timeout_and_nothing_o
     assert "the others (rank 0) wait in torch's _engine_run_backward" in last
     stacks = {r: (run.run_dir / "hang" / f"rank{r}.txt").read_text() for r in (0, 1)}
     assert "time.sleep(3600)" in stacks[1] and "loss.backward()" in stacks[0]
+    if has_spy():   # 'expgpu[hang]' (in the dev extra): every thread's native frames too
+        assert "--- native stacks (py-spy dump --native) ---" in stacks[1] and "Thread " in stacks[1].split(
+            "--- native stacks")[1], stacks[1][-3000:]
     verdict = json.loads((run.run_dir / "hang" / "verdict.json").read_text())
     assert verdict["culprits"] == [1] and run.result["status"] == "hung" and run.result["hang"]["culprits"] == [1]
     # the timeout (5 s) and the launch's start-up (a few seconds on 2 busy cores), no collective timeout
@@ -127,6 +139,8 @@ def test_a_spinning_rank_and_a_collective_nobody_else_calls_are_named(tmp_path, 
     ("slow", ["task.slow_s=4", "task.step_s=0.3"]),       # one step 13x the others, under the 5 s limit
     ("phase", ["task.slow_s=8"]),                          # an evaluation longer than the limit, in run.phase
     ("save", ["task.slow_s=8", "checkpoint.every_steps=4"]),   # a checkpoint save longer than the limit
+    ("setup", ["task.slow_s=8"]),                          # rank 1 builds while rank 0 waits in run.barrier()
+    ("after", ["task.slow_s=8"]),                          # an evaluation after run.steps, not in run.phase
 ])
 def test_slow_is_not_hung(tmp_path, how, extra):
     run, _ = _hang(tmp_path, how, "task.max_steps=8", *extra)

@@ -4,8 +4,9 @@ A function task's ranks (expgpu.train.watchdog) and a script task's (expgpu.scri
 own signs of progress (a step of run.steps; a row of expgpu.log, or output); the rules are one:
 
 - the limit: `launch.hang.timeout_s`, or by default (auto) STEP_FACTOR x the slowest rank's recent step time,
-  at least FLOOR_S; a rank in a slow phase (its first step, a checkpoint save, a `run.phase` block, the wait
-  for a script's second row) has at least `launch.hang.slow_phase_s` (`limit`);
+  at least FLOOR_S; a rank in a slow phase (its first step, a checkpoint save, a `run.phase` block, its own
+  code outside run.steps, the wait for a script's second row) has at least `launch.hang.slow_phase_s`
+  (`limit`); ranks that have not begun a loop (SETUP) are not judged until one has (`judge`);
 - the rank(s) at fault: those behind the others' step, else, all at one step, those not waiting in a
   collective by their frames (`culprits`);
 - the one line a hang prints: the rank(s) at fault, their own frame, where the others wait (`line`).
@@ -19,6 +20,10 @@ FLOOR_S = 60.0         # auto: the limit is never below this
 STEP_FACTOR = 20       # auto: this many of the slowest rank's recent step time
 DONE = "done"       # a rank whose loop is over: no hang of its own while it waits for its peers
 FAILED = "failed"   # a rank whose task raised: its peers stop now (its own process may be slow to end)
+# A rank whose run.steps / run.epochs has not begun: it builds, loads, downloads (its peers may wait for it in
+# run.barrier(), under the collective's own timeout), or its task uses no run.steps at all. Nothing says how
+# long that takes: such ranks hold no verdict alone, only beside a rank whose loop began (slow_phase_s then).
+SETUP = "setup"
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ def judge(records: dict[int, dict], s: HangSettings) -> dict | None:
     if failed:
         return {"failed": failed}
     active = {r: rec for r, rec in records.items() if rec["phase"] != DONE}
-    if not active:
+    if all(rec["phase"] == SETUP for rec in active.values()):
         return None
     slowest = max((rec.get("step_s") or 0.0) for rec in active.values())
     over = {r: rec["age"] > limit(s, rec["phase"], slowest) for r, rec in active.items()}
@@ -114,5 +119,5 @@ def _frame(frame: dict | None, short: bool = False) -> str:
     return f"{own or 'no frame of your code'}" + (f" (in {inside})" if inside else "")
 
 
-__all__ = ["DONE", "FAILED", "FLOOR_S", "STEP_FACTOR", "WAITING", "HangSettings", "culprits", "judge", "limit",
+__all__ = ["DONE", "FAILED", "FLOOR_S", "SETUP", "STEP_FACTOR", "WAITING", "HangSettings", "culprits", "judge", "limit",
            "line", "settings", "waiting"]

@@ -43,6 +43,7 @@ from expgpu.distributed import group, rng
 from expgpu.distributed.wrap import wrap
 from expgpu.errors import UserError
 from expgpu.loggers.jsonl import ROW_KEYS, MetricsLog, WindowMeanLog
+from expgpu.procs.hang_rules import SETUP
 from expgpu.procs.stop_signals import NEVER
 from expgpu.train.batches import END_OF_EPOCH, Feed
 from expgpu.train.loaders import RankLoaders, check_feed, check_loader_args, global_batch
@@ -93,6 +94,7 @@ class Run:
         self._in_step = False
         self._saved_at: int | None = None
         self._stopped = False
+        self._in_steps = False  # inside run.steps (a step's body included)
         self._phase = "train"   # what the loop does between steps (the watchdog reads it: progress())
         # task.log_reduce chooses the class once: run.log, called every step, tests nothing for it
         log_class = WindowMeanLog if spec.log_reduce == "mean" else MetricsLog
@@ -286,31 +288,35 @@ class Run:
         every, log_every = self.cfg.checkpoint.every_steps, self._spec.log_every
         should_stop, metrics, start = self._agreement.should_stop, self._metrics, self._start_step
         crash_step = self._faults.get("crash_step")
-        while self.step < max_steps:
-            batch = feed.next()
-            if batch is END_OF_EPOCH:
-                return
-            if crash_step == self.step:
-                faults.crash(self._faults, self.rank, self.step)
-            self._in_step = True
-            if index is None:
-                yield self.step, batch
-            else:
-                yield index, batch
-                index += 1
-            self._in_step = False
-            self.step = step = self.step + 1
-            if step - start == 10:
-                group.sync_device(self.device)
-                self._timing["t10"] = time.time()   # steps/s is measured after 10 warm-up steps
-            if step >= max_steps:
-                break   # done: a signal now changes nothing; the last row is written at the end
-            if step % log_every == 0 and metrics is not None:
-                metrics.flush(feed.epoch)
-            if every and step % every == 0:
-                self._save("every_steps")
-            if should_stop(step):
-                self._stop()
+        self._in_steps = True   # the watchdog tells the loop from the code around it (progress())
+        try:
+            while self.step < max_steps:
+                batch = feed.next()
+                if batch is END_OF_EPOCH:
+                    return
+                if crash_step == self.step:
+                    faults.crash(self._faults, self.rank, self.step)
+                self._in_step = True
+                if index is None:
+                    yield self.step, batch
+                else:
+                    yield index, batch
+                    index += 1
+                self._in_step = False
+                self.step = step = self.step + 1
+                if step - start == 10:
+                    group.sync_device(self.device)
+                    self._timing["t10"] = time.time()   # steps/s is measured after 10 warm-up steps
+                if step >= max_steps:
+                    break   # done: a signal now changes nothing; the last row is written at the end
+                if step % log_every == 0 and metrics is not None:
+                    metrics.flush(feed.epoch)
+                if every and step % every == 0:
+                    self._save("every_steps")
+                if should_stop(step):
+                    self._stop()
+        finally:
+            self._in_steps = False
 
     def _end(self) -> None:
         self._agreement.settle()   # the stop poll still in flight: finished before the group goes
@@ -358,12 +364,18 @@ class Run:
             self._phase = before
 
     def progress(self) -> tuple[int, str]:
-        """(steps done, what the loop does now: "first step" until this process has finished one (it
-        builds, loads, compiles), then train, checkpoint, or a run.phase name); read by the hang
-        watchdog from a thread of its own."""
+        """(steps done, what the rank does now: setup until its run.steps / run.epochs begins; "first
+        step" until this process has finished one (it may compile); train inside run.steps; "outside
+        the steps" in its own code between epochs or after the loop (an evaluation not in a run.phase);
+        checkpoint, or a run.phase name); read by the hang watchdog from a thread of its own."""
         phase = self._phase
-        if phase == "train" and self.step == self._start_step:
-            phase = "first step"
+        if phase == "train":
+            if not self._started:
+                phase = SETUP
+            elif not self._in_steps:
+                phase = "outside the steps"
+            elif self.step == self._start_step:
+                phase = "first step"
         return self.step, phase
 
     def barrier(self) -> None:

@@ -11,7 +11,9 @@ on one node or many. Two ranks (the first and the last) read everyone's; the loo
 It is a hang when every rank still training has not finished a step for its limit: `launch.hang.timeout_s`,
 or by default 20 x the slowest rank's recent step time, at least FLOOR_S; a rank in a slow phase (its
 first step, which may compile; a checkpoint save; a `with run.phase(...)` block, the built-in loop's
-evaluation) has at least `launch.hang.slow_phase_s`. The watcher that sees it first claims the verdict
+evaluation; its own code between epochs or after run.steps) has at least `launch.hang.slow_phase_s`.
+Ranks whose run.steps has not begun (setup; a task that uses no run.steps) are not judged until one has
+begun: its step is the only progress expgpu can see. The watcher that sees it first claims the verdict
 (compare-and-set in the store); then every rank writes its threads' stacks to RUN_DIR/hang/rank<N>.txt
 and the frame of its own code to the store, the claimer writes the verdict (RUN_DIR/hang/verdict.json,
 result.json with status "hung", through `on_verdict`), and every rank exits with EXIT_HUNG, which frees
