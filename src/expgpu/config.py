@@ -122,7 +122,7 @@ class FsdpConfig:
 class HangConfig:
     # A run of several ranks is hung when no rank has finished a step for this long (a rank behind is
     # named, with its stack; expgpu.train.watchdog). auto: 20 x the slowest rank's recent step time,
-    # at least 60 s; a number of seconds; null: no watchdog.
+    # at least 50 s; a number of seconds; null: no watchdog.
     timeout_s: Any = "auto"
     # The first step (compiling, loading), a checkpoint save and `with run.phase(...)` blocks (the built-in
     # loop's evaluation) may take this long before they count as hung.

@@ -25,10 +25,15 @@ def crash(faults: dict, rank: int, step: int) -> None:
         if faults.get("kind") == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if faults.get("kind") == "hang":
-            log.warning("rank %d: injected hang at step %d (faults.kind=hang)", rank, step)
-            while True:   # as a stuck read does; the hang watchdog must find it
-                time.sleep(3600)
+            hang_forever(rank, step)
         raise RuntimeError(f"injected crash (faults.crash_rank={rank} faults.crash_step={step})")
+
+
+def hang_forever(rank: int, step: int) -> None:
+    """faults.kind=hang: no progress for good, as a stuck read does (the watchdog's line names this function)."""
+    log.warning("rank %d: injected hang at step %d (faults.kind=hang)", rank, step)
+    while True:
+        time.sleep(3600)
 
 
 @dataclass

@@ -62,6 +62,15 @@ BAD = {
     "poll_every word": (["checkpoint.poll_every=often"],
                         "checkpoint.poll_every='often' is not allowed: auto or an integer >= 1"),
     "faults half set": (["faults.crash_rank=0"], "set faults.crash_rank and faults.crash_step together"),
+    "hang timeout zero": (["launch.hang.timeout_s=0"], "launch.hang.timeout_s=0 is not allowed: auto, a number of "
+                                                       "seconds > 0, or null (no watchdog)"),
+    "hang timeout negative": (["launch.hang.timeout_s=-5"], "launch.hang.timeout_s=-5 is not allowed: auto"),
+    "hang timeout word": (["launch.hang.timeout_s=soon"], "launch.hang.timeout_s='soon' is not allowed: auto"),
+    "slow phase zero": (["launch.hang.slow_phase_s=0"], "launch.hang.slow_phase_s=0.0 is not allowed"),
+    "on_hang unknown": (["launch.on_hang=retry"], "launch.on_hang"),
+    "restart without restarts": (["launch.on_hang=restart"], "launch.on_hang=restart is not allowed: fail, or restart "
+                                                             "with launch.max_restarts >= 1"),
+    "max_restarts negative": (["launch.max_restarts=-1"], "launch.max_restarts=-1 is not allowed: an integer >= 0"),
     "dp with ranks": (["launch.wrap=dp", "launch.nproc_per_node=2"], "launch.wrap=dp is not allowed"),
     "objective type": (["objective=3"], "objective=3 is not allowed"),
     "task key misspelt": (["task.batch_sise=3"], "task.batch_sise: expgpu.tasks.supervised.train takes no parameter "
