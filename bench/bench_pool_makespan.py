@@ -13,7 +13,9 @@ makespan   = first job start to last job end, as the jobs themselves recorded it
 ideal      = max(total duration / slots, longest job)              (the pool's goal: <= 1.05 x ideal)
 end-to-end = the whole command, Hydra's own start-up included
 
-    python bench/bench_pool_makespan.py --eight          # 8 jobs of 2 s on 4 simulated GPUs (ideal 4 s)
+    python bench/bench_pool_makespan.py --eight          # 8 jobs of 2 s on 4 simulated GPUs (ideal 4 s), and
+                                                         # the hand-over: a job handed out (pool.json started) to
+                                                         # its task code; a job's end to the next on its GPUs
     python bench/bench_pool_makespan.py --cpu [--before DIR/src]
 
 --cpu: 6 jobs of task a (400 steps, CPU-bound), basic launcher vs hydra/launcher=gpu_pool
@@ -111,6 +113,23 @@ def run(kind: str, durations: list[float], slots: int, tmp: Path, n: int) -> tup
     return max(j["ended"] for j in jobs) - min(j["started"] for j in jobs), wall
 
 
+def handovers(kind: str, tmp: Path, n: int) -> tuple[list[float], list[float]]:
+    """(hand-outs, refills): each job's hand-out, from pool.json's `started` (its GPUs leased, the job handed to
+    a process) to its task's code (the app's own t0); each refill of a GPU, from a job's own end (its t1) to
+    the task's code of the next job on the same GPUs: the reaping, the leasing, the hand-out and the start."""
+    times = {r["job"]: r for r in map(json.loads, (tmp / f"{kind}{n}.jsonl").read_text().splitlines())}
+    jobs = json.loads((tmp / f"{kind}{n}" / "pool.json").read_text())["jobs"]
+    out = [times[j["num"]]["t0"] - j["started"] for j in sorted(jobs, key=lambda j: j["started"])]
+    by_gpus: dict[tuple, list[dict]] = {}
+    for j in jobs:
+        by_gpus.setdefault(tuple(j["gpus"]), []).append(times[j["num"]])
+    refills = []
+    for runs in by_gpus.values():
+        runs.sort(key=lambda r: r["t0"])
+        refills += [b["t0"] - a["t1"] for a, b in zip(runs, runs[1:])]
+    return out, sorted(refills)
+
+
 def run_cpu(kind: str, tmp: Path, n: int, jobs: int, steps: int, slots: int, src: Path) -> dict:
     """One sweep of `jobs` task-a trainings: the command's wall time, the pool's makespan, and each
     job's start-to-first-step."""
@@ -159,17 +178,26 @@ def cpu_main(args) -> None:
 
 def eight_main(args) -> None:
     """8 jobs of 2 s on 4 simulated GPUs: the pool's makespan against the ideal 4 s."""
-    spans = []
+    spans, outs, refills = [], [], []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         (tmp / "app.py").write_text(APP)
         for n in range(args.rounds):
             span, wall = run("pool_gpu", [2.0] * 8, 4, tmp, n)
             spans.append(span)
-            print(f"  round {n}: makespan {span:6.3f}s  end-to-end {wall:6.2f}s", flush=True)
+            out, refill = handovers("pool_gpu", tmp, n)
+            outs += out
+            refills += refill
+            print(f"  round {n}: makespan {span:6.3f}s  end-to-end {wall:6.2f}s  hand-out to task code "
+                  f"{' '.join(f'{h:.3f}' for h in out)} s; a GPU's refill {' '.join(f'{h:.3f}' for h in refill)} s",
+                  flush=True)
     m = statistics.median(spans)
     print(f"\n8 jobs of 2 s, 4 simulated GPUs: makespan median {m:.3f}s (max {max(spans):.3f}s), "
           f"x ideal 4 s = {m / 4:.3f} (goal <= 1.05)")
+    for what, xs in (("a job's hand-out to its task's code", outs),
+                     ("a job's end to the next job's task code on its GPUs", refills)):
+        h = statistics.median(xs)
+        print(f"{what}: median {h:.3f}s (max {max(xs):.3f}s) (goal <= 0.1 s: {'met' if h <= 0.1 else 'NOT met'})")
 
 
 def main() -> None:
