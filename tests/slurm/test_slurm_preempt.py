@@ -187,3 +187,42 @@ def test_hydra_launcher_job_preempted_by_submitit_resumes(slurm_cluster, tmp_pat
     assert result["status"] == "finished" and result["resumed_from_step"] == int(saved.group(1))
     assert result["param_checksum"] == reference
     assert restarts(slurm_cluster, job) == 1
+
+
+@pytest.mark.timeout(240)
+def test_a_script_without_a_sigterm_handler_preempted_by_submitit_is_requeued_and_resumes(slurm_cluster, tmp_path,
+                                                                                           monkeypatch):
+    """A preemption's SIGTERM reaches the script too (SLURM signals every process of the step) and kills a
+    script that has no handler for it; the SIGUSR2 that follows still requeues the job, and the rerun
+    starts the script with its resume_args from its own last checkpoint."""
+    from submitit.slurm.slurm import SlurmJob
+
+    sweep = tmp_path / "sweep"
+    client = subprocess.Popen(
+        [sys.executable, "-m", "expgpu", "-m", "--config-dir", str(REPO / "tests" / "conf"), "hydra/launcher=slurm",
+         "task=script_probe_resume", "task.args.on-term=default", "task.args.steps=150", "task.args.save-every=5",
+         "task.args.log=true", "hydra.launcher.tasks_per_node=1", "hydra.launcher.gpus_per_node=0",
+         "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=20", f"hydra.sweep.dir={sweep}"],
+        cwd=REPO, env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run_dir = sweep / "0"
+        wait_until("a checkpoint of the script's", lambda: (run_dir / "ckpt.txt").exists() or client.poll() is not None,
+                   timeout=120)
+        assert client.poll() is None, client.communicate()[1][-4000:]
+        folders = [p for p in (sweep / ".submitit").iterdir() if p.is_dir()]
+        assert len(folders) == 1, folders
+        job = folders[0].name
+        monkeypatch.setenv("SLURM_CONF", slurm_cluster.conf)
+        SlurmJob(folder=folders[0], job_id=job)._interrupt()   # preemption: SIGTERM, then SIGUSR2
+        out, err = client.communicate(timeout=180)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.communicate()
+    assert client.returncode == 0, (out + err)[-4000:]
+    log = "".join(p.read_text() for p in sorted(folders[0].glob("*_0_log.*")))
+    assert f"Requeued job {job}" in log, log[-4000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert (result["status"], result["resumed"], result["attempt"]) == ("finished", True, 1), result
+    assert json.loads((run_dir / "started-rank0.json").read_text())["argv"][-1] == "--resume"
+    assert restarts(slurm_cluster, job) == 1

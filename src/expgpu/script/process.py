@@ -31,6 +31,10 @@ from typing import Callable
 from expgpu import procs
 
 TICK_S = 0.1        # how often a stop, the grace deadline and the on_tick callback are looked at
+# Under submitit a preemption is SIGTERM to every process of the job's steps, then SIGUSR2, its requeue signal
+# (submitit's SlurmJob._interrupt sends them one after the other): how long a script that died of the first
+# waits for the second
+PREEMPT_WAIT_S = 5.0
 DRAIN_S = 2.0       # after the script exits, how long a child it left may hold its pipes open
 TAIL_LINES = 20
 
@@ -90,6 +94,21 @@ def run_script(argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, 
         # whose SIGTERM this process leaves alone, the script still gets one): a stop, not a crash
         outcome.stopped_by = signal.Signals(-outcome.returncode).name
     return outcome
+
+
+def await_requeue(outcome: Outcome, stopper) -> None:
+    """A script that died of a SIGTERM sent to it directly, where this process leaves SIGTERM to another
+    owner whose SIGUSR2 requeues the job (submitit's handlers): that was a preemption's first signal, so wait
+    PREEMPT_WAIT_S for its SIGUSR2; when it comes the stop is SIGUSR2 (the job is requeued and the script
+    resumes, as a script that handles SIGTERM would be), else it stays a SIGTERM stop (scancel)."""
+    if outcome.stopped_by != "SIGTERM" or stopper.received is not None or "SIGTERM" in stopper.owned \
+            or stopper.previous_handler(signal.SIGUSR2) is None:
+        return
+    deadline = time.monotonic() + PREEMPT_WAIT_S
+    while stopper.received is None and time.monotonic() < deadline:
+        time.sleep(TICK_S)
+    if stopper.received == "SIGUSR2":
+        outcome.stopped_by = "SIGUSR2"
 
 
 def _supervise(proc, log, outcome: Outcome, stopper, grace_s: float, on_tick, watch) -> None:

@@ -63,6 +63,7 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
     try:
         outcome = process.run_script(argv, env, run_dir, script_log, stopper, spec.grace_s,
                                      feed.poll if feed else None, watch)
+        process.await_requeue(outcome, stopper)   # a preemption under submitit: SIGTERM, then SIGUSR2
         if watch is not None and not outcome.hung:
             watch.done()
     finally:
