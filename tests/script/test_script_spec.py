@@ -70,6 +70,21 @@ def test_args_configurator_style_reads_back_as_nanogpt_reads_it(launch):
                                           "max_iters": 20, "tag": "1e-3", "wandb_log": True, "init": None}
 
 
+def test_a_nested_mapping_is_dotted_flags_in_every_style(launch):
+    args = {"trainer": {"learning_rate": 5e-4, "max_iters": 10, "compile": True}, "system": {"seed": 3}}
+    assert words({"args": args}, launch) == ["--trainer.learning_rate", "0.0005", "--trainer.max_iters", "10",
+                                             "--trainer.compile", "--system.seed", "3"]
+    assert words({"args_style": "equals", "args": args}, launch) == [
+        "--trainer.learning_rate=0.0005", "--trainer.max_iters=10", "--trainer.compile", "--system.seed=3"]
+    assert words({"args_style": "configurator", "args": {"trainer": {"lr": 1e-3, "tag": "1e-3"}}}, launch) == \
+        ["--trainer.lr=0.001", "--trainer.tag='1e-3'"]
+    # resume_args merge into args key by key, nested ones too
+    task = {"args": args, "resume_args": {"trainer": {"max_iters": 20, "resume": True}}}
+    assert words(task, launch, resume=True) == [
+        "--trainer.learning_rate", "0.0005", "--trainer.max_iters", "20", "--trainer.compile", "--trainer.resume",
+        "--system.seed", "3"]
+
+
 def test_paths_under_the_launch_dir_are_passed_absolute_inputs_stay_relative(launch):
     got = words({"args": {"data": "data/wikitext-2", "save": "model.pt", "cfg": "configurator.py"},
                  "inputs": ["configurator.py"]}, launch)
@@ -109,8 +124,8 @@ BAD = [
     ({"script": "train.py", "_target_": "my.train"}, r"task\._target_=my\.train and task\.script: a task is a function "
                                                      r"\(_target_\) or a script"),
     ({"script": "train.py", "args": 3}, r"task\.args=3 is not allowed: a mapping of the script's arguments"),
-    ({"script": "train.py", "args": {"opt": {"lr": 1}}}, r"task\.args\.opt=\{'lr': 1\} is not allowed: a number, "
-                                                         r"string, true/false, null or a list"),
+    ({"script": "train.py", "args": {"opt": {"lr": [[1]]}}}, r"task\.args\.opt\.lr=\[\[1\]\] is not allowed: a "
+                                                             r"number, string, true/false, null, a list of those"),
     ({"script": "train.py", "args": ["--x", [1]]}, r"task\.args\[1\]=\[1\] is not allowed"),
     ({"script": "train.py", "args_style": "posix"}, r"task\.args_style='posix' is not allowed: one of space "
                                                     r"\(--key value\); equals"),

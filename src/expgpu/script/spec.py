@@ -108,13 +108,22 @@ def build(task: Mapping, launch_dir: Path) -> ScriptSpec:
     first = render.words(args, "task.args")
     render.words(resume, "task.resume_args")   # checked on its own, so the error names the right key
     if isinstance(args, dict) and isinstance(resume, dict):
-        again = render.words({**args, **resume}, "task.resume_args")
+        again = render.words(_merged(args, resume), "task.resume_args")
     else:
         again = first + render.words(resume, "task.resume_args")
     return ScriptSpec(name=task.get("name") or name, command=command, args=first, resume_args=again,
                       resume_if=_resume_if(task.get("resume_if")), inputs=inputs,
                       grace_s=_grace(task.get("grace_s", GRACE_S)), launch_dir=str(launch_dir), module=is_module,
                       output_timeout_s=_output_timeout(task.get("output_timeout_s")))
+
+
+def _merged(args: dict, resume: dict) -> dict:
+    """resume_args over args, nested mappings (dotted flags) merged key by key: resume's values win."""
+    out = dict(args)
+    for key, value in resume.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
 
 
 def _check_keys(task: Mapping) -> None:
@@ -245,11 +254,15 @@ class _Renderer:
         return [w for key, value in args.items() for w in self.pair(str(key), value, f"{where}.{key}")]
 
     def pair(self, key: str, value: Any, where: str) -> list[str]:
+        if isinstance(value, dict):
+            # dotted flags, as LightningCLI (--trainer.max_epochs) and minGPT's chargpt.py
+            # (--trainer.learning_rate=5e-4) take them: {trainer: {learning_rate: 5e-4}}
+            return [w for k, v in value.items() for w in self.pair(f"{key}.{k}", v, f"{where}.{k}")]
         flag = key if key.startswith("-") else f"--{key}"
         many = isinstance(value, list)
         if not (isinstance(value, _SCALARS) or (many and all(isinstance(v, _SCALARS) for v in value))):
-            raise UserError(f"{where}={value!r} is not allowed: a number, string, true/false, null or a list "
-                            "of those")
+            raise UserError(f"{where}={value!r} is not allowed: a number, string, true/false, null, a list "
+                            "of those, or a mapping of them (dotted flags: --trainer.lr=...)")
         if self.style == "configurator":
             text = _literal([self.path(v) for v in value] if many else self.path(value))
             if "=" in key or "=" in text:
