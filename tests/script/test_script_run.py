@@ -204,6 +204,29 @@ def test_a_module_runs_with_the_launch_dir_on_pythonpath_and_inputs_linked(tmp_p
     assert (tmp_path / "run" / "data").resolve() == tmp_path / "data"
 
 
+def test_a_file_opened_relative_to_the_launch_dir_gets_the_inputs_entry_that_fixes_it(tmp_path):
+    """nanoGPT's `exec(open('configurator.py').read())` and its data/, from a task file that lists no inputs."""
+    (tmp_path / "train.py").write_text("import numpy\nprint(open('data/shakespeare/train.bin').read())\n")
+    (tmp_path / "data" / "shakespeare").mkdir(parents=True)
+    (tmp_path / "data" / "shakespeare" / "train.bin").write_text("tokens")
+    (tmp_path / "configurator.py").write_text("")
+    run = expgpu([*CONF, "task=script_probe", f"task.script={tmp_path / 'train.py'}", "task.args=null"],
+                 tmp_path / "run", cwd=tmp_path)
+    assert run.returncode == 1, run.stderr
+    said = [ln for ln in run.stderr.splitlines() if ln.startswith("expgpu: rank 0 failed")]
+    assert len(said) == 1 and said[0].endswith(
+        f". The script runs in its run dir, where data/shakespeare/train.bin is not, but the launch dir has it "
+        f"({tmp_path / 'data/shakespeare/train.bin'}): add `inputs: [data]` to the task's file (or "
+        "task.inputs=[data]) to link it there"), run.stderr
+    # with inputs listed it runs, and the hint names the entries already there with the one to add
+    (tmp_path / "train.py").write_text("open('data/shakespeare/train.bin').read()\n"
+                                       "exec(open('configurator.py').read())\n")
+    run = expgpu([*CONF, "task=script_probe", f"task.script={tmp_path / 'train.py'}", "task.args=null",
+                  "+task.inputs=[data]"], tmp_path / "run2", cwd=tmp_path)
+    assert run.returncode == 1 and "add `inputs: [data, configurator.py]` to the task's file" in run.stderr, \
+        run.stderr
+
+
 def test_bad_input_is_one_line_before_any_rank_starts(tmp_path):
     for args, says in (
         (["task.script=nope.py"], "task.script=nope.py: "),

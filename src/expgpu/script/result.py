@@ -17,6 +17,8 @@ they end together, in destroy_process_group, but waits at most RECORD_WAIT_S) an
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import socket
 import time
@@ -87,13 +89,37 @@ def first_failure(records: list[dict | None]) -> dict | None:
     return min(bad, key=lambda r: r["ended"]) if bad else None
 
 
-def failure(record: dict, run_dir: Path) -> Failure:
+def failure(record: dict, run_dir: Path, spec=None) -> Failure:
+    """The failed rank's line; with the task's spec, the fix for a file it opened relative to the launch dir."""
     code = record["exit_code"]
     how = f"was killed by {record['signal']}" if record.get("signal") else f"exited with code {code}"
     tail = " | ".join(line.strip() for line in record["stderr_tail"][-5:] if line.strip())
     told = f"; the last lines of its stderr: {tail[-600:]}" if tail else "; it wrote nothing to stderr"
     where = rundir.script_log(run_dir, record["rank"])
-    return Failure(record["rank"], f"its script {how}{told} (all its output: {where})", False, code)
+    fix = missing_input(record["stderr_tail"], run_dir, spec) if spec is not None else None
+    return Failure(record["rank"], f"its script {how}{told} (all its output: {where})" + (f". {fix}" if fix else ""),
+                   False, code)
+
+
+_NO_SUCH_FILE = re.compile(r"No such file or directory: '([^']+)'")
+
+
+def missing_input(stderr_tail: list[str], run_dir: Path, spec) -> str | None:
+    """A relative path the script failed to open that is in the launch dir: it runs in its run dir, where only
+    task.inputs are linked (nanoGPT's configurator.py, its data/): the inputs entry that fixes it."""
+    for line in reversed(stderr_tail):
+        found = _NO_SUCH_FILE.search(line)
+        if found is None or os.path.isabs(found.group(1)):
+            continue
+        rel = Path(os.path.normpath(found.group(1)))
+        if rel.parts[0] == ".." or not (Path(spec.launch_dir) / rel).exists() or (Path(run_dir) / rel).exists():
+            return None
+        entry = rel.parts[0]   # its top directory (data/ for data/shakespeare_char/train.bin), or the file
+        listed = ", ".join([*(name for name, _ in spec.inputs), entry])
+        return (f"The script runs in its run dir, where {rel} is not, but the launch dir has it "
+                f"({Path(spec.launch_dir) / rel}): add `inputs: [{listed}]` to the task's file (or "
+                f"task.inputs=[{listed}]) to link it there")
+    return None
 
 
 def write(cfg: dict, info: RankInfo, node: NodePlan, run_dir: Path, spec, records: list[dict | None],

@@ -92,9 +92,9 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
             feed.finish(doc["status"], doc["metrics"], doc["steps"])
         failed = result.first_failure(records)
         if failed is not None:
-            raise WorkerFailed(result.failure(failed, run_dir))
+            raise WorkerFailed(result.failure(failed, run_dir, spec))
     elif result.failed(record):
-        raise WorkerFailed(result.failure(record, run_dir))
+        raise WorkerFailed(result.failure(record, run_dir, spec))
     return doc
 
 
