@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from expgpu.loggers.progress import FIELDS, PACE
+
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 HELPERS = TESTS / "helpers"   # the probe tasks (run_probe, ...) and the clusters' fixtures
@@ -94,6 +96,20 @@ class Run:
 
     def metrics(self) -> list[dict]:
         return [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# What a metrics.jsonl row holds that depends on the clock: its wall time, its pace (expgpu.loggers.progress)
+TIMED = frozenset({"time", *PACE})
+
+
+def untimed(row: dict) -> dict:
+    """A row without what the clock decides: two runs of the same steps log the same."""
+    return {k: v for k, v in row.items() if k not in TIMED}
+
+
+def logged(row: dict) -> dict:
+    """A row's step and what was logged at it: no epoch, time or progress fields."""
+    return {k: v for k, v in row.items() if k not in ("epoch", "time", *FIELDS)}
 
 
 def expgpu(args: list[str], run_dir: Path, env: dict | None = None, timeout: float = 240,

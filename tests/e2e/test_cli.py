@@ -43,9 +43,9 @@ def test_without_a_terminal_progress_is_a_line_every_few_seconds_and_the_last_ro
     run = expgpu(["task=a", "task.max_steps=120", "task.log_every=1"], tmp_path / "run")
     assert run.returncode == 0, run.stderr
     assert len(run.metrics()) == 120
-    lines = [ln for ln in run.output.splitlines() if re.search(r" - step \d+  loss ", ln)]
+    lines = [ln for ln in run.output.splitlines() if re.search(r" - step \d+/120 \(\d+ %\)  loss ", ln)]
     assert 2 <= len(lines) <= 10, lines
-    assert "step 1  loss" in lines[0] and "step 120  loss" in lines[-1], lines
+    assert "step 1/120 (1 %)  loss" in lines[0] and "step 120/120 (100 %)  loss" in lines[-1], lines
 
 
 @pytest.mark.slow

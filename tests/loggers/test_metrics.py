@@ -11,10 +11,13 @@ import torch
 
 from expgpu.errors import UserError
 from expgpu.loggers.jsonl import MetricsLog, WindowMeanLog, trim
+from expgpu.loggers.progress import FIELDS
 
 
 def rows(path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in path.read_text().splitlines()]
+    """The rows without their time and progress fields (test_progress.py has those)."""
+    return [{k: v for k, v in json.loads(line).items() if k != "time" and k not in FIELDS}
+            for line in path.read_text().splitlines()]
 
 
 def logged(cls, tmp_path, steps: int = 10, log_every: int = 5) -> MetricsLog:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from probes import PROBE_ENV, error_line, probe
 
-from conftest import HELPERS, REPO, Run, clean_env, expgpu, finish, start, wait_for_progress
+from conftest import HELPERS, REPO, Run, clean_env, expgpu, finish, logged, start, untimed, wait_for_progress
 from expgpu.errors import UserError
 
 pytestmark = pytest.mark.timeout(240)
@@ -227,7 +227,7 @@ def test_ranks_draw_their_own_random_numbers_unless_seed_per_rank_is_false(tmp_p
 def test_log_is_read_back_at_log_steps_and_keeps_odd_steps(tmp_path):
     run = probe(["task=probe_logs", "task.log_every=5"], tmp_path / "run")
     assert run.returncode == 0, run.stderr
-    rows = [{k: v for k, v in r.items() if k not in ("epoch", "time")} for r in run.metrics()]
+    rows = [logged(r) for r in run.metrics()]
     # x is logged at every step (body of step s -> row s + 1): only the value at a log step is
     # written; ev, logged once at step 6, is written at its own step; `after` joins the last row
     assert rows == [{"step": 5, "x": 4.0}, {"step": 7, "ev": 1.5}, {"step": 10, "x": 9.0},
@@ -239,7 +239,7 @@ def test_log_is_read_back_at_log_steps_and_keeps_odd_steps(tmp_path):
 def test_log_reduce_mean_writes_each_windows_mean_and_odd_steps_as_logged(tmp_path):
     run = probe(["task=probe_logs", "task.log_every=5", "task.log_reduce=mean"], tmp_path / "run")
     assert run.returncode == 0, run.stderr
-    rows = [{k: v for k, v in r.items() if k not in ("epoch", "time")} for r in run.metrics()]
+    rows = [logged(r) for r in run.metrics()]
     # x = the body's step, logged at step + 1: the rows hold means of 0..4, 5..9 and 10..11; ev,
     # logged once, and `after`, an int logged once after the loop, are written as they were logged
     assert rows == [{"step": 5, "x": 2.0}, {"step": 7, "ev": 1.5}, {"step": 10, "x": 7.0},
@@ -278,7 +278,7 @@ def test_log_reduce_mean_stopped_mid_window_resumes_to_the_uninterrupted_rows(tm
     resumed = probe(args, tmp_path / "run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.result["resumed_from_step"] == at
-    rows = [[{k: v for k, v in r.items() if k not in ("epoch", "time")} for r in run.metrics()]
+    rows = [[logged(r) for r in run.metrics()]
             for run in (resumed, straight)]
     assert rows[0] == rows[1]   # bit for bit: the float32 sum went on from where it stopped
     want = _window_means(30, 5)
@@ -366,5 +366,5 @@ def test_example_stopped_and_rerun_ends_with_the_uninterrupted_parameters(tmp_pa
     assert resumed.result["resumed_from_step"] == at
     assert resumed.result["param_checksum"] == straight.result["param_checksum"]
     assert resumed.result["metrics"] == straight.result["metrics"]
-    rows = [[{k: v for k, v in r.items() if k != "time"} for r in run.metrics()] for run in (resumed, straight)]
+    rows = [[untimed(r) for r in run.metrics()] for run in (resumed, straight)]
     assert rows[0] and rows[0] == rows[1]   # metrics.jsonl reads like the uninterrupted run's

@@ -10,6 +10,7 @@ import pytest
 import torch
 from config_compose import composed
 
+from conftest import untimed
 from expgpu import config, task
 from expgpu.errors import UserError
 from expgpu.launch.worker import _call
@@ -42,7 +43,7 @@ def run_task(run_dir, base_cfg, fn: str, stop_at: int | None = None, **keys) -> 
 
 
 def rows(run_dir) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k != "time"}
+    return [untimed(json.loads(line))
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from probes import PROBE_ENV, error_line, probe
 
-from conftest import TESTS, finish, start
+from conftest import TESTS, finish, start, untimed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.xdist_group("test_run_shapes")]
 
@@ -21,7 +21,7 @@ RNN = ["task=probe_rnnlm", "launch.nproc_per_node=2"]
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k != "time"}
+    return [untimed(json.loads(line))
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -21,6 +21,7 @@ from typing import Callable
 
 from expgpu import envvars, rundir
 from expgpu.errors import UserError, _Outcome
+from expgpu.loggers.progress import PACE
 from expgpu.procs import stop_signals
 from expgpu.rundir import atomic_write_bytes
 
@@ -89,7 +90,8 @@ def _rows(run_dir: Path) -> dict[int, dict]:
     rows = {}
     for line in (run_dir / rundir.METRICS).read_text().splitlines():
         row = json.loads(line)
-        row.pop("time", None)
+        for timed in ("time", *PACE):   # the clock's, not the task's
+            row.pop(timed, None)
         rows[row.pop("step")] = row
     return rows
 

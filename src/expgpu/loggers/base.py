@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from expgpu.loggers.progress import FIELDS
+
 
 class Sink:
     def start(self, resumed: bool, step: int, flushed_before: int, jsonl: Path) -> None:
@@ -26,9 +28,12 @@ class Sink:
         """status: finished, stopped (resumable) or failed; metrics: what the task returned."""
 
 
+_NOT_METRICS = frozenset({"step", "time", *FIELDS})
+
+
 def values(row: dict) -> dict[str, Any]:
-    """A metrics.jsonl row's metrics: everything but its step and wall time (epoch included)."""
-    return {k: v for k, v in row.items() if k not in ("step", "time")}
+    """A metrics.jsonl row's metrics: everything but its step, wall time and progress fields (epoch included)."""
+    return {k: v for k, v in row.items() if k not in _NOT_METRICS}
 
 
 def final_metrics(metrics: dict, last_row: dict) -> dict[str, float]:

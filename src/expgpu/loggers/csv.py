@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from expgpu.loggers.jsonl import WRITE_EVERY_S
+from expgpu.loggers.progress import FIELDS
 from expgpu.loggers.state import LoggerState
 
 _FIRST, _LAST = ["step"], ["epoch", "time"]
@@ -45,6 +46,7 @@ class CsvLogger:
         return max((int(r["step"]) for r in kept), default=-1)
 
     def write(self, rows: list[dict]) -> None:
+        rows = [{k: v for k, v in r.items() if k not in FIELDS} for r in rows]   # the progress stays in metrics.jsonl
         new = [k for r in rows for k in r if k not in self.columns]
         if new:
             for k in dict.fromkeys(new):

@@ -17,16 +17,13 @@ crash, about to be redone) are dropped first, so the file reads like one uninter
 from __future__ import annotations
 
 import json
-import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from expgpu.errors import UserError
+from expgpu.loggers.progress import FIELDS, Display, Pace
 from expgpu.rundir import METRICS, atomic_write_bytes
-
-log = logging.getLogger("expgpu")
 
 
 def scalar(name: str, value: Any) -> Any:
@@ -82,8 +79,9 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-# What every row holds besides the logged names: a name of these would overwrite or be overwritten.
-ROW_KEYS = frozenset({"step", "epoch", "time"})
+# What every row holds besides the logged names (and its progress fields, where known, expgpu.loggers.progress):
+# a name of these would overwrite or be overwritten.
+ROW_KEYS = frozenset({"step", "epoch", "time", *FIELDS})
 
 # Rows reach the OS (a write call) at the first row, then at most this often, and at every
 # checkpoint and at the end: rows written out every log_every=10 steps cost a fast CPU loop ~1.5 %
@@ -97,11 +95,15 @@ class MetricsLog:
     """rank 0's metrics.jsonl and progress display; its sinks (expgpu.loggers.base.Sink: the chosen
     loggers, an optimizing sweeper's trial) are fed the same rows."""
 
-    def __init__(self, run_dir: Path, total_steps: int | None = None, sinks=()):
+    def __init__(self, run_dir: Path, total_steps: int | None = None, sinks=(), show: bool = True):
+        """`show`: the progress on the console (a script's rows are shown by its supervisor instead)."""
         self.path = Path(run_dir) / METRICS
         self.pending: dict[str, tuple[int, Any]] = {}
         self.file = None
-        self.progress: _Progress | None = None
+        self.show = show
+        self.display: Display | None = None
+        self.pace = Pace(0, total_steps)
+        self.first_epoch = 0
         self.total = total_steps
         self.sinks = list(sinks)
         self.last_row: dict[str, Any] | None = None
@@ -112,9 +114,18 @@ class MetricsLog:
         if self.file is None:
             flushed_before = trim(self.path, resumed_step)
             self.file = open(self.path, "a")
-            self.progress = _Progress(total_steps, resumed_step)
+            self.pace = Pace(resumed_step, total_steps, self.pace.epochs)
+            if self.show:
+                self.display = Display(total_steps, resumed_step)
             for sink in self.sinks:
                 sink.start(resumed, resumed_step, flushed_before, self.path)
+
+    def plan(self, max_steps: int | None = None, epochs: int | None = None, first_epoch: int = 0) -> None:
+        """What the run's length is, once known (under run.epochs: at each epoch's start)."""
+        if max_steps is not None:
+            self.pace.max_steps = max_steps
+        if epochs is not None:
+            self.pace.epochs, self.first_epoch = epochs, first_epoch
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         # Kept as given (checked at the flush): this runs every step. A tensor kept here holds no
@@ -137,7 +148,9 @@ class MetricsLog:
             rows.setdefault(step, {})[name] = value
         self.pending.clear()
         now = round(time.time(), 3)
-        written = [{"step": step, **rows[step], "epoch": epoch, "time": now} for step in sorted(rows)]
+        last = max(rows)
+        pace = self.pace.fields(last)
+        written = [{"step": step, **rows[step], "epoch": epoch, "time": now, **pace} for step in sorted(rows)]
         for row in written:
             self.file.write(json.dumps(row) + "\n")
         if self.written_at is None or time.monotonic() - self.written_at >= WRITE_EVERY_S:
@@ -146,8 +159,8 @@ class MetricsLog:
         if to_sinks:
             for sink in self.sinks:
                 sink.write(written)
-        last = max(rows)
-        self.progress.update(last, rows[last])
+        if self.display is not None:
+            self.display.update(last, rows[last], pace, epoch if self.pace.epochs else None, self.first_epoch)
 
     def write_out(self) -> None:
         """Hand the rows written so far to the OS (a checkpoint must not come before its rows)."""
@@ -174,8 +187,8 @@ class MetricsLog:
         if self.file is not None:
             self.file.close()
             self.file = None
-        if self.progress is not None:
-            self.progress.close()
+        if self.display is not None:
+            self.display.close()
 
     def finish_loggers(self, status: str, metrics: dict, step: int) -> None:
         """After the function: the sinks get its outcome (finished, stopped, failed) and returned metrics."""
@@ -224,47 +237,3 @@ def _widened(value: Any) -> Any:
     if hasattr(value, "is_floating_point") and (not value.is_floating_point() or value.element_size() < 4):
         return value.float()
     return value
-
-
-# Without a terminal, a progress line at most this often (and the last row at the end): a line per
-# log_every steps filled logs with hundreds of lines, and on a busy machine each line (formatted,
-# written to the console, the job's log and the rank's log, read by whoever holds the console)
-# costs rank 0, and so every rank waiting for it at the next all-reduce.
-PROGRESS_EVERY_S = 5.0
-
-
-class _Progress:
-    """A live bar when stderr is a terminal; a log line every PROGRESS_EVERY_S otherwise."""
-
-    def __init__(self, total: int | None, start: int):
-        self.bar = None
-        self.shown_at: float | None = None   # when the last line was written
-        self.unshown: tuple[int, dict] | None = None
-        if sys.stderr.isatty():
-            from rich.progress import Progress
-
-            self.bar = Progress(transient=False)
-            self.bar.start()
-            self.task = self.bar.add_task("training", total=total, completed=start)
-
-    def update(self, step: int, row: dict[str, Any]) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step, description=f"training  {_text(row)}")
-            return
-        now = time.monotonic()
-        if self.shown_at is not None and now - self.shown_at < PROGRESS_EVERY_S:
-            self.unshown = (step, row)
-            return
-        self.shown_at, self.unshown = now, None
-        log.info("step %d  %s", step, _text(row))
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-        elif self.unshown is not None:
-            log.info("step %d  %s", self.unshown[0], _text(self.unshown[1]))
-            self.unshown = None
-
-
-def _text(row: dict[str, Any]) -> str:
-    return "  ".join(f"{k} {v:.5g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from expgpu.errors import UserError
+from expgpu.loggers.progress import FIELDS
 from expgpu.rundir import METRICS, POOL_RECORD, RESULT, failure_files, hang_dir, job_failure_file
 
 # Every metrics.jsonl row's own bookkeeping, not a metric the task logged: no panel of its own.
-_NOT_PLOTTED = ("epoch", "time", "step")
+_NOT_PLOTTED = ("epoch", "time", "step", *FIELDS)   # FIELDS: a row's progress (expgpu.loggers.progress)
 
 
 @dataclass

@@ -2,11 +2,13 @@
 
     import expgpu
     expgpu.log(loss=loss.item(), lr=lr, step=iter_num)      # step= optional: else 0, 1, 2, ...
+    expgpu.log(loss=..., step=iter_num, max_steps=max_iters)  # max_steps=: the progress's total and ETA
 
 In a script expgpu runs (EXPGPU_SCRIPT_RUN_DIR, set by expgpu.script.environ), on rank 0 (RANK 0 or
 unset), it appends a row to the run dir's metrics.jsonl through expgpu.loggers.jsonl.MetricsLog, the writer
 run.log uses: the same row format ({"step", names..., "epoch", "time"}), handed to the OS at most once
-a second and at the script's exit; rank 0's supervisor gives the rows to the chosen loggers. `epoch=`
+a second and at the script's exit; rank 0's supervisor gives the rows to the chosen loggers and shows the
+progress (step, pace; with `max_steps=`, given once, the share done and the time left). `epoch=`
 sets the row's epoch (kept for later rows). On every rank of a script expgpu runs, each call is also the
 rank's heartbeat (expgpu.script.heartbeat: two numbers stored in shared memory, no I/O), which its supervisor
 watches for hangs (expgpu.script.watch): on other ranks that is all it does. Anywhere else (plain python
@@ -39,14 +41,15 @@ _sink = None   # None: not looked yet; False: logging nowhere
 _beat: Beat | None = None
 
 
-def log(step: int | None = None, **scalars) -> None:
-    """Record numbers (or one-element tensors) for a step; see the module's docstring."""
+def log(step: int | None = None, max_steps: int | None = None, **scalars) -> None:
+    """Record numbers (or one-element tensors) for a step; `max_steps`: the run's length, for its progress
+    (step 60/200, the time left); see the module's docstring."""
     global _sink, _beat
     if _sink is None:
         _sink = _ScriptLog.from_env(os.environ) or False
         _beat = Beat.from_env(os.environ)
     if _sink:
-        step = _sink.log(step, scalars)
+        step = _sink.log(step, scalars, max_steps)
     if _beat is not None:
         _beat.beat(step)
 
@@ -61,14 +64,18 @@ class _ScriptLog:
 
     def __init__(self, run_dir: Path, resumed: bool):
         self.run_dir, self.resumed = run_dir, resumed
-        self.metrics = MetricsLog(run_dir)
+        self.metrics = MetricsLog(run_dir, show=False)   # rank 0's supervisor shows the progress (script.loggers)
         self.next_step: int | None = None
         self.epoch = 0
         self.lock = threading.Lock()
         atexit.register(self.close)
 
-    def log(self, step: int | None, values: dict) -> int:
+    def log(self, step: int | None, values: dict, max_steps: int | None = None) -> int:
         """The row's step (given, or the one after the last)."""
+        if max_steps is not None:
+            if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+                raise ValueError(f"expgpu.log(max_steps={max_steps!r}): the run's steps in all, an integer >= 1")
+            self.metrics.plan(max_steps=max_steps)
         if "epoch" in values:
             self.epoch = values.pop("epoch")
         taken = ROW_KEYS & values.keys()

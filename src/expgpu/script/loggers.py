@@ -1,5 +1,7 @@
 """Rank 0's supervisor hands the chosen loggers (csv, tensorboard, mlflow, wandb) the rows the script's
-expgpu.log appends to metrics.jsonl, at most once a second, and their outcome when the script ends.
+expgpu.log appends to metrics.jsonl, at most once a second, and their outcome when the script ends; and shows
+the script's progress from them (expgpu.loggers.progress: its step, of max_steps when the script says it, its
+pace and time left), here, where expgpu's console is, not in the script's own output.
 
 The loggers live here, in one process from start to finish, as they live in a function task's rank 0;
 the script's own process only appends rows (one writer: expgpu.loggers.jsonl.MetricsLog). Where this
@@ -15,14 +17,19 @@ import time
 from pathlib import Path
 
 from expgpu import loggers, rundir
+from expgpu.loggers import base
 from expgpu.loggers.jsonl import WRITE_EVERY_S
+from expgpu.loggers.progress import FIELDS, Display
 
 
 class LoggerFeed:
     def __init__(self, cfg: dict, run_dir: Path):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.jsonl = self.run_dir / rundir.METRICS
+        self.chosen = loggers.chosen(cfg)
         self.loggers: loggers.Loggers | None = None
+        self.display: Display | None = None
+        self.begun = False
         self.offset = 0           # metrics.jsonl's bytes handed on so far
         self.polled = 0.0
         self.last_row: dict | None = None
@@ -31,21 +38,26 @@ class LoggerFeed:
         if not force and time.monotonic() - self.polled < WRITE_EVERY_S:
             return
         self.polled = time.monotonic()
-        if self.loggers is None and not self._start():
+        if not self.begun and not self._start():
             return
         rows = self._new_rows()
         if rows:
-            self.loggers.write(rows)
-            self.last_row = rows[-1]
+            if self.loggers is not None:
+                self.loggers.write(rows)
+            self.last_row = last = rows[-1]
+            self.display.update(last["step"], {k: v for k, v in base.values(last).items() if k != "epoch"},
+                                {k: last[k] for k in FIELDS if k in last})
 
     def _start(self) -> bool:
         try:
             begun = json.loads(rundir.script_log_marker(self.run_dir).read_text())
         except (OSError, ValueError):
             return False   # the script has logged nothing yet
-        self.loggers = loggers.build(self.cfg, self.run_dir)
-        self.loggers.start(begun["resumed"], begun["step"], begun["flushed_before"], self.jsonl)
-        self.offset = begun["offset"]
+        if self.chosen:
+            self.loggers = loggers.build(self.cfg, self.run_dir)
+            self.loggers.start(begun["resumed"], begun["step"], begun["flushed_before"], self.jsonl)
+        self.display = Display(None, begun["step"])
+        self.offset, self.begun = begun["offset"], True
         return True
 
     def _new_rows(self) -> list[dict]:
@@ -69,6 +81,11 @@ class LoggerFeed:
     def finish(self, status: str, metrics: dict, steps: int | None) -> None:
         """The loggers' outcome: finished, stopped or failed, and the last value of every logged name."""
         self.poll(force=True)
+        if self.display is not None:
+            self.display.close()
+            self.display = None
+        if not self.chosen:
+            return
         if self.loggers is None:
             if status != "finished":
                 return   # as a function task: no logger run for a run that logged nothing and did not finish

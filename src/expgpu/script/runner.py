@@ -19,7 +19,7 @@ import shlex
 import socket
 from pathlib import Path
 
-from expgpu import loggers, procs, rundir
+from expgpu import procs, rundir
 from expgpu.errors import EXIT_HUNG, Hung, UserError, WorkerFailed
 from expgpu.gpus import NodePlan, placement
 from expgpu.gpus.mask import gpu_env
@@ -59,7 +59,7 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
     feed = None
     if info.rank == 0:
         rundir.script_log_marker(run_dir).unlink(missing_ok=True)   # the rows of this attempt start anew
-        feed = LoggerFeed(cfg, run_dir) if loggers.chosen(cfg) else None
+        feed = LoggerFeed(cfg, run_dir)   # the loggers, and the script's progress on the console
     try:
         outcome = process.run_script(argv, env, run_dir, script_log, stopper, spec.grace_s,
                                      feed.poll if feed else None, watch)

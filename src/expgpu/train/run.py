@@ -222,6 +222,8 @@ class Run:
         return self._first_epoch + self._epochs
 
     def _epoch_loop(self, n: int) -> Iterator[int]:
+        if self._metrics is not None:
+            self._metrics.plan(epochs=n, first_epoch=self._first_epoch)
         self._begin(n)
         first = self._state.where(self._pending)[0] if self._pending is not None else self._first_epoch
         for epoch in range(first, self._epoch_end):
@@ -239,9 +241,12 @@ class Run:
         feed.resume(self._epoch, 0)
         self._feed = feed
         self._resume_into(feed)   # the epoch the checkpoint is in: its position, objects, RNG
+        left = feed.batches_left()
         if self._epoch == self._epoch_end - 1:   # the run's last step polls too
-            left = feed.batches_left()
             self._agreement.set_last(None if left is None else self.step + left - 1)
+        if left is not None and self._metrics is not None:   # the run's length, for its progress
+            whole = left + feed.position // feed.accumulate
+            self._metrics.plan(max_steps=self.step + left + (self._epoch_end - self._epoch - 1) * whole)
         # like enumerate(loader): the batch's index in the epoch (from where a resumed epoch stood)
         yield from self._run_steps(feed, NEVER, index=feed.position // feed.accumulate)
 

@@ -1,0 +1,134 @@
+"""Where a run is and how long it has left: its pace, put in every metrics.jsonl row and shown on the console.
+
+`Pace` measures steps per second over the last WINDOW_S of rows (the first rows, before a window has
+passed, from the run's start: a first step that compiles makes the first figure pessimistic) and, with
+the run's length, the time left. Its fields go into each row, for tools to read:
+
+    max_steps     the run's steps in all (run.steps' max_steps; under run.epochs, the epochs' batches when the
+                  loader has a length; a script's expgpu.log(max_steps=...)), when known
+    epochs        under run.epochs: how many epochs the loop runs
+    steps_per_s   steps per second, lately
+    eta_s         seconds left to max_steps at that pace
+
+`Display` shows them: on an interactive terminal one live line (rich's progress bar, which stays when the
+run ends); otherwise a log line at most every PROGRESS_EVERY_S and the last one at the end:
+
+    step 60/200 (30 %)  epoch 2/5  loss 0.0404  12.3 steps/s  ETA 0:00:11
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger("expgpu")
+
+FIELDS = ("max_steps", "epochs", "steps_per_s", "eta_s")
+PACE = ("steps_per_s", "eta_s")   # the fields the clock decides: two runs of the same steps differ in them
+WINDOW_S = 30.0   # the pace is over the rows of about this many seconds: it follows a change within a minute
+
+# Without a terminal, a progress line at most this often (and the last row at the end): a line per
+# log_every steps filled logs with hundreds of lines, and on a busy machine each line (formatted,
+# written to the console, the job's log and the rank's log, read by whoever holds the console)
+# costs rank 0, and so every rank waiting for it at the next all-reduce.
+PROGRESS_EVERY_S = 5.0
+
+
+class Pace:
+    """Steps per second over the last WINDOW_S, and the time left to max_steps."""
+
+    def __init__(self, start_step: int, max_steps: int | None = None, epochs: int | None = None):
+        self.max_steps, self.epochs = max_steps, epochs
+        self.points: collections.deque[tuple[float, int]] = collections.deque([(time.monotonic(), start_step)])
+
+    def fields(self, step: int) -> dict[str, Any]:
+        """This row's progress fields (those known)."""
+        now = time.monotonic()
+        points = self.points
+        if step < points[-1][1]:   # a step logged behind the last (an evaluation's own): no pace from it
+            return self._known(step, None)
+        points.append((now, step))
+        while len(points) > 2 and now - points[1][0] >= WINDOW_S:
+            points.popleft()   # the oldest point kept is the newest one at least WINDOW_S old
+        (t0, s0), rate = points[0], None
+        if now > t0 and step > s0:
+            rate = (step - s0) / (now - t0)
+        return self._known(step, rate)
+
+    def _known(self, step: int, rate: float | None) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.max_steps is not None:
+            out["max_steps"] = self.max_steps
+        if self.epochs is not None:
+            out["epochs"] = self.epochs
+        if rate is not None:
+            out["steps_per_s"] = float(f"{rate:.4g}")
+            if self.max_steps is not None:
+                out["eta_s"] = round(max(0, self.max_steps - step) / rate, 1)
+        return out
+
+
+class Display:
+    """A live bar when stderr is a terminal; a log line every PROGRESS_EVERY_S otherwise."""
+
+    def __init__(self, total: int | None, start: int, live: bool | None = None):
+        self.bar = None
+        self.shown_at: float | None = None   # when the last line was written
+        self.unshown: str | None = None
+        if sys.stderr.isatty() if live is None else live:
+            from rich.progress import Progress
+
+            self.bar = Progress(transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task("training", total=total, completed=start)
+
+    def update(self, step: int, values: dict[str, Any], fields: dict[str, Any], epoch: int | None = None,
+               first_epoch: int = 0) -> None:
+        """A row: its step, its logged values, its progress fields; `epoch` under run.epochs."""
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, total=fields.get("max_steps"),
+                            description=line(step, values, fields, epoch, first_epoch, bar=True))
+            return
+        text = line(step, values, fields, epoch, first_epoch)
+        now = time.monotonic()
+        if self.shown_at is not None and now - self.shown_at < PROGRESS_EVERY_S:
+            self.unshown = text
+            return
+        self.shown_at, self.unshown = now, None
+        log.info("%s", text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        elif self.unshown is not None:
+            log.info("%s", self.unshown)
+            self.unshown = None
+
+
+def line(step: int, values: dict[str, Any], fields: dict[str, Any], epoch: int | None = None,
+         first_epoch: int = 0, bar: bool = False) -> str:
+    """`step 60/200 (30 %)  epoch 2/5  loss 0.0404  12.3 steps/s  ETA 0:00:11` (without what is not known;
+    `bar`: the step, share and ETA left to rich's own columns)."""
+    total = fields.get("max_steps")
+    parts = []
+    if not bar:
+        parts.append(f"step {step}/{total} ({100 * step / total:.0f} %)" if total else f"step {step}")
+    if epoch is not None and fields.get("epochs"):
+        parts.append(f"epoch {min(epoch - first_epoch + 1, fields['epochs'])}/{fields['epochs']}")
+    parts += [f"{k} {v:.5g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()]
+    if fields.get("steps_per_s") is not None:
+        parts.append(f"{fields['steps_per_s']:.3g} steps/s")
+    if not bar and fields.get("eta_s") is not None:
+        parts.append(f"ETA {_clock(fields['eta_s'])}")
+    return "  ".join(parts) if parts else "training"
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+__all__ = ["FIELDS", "PACE", "PROGRESS_EVERY_S", "WINDOW_S", "Display", "Pace", "line"]
