@@ -5,7 +5,11 @@ script's rows shown by its supervisor."""
 from __future__ import annotations
 
 import json
+import os
+import pty
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -94,3 +98,28 @@ def test_a_scripts_rows_are_shown_by_its_supervisor_with_the_length_it_gave(tmp_
     last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert (last["step"], last["max_steps"], last["eta_s"]) == (30, 30, 0.0)
     assert "max_steps" not in run.result["metrics"] and run.result["metrics"]["loss"] == pytest.approx(1 / 30)
+
+
+@pytest.mark.slow
+def test_on_a_terminal_a_live_bar_and_the_log_file_keeps_the_plain_lines(tmp_path):
+    main, child = pty.openpty()
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "expgpu", "task=a", "task.max_steps=300", "task.log_every=1",
+                             f"hydra.run.dir={run_dir}"], cwd=REPO, env=clean_env(), stdin=child, stdout=child,
+                            stderr=child)
+    os.close(child)
+    seen = b""
+    while True:
+        try:
+            data = os.read(main, 65536)
+        except OSError:   # the terminal's other end closed: the run is over
+            break
+        if not data:
+            break
+        seen += data
+    assert proc.wait(timeout=120) == 0, seen[-3000:]
+    console = seen.decode(errors="replace")
+    assert "steps/s" in console and "━" in console, console[-2000:]          # rich's bar, with the pace
+    assert not re.search(r"\] - step \d+/300", console), console[-2000:]      # no progress log line there
+    kept = (run_dir / "expgpu.log").read_text()
+    assert re.search(r"\] - step 1/300 \(0 %\)  loss ", kept) and "step 300/300 (100 %)" in kept, kept

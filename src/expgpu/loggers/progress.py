@@ -10,8 +10,9 @@ the run's length, the time left. Its fields go into each row, for tools to read:
     steps_per_s   steps per second, lately
     eta_s         seconds left to max_steps at that pace
 
-`Display` shows them: on an interactive terminal one live line (rich's progress bar, which stays when the
-run ends); otherwise a log line at most every PROGRESS_EVERY_S and the last one at the end:
+`Display` shows them: a log line at most every PROGRESS_EVERY_S and the last one at the end; on an interactive
+terminal one live line there instead (rich's progress bar, which stays when the run ends), while the log files
+keep the lines:
 
     step 60/200 (30 %)  epoch 2/5  loss 0.0404  12.3 steps/s  ETA 0:00:11
 """
@@ -72,18 +73,23 @@ class Pace:
 
 
 class Display:
-    """A live bar when stderr is a terminal; a log line every PROGRESS_EVERY_S otherwise."""
+    """A log line every PROGRESS_EVERY_S (and the last at the end); when stderr is a terminal, a live bar there
+    instead, the lines then kept off the terminal's log handlers (the log files still get them)."""
 
     def __init__(self, total: int | None, start: int, live: bool | None = None):
         self.bar = None
         self.shown_at: float | None = None   # when the last line was written
         self.unshown: str | None = None
+        self.muted: list[logging.Handler] = []
         if sys.stderr.isatty() if live is None else live:
             from rich.progress import Progress
 
             self.bar = Progress(transient=False)
             self.bar.start()
             self.task = self.bar.add_task("training", total=total, completed=start)
+            self.muted = [h for h in _handlers() if _on_terminal(h)]
+            for handler in self.muted:
+                handler.addFilter(_not_progress)
 
     def update(self, step: int, values: dict[str, Any], fields: dict[str, Any], epoch: int | None = None,
                first_epoch: int = 0) -> None:
@@ -91,21 +97,48 @@ class Display:
         if self.bar is not None:
             self.bar.update(self.task, completed=step, total=fields.get("max_steps"),
                             description=line(step, values, fields, epoch, first_epoch, bar=True))
-            return
         text = line(step, values, fields, epoch, first_epoch)
         now = time.monotonic()
         if self.shown_at is not None and now - self.shown_at < PROGRESS_EVERY_S:
             self.unshown = text
             return
         self.shown_at, self.unshown = now, None
-        log.info("%s", text)
+        log.info("%s", text, extra={PROGRESS: True})
 
     def close(self) -> None:
+        if self.unshown is not None:
+            log.info("%s", self.unshown, extra={PROGRESS: True})
+            self.unshown = None
         if self.bar is not None:
             self.bar.stop()
-        elif self.unshown is not None:
-            log.info("%s", self.unshown)
-            self.unshown = None
+            self.bar = None
+        for handler in self.muted:
+            handler.removeFilter(_not_progress)
+        self.muted = []
+
+
+PROGRESS = "expgpu_progress"   # a log record's attribute: a progress line (off the terminal under a live bar)
+
+
+def _not_progress(record: logging.LogRecord) -> bool:
+    return not getattr(record, PROGRESS, False)
+
+
+def _handlers() -> list[logging.Handler]:
+    """The handlers a record of expgpu's logger reaches: its own and its ancestors' (Hydra's console, its file)."""
+    out, logger = [], log
+    while logger is not None:
+        out += logger.handlers
+        logger = logger.parent if logger.propagate else None
+    return out
+
+
+def _on_terminal(handler: logging.Handler) -> bool:
+    stream = getattr(handler, "stream", None)
+    try:
+        return not isinstance(handler, logging.FileHandler) and stream is not None and stream.isatty()
+    except (AttributeError, ValueError):   # a closed stream, or one with no isatty
+        return False
 
 
 def line(step: int, values: dict[str, Any], fields: dict[str, Any], epoch: int | None = None,
