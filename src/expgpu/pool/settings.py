@@ -90,6 +90,17 @@ def pool_gpus(s: Settings, simulate: Any = None) -> list:
     return [by_index[i] for i in s.gpus]
 
 
+def job_nodes(cfg: Any) -> int:
+    """The nodes a job spreads its GPUs over: its own hydra.launcher.nodes (a sweep may vary it,
+    hydra.launcher.nodes=1,2), 1 unless it runs inside a SLURM allocation."""
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(cfg, "hydra.launcher.nodes", default=1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"hydra.launcher.nodes={value!r} is not allowed: an integer >= 1")
+    return value
+
+
 def job_need(cfg: Any, s: Settings, pool_size: int) -> int:
     """GPUs a job needs: hydra.launcher.gpus_per_job, else what its expgpu config asks for."""
     from expgpu import config
