@@ -118,19 +118,19 @@ def test_a_jobs_gpus_come_from_as_many_nodes_as_it_asks_the_fullest_fitting_firs
 
 @pytest.mark.parametrize("need, nodes, message", [
     (6, 1, "job #0 (x=1) needs 6 GPUs on each of 1 node(s), but the allocation has at most 4 GPU(s) per node "
-           "(SLURM job 7: 2 node(s) (a,b) x 4 GPU(s)); set hydra.launcher.nodes=2 to spread it over nodes"),
-    (12, 2, "needs 6 GPUs on each of 2 node(s), but the allocation has at most 4 GPU(s) per node "
-            "(SLURM job 7: 2 node(s) (a,b) x 4 GPU(s)); ask for fewer GPUs per job"),
-    (2, 3, "asks for hydra.launcher.nodes=3, but the allocation has 2 node(s); allowed: 1..2"),
-    (3, 2, "needs 3 GPUs, not a multiple of hydra.launcher.nodes=2"),
+           "(SLURM job 7: 2 node(s) (a,b) x 4 GPU(s)); allowed: at most 4 per node (GPUS_KEY, over launch.nodes "
+           "nodes)"),
+    (12, 2, "needs 6 GPUs on each of 2 node(s), but the allocation has at most 4 GPU(s) per node"),
+    (2, 3, "asks for launch.nodes=3, but the allocation has 2 node(s); allowed: 1..2"),
+    (3, 2, "needs 3 GPUs, not a multiple of launch.nodes=2"),
 ])
 def test_a_job_that_can_never_fit_is_one_line(need, nodes, message):
     from expgpu.errors import UserError
 
     with pytest.raises(UserError, match="^") as got:
-        check_job("job #0 (x=1)", need, nodes, _alloc(a=4, b=4))
+        check_job("job #0 (x=1)", need, nodes, _alloc(a=4, b=4), "launch.nodes", "GPUS_KEY")
     assert message in str(got.value)
-    check_job("job #0 (x=1)", 8, 2, _alloc(a=4, b=4))   # fits: no error
+    check_job("job #0 (x=1)", 8, 2, _alloc(a=4, b=4), "launch.nodes", "GPUS_KEY")   # fits: no error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,8 +153,8 @@ def _gpus(r: dict) -> set[tuple[str, int]]:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_sweep_of_1_and_2_gpu_jobs_shares_no_gpu_and_uses_both_nodes(slurm_cluster_2n, tmp_path):
-    # 12 jobs: 1 or 2 GPUs (gpu_map.gpus_per_rank), on 1 node or spread over 2 (hydra.launcher.nodes)
-    done = _sweep(slurm_cluster_2n, tmp_path, ["gpu_map.gpus_per_rank=1,2", "hydra.launcher.nodes=1,2",
+    # 12 jobs: 1 or 2 GPUs (gpu_map.gpus_per_rank), on 1 node or spread over 2 (launch.nodes)
+    done = _sweep(slurm_cluster_2n, tmp_path, ["gpu_map.gpus_per_rank=1,2", "launch.nodes=1,2",
                                                "task.model.seconds=3", "task.model.tag=range(3)"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     pool = json.loads((tmp_path / "sweep" / "pool.json").read_text())
@@ -164,7 +164,7 @@ def test_a_sweep_of_1_and_2_gpu_jobs_shares_no_gpu_and_uses_both_nodes(slurm_clu
     assert sorted(jobs) == list(range(12))
     for num, ranks in jobs.items():
         row = pool["jobs"][num]
-        nodes = 2 if "hydra.launcher.nodes=2" in row["overrides"] else 1
+        nodes = 2 if "launch.nodes=2" in row["overrides"] else 1
         per_node = 2 if "gpu_map.gpus_per_rank=2" in row["overrides"] else 1
         # one task per node, each with its own step's GPUs on its node, as the launcher counted them
         assert len(ranks) == nodes and {r["SLURM_NTASKS"] for r in ranks} == {str(nodes)}, ranks
@@ -204,10 +204,10 @@ def test_a_failing_job_is_named_and_the_others_finish(slurm_cluster_2n, tmp_path
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("overrides, message", [
-    (["gpu_map.gpus_per_rank=6"], "expgpu: error: job #0 (gpu_map.gpus_per_rank=6 task.model.tag=0) needs 6 GPUs on "
-     "each of 1 node(s), but the allocation has at most 4 GPU(s) per node"),
-    (["gpu_map.gpus_per_rank=6", "hydra.launcher.nodes=2"], "but the allocation has at most 4 GPU(s) per node"),
-    (["hydra.launcher.nodes=3"], "asks for hydra.launcher.nodes=3, but the allocation has 2 node(s); allowed: 1..2"),
+    (["gpu_map.gpus_per_rank=6"], "expgpu: error: job #0 (task=record logger=none task.model.tag=0 "
+     "gpu_map.gpus_per_rank=6) needs 6 GPUs on each of 1 node(s), but the allocation has at most 4 GPU(s) per node"),
+    (["gpu_map.gpus_per_rank=6", "launch.nodes=2"], "but the allocation has at most 4 GPU(s) per node"),
+    (["launch.nodes=3"], "asks for launch.nodes=3, but the allocation has 2 node(s); allowed: 1..2"),
 ])
 def test_a_job_that_cannot_fit_the_allocation_is_one_line_and_exit_2(slurm_cluster_2n, tmp_path, overrides, message):
     done = _sweep(slurm_cluster_2n, tmp_path, ["task.model.tag=0,1", *overrides], timeout=120)

@@ -133,21 +133,24 @@ def _cpus(nodes: Sequence[str], env: Mapping[str, str]) -> dict[str, int]:
     return dict(zip(nodes, counts))
 
 
-def check_job(label: str, need: int, nodes: int, alloc: Allocation) -> None:
-    """A job that can never fit: one line (UserError) naming what it asks and what the allocation has."""
+def check_job(label: str, need: int, nodes: int, alloc: Allocation, nodes_key: str, need_key: str) -> None:
+    """A job that can never fit: one line (UserError) naming what it asks and what the allocation has.
+    `nodes_key`, `need_key`: the settings that gave its nodes and its GPUs, for the hint."""
+    if need == 0:
+        raise UserError(f"{label} asks for no GPU, but gpu_pool inside a SLURM allocation runs each job on GPUs "
+                        "of it; ask for 1 or more (hydra.launcher.gpus_per_job)")
     if nodes > len(alloc.nodes):
-        raise UserError(f"{label} asks for hydra.launcher.nodes={nodes}, but the allocation has "
+        raise UserError(f"{label} asks for {nodes_key}={nodes}, but the allocation has "
                         f"{len(alloc.nodes)} node(s); allowed: 1..{len(alloc.nodes)} ({alloc.describe()})")
     if need % nodes:
-        raise UserError(f"{label} needs {need} GPUs, not a multiple of hydra.launcher.nodes={nodes}; "
+        raise UserError(f"{label} needs {need} GPUs, not a multiple of {nodes_key}={nodes}; "
                         "ask for the same GPUs on every node")
     per_node = need // nodes
     most = sorted((len(g) for g in alloc.gpus.values()), reverse=True)[nodes - 1]
     if per_node > most:
-        hint = (f"set hydra.launcher.nodes={-(-need // alloc.gpus_per_node)} to spread it over nodes"
-                if need <= sum(len(g) for g in alloc.gpus.values()) else "ask for fewer GPUs per job")
         raise UserError(f"{label} needs {per_node} GPUs on each of {nodes} node(s), but the allocation has at "
-                        f"most {most} GPU(s) per node ({alloc.describe()}); {hint}")
+                        f"most {most} GPU(s) per node ({alloc.describe()}); allowed: at most {most} per node "
+                        f"({need_key}, over {nodes_key} nodes)")
 
 
 def fit(free: Sequence[Slot], need: int, nodes: int) -> tuple[Slot, ...] | None:

@@ -80,16 +80,15 @@ class Job:
             f"; its output: {console}" if console.exists() else "")
 
 
-def compose(ctx, master, overrides: Sequence[str], num: int, need, nodes=lambda cfg: 1) -> Job:
-    """The job's config as Hydra's own launchers compose it; `need(cfg)`: the GPUs it needs, `nodes(cfg)`:
-    the nodes it spreads them over."""
+def compose(ctx, master, overrides: Sequence[str], num: int, need) -> Job:
+    """The job's config as Hydra's own launchers compose it; `need(cfg)`: the GPUs it needs."""
     from omegaconf import open_dict
 
     cfg = ctx.config_loader.load_sweep_config(master, list(overrides))
     with open_dict(cfg):
         cfg.hydra.job.id = num
         cfg.hydra.job.num = num
-    return Job(num, list(overrides), cfg, job_dir(cfg), need(cfg), nodes(cfg))
+    return Job(num, list(overrides), cfg, job_dir(cfg), need(cfg))
 
 
 def job_dir(cfg) -> Path:

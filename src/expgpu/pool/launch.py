@@ -137,13 +137,18 @@ def compose_job(ctx, config, overrides: Sequence[str], num: int, s: Settings, gp
                 alloc: Allocation | None = None) -> Job:
     """Job number `num`, composed as Hydra's launchers do, checked against the pool's GPUs (inside a SLURM
     allocation: against its nodes and their GPUs)."""
-    job = jobfiles.compose(ctx, config, overrides, num, lambda cfg: job_need(cfg, s, len(gpus)), job_nodes)
+    job = jobfiles.compose(ctx, config, overrides, num, lambda cfg: job_need(cfg, s, len(gpus)))
+    job.nodes, key = job_nodes(job.config, s)
     if alloc is not None:
-        allocation.check_job(f"job #{job.num} ({job.label})", job.need, job.nodes, alloc)
+        if s.gpus_per_job is None:   # what a job's config asks for is a node's: on each of its nodes
+            job.need *= job.nodes
+        how = ("hydra.launcher.gpus_per_job" if s.gpus_per_job is not None
+               else "launch.nproc_per_node x gpu_map.gpus_per_rank")
+        allocation.check_job(f"job #{job.num} ({job.label})", job.need, job.nodes, alloc, key, how)
         return job
     if job.nodes > 1:
-        raise UserError(f"hydra.launcher.nodes={job.nodes} (job #{job.num}) is allowed only inside a SLURM "
-                        "allocation (salloc, sbatch); here every job runs on this machine: 1")
+        raise UserError(f"{key}={job.nodes} (job #{job.num}) is allowed only inside a SLURM allocation (salloc, "
+                        "sbatch); here every job runs on this machine: 1")
     if job.need > len(gpus):
         how = ("hydra.launcher.gpus_per_job" if s.gpus_per_job is not None
                else "launch.nproc_per_node x gpu_map.gpus_per_rank")

@@ -130,7 +130,8 @@ class Pool(StepStarter, Starter):
                 if job.state == "queued":
                     job.state = "not_started"
             name = signal.Signals(self.stop_signal).name
-            # srun answers one SIGINT with its tasks' status only: SIGTERM, which it passes on to them
+            # srun answers one SIGINT with its tasks' status only; SIGTERM makes it end its step (SLURM
+            # cancels it, so its ranks may not get to checkpoint; SIGUSR2 would requeue the allocation)
             sig = signal.SIGTERM if self.alloc is not None and self.stop_signal == signal.SIGINT else self.stop_signal
             for job in self._running():
                 procs.kill_group(job.proc.pid, sig)

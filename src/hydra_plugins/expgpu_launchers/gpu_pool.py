@@ -1,7 +1,7 @@
 """`hydra/launcher=gpu_pool`: a local sweep, one job per free GPU (or CPU slot), in parallel.
 
     python -m expgpu -m hydra/launcher=gpu_pool task=a,b,digits task.optimizer.lr=1e-3,1e-2
-    salloc -N 2 --gres=gpu:4 python -m expgpu -m hydra/launcher=gpu_pool task=a,b hydra.launcher.nodes=1,2
+    salloc -N 2 --gres=gpu:4 python -m expgpu -m hydra/launcher=gpu_pool task=a,b launch.nodes=1,2
 
 Each job is a process of its own, started ahead (torch imported), that sees only its GPU(s)
 (CUDA_VISIBLE_DEVICES set before any of the job's code runs) and its share of the CPU cores; the
@@ -45,10 +45,10 @@ class GpuPoolLauncherConf:
     # cores shared out among the jobs that can run at once, unless OMP/MKL_NUM_THREADS is set; torch
     # would otherwise start one thread per core in every job and oversubscribe the cores.
     threads_per_job: Optional[int] = None
-    # Nodes per job, inside a SLURM allocation (salloc, sbatch): its GPUs, gpus_per_job or what its config
-    # asks for, spread evenly over this many nodes, one srun step. A sweep may vary it (nodes=1,2).
-    # Outside an allocation: 1.
-    nodes: int = 1
+    # Nodes per job, inside a SLURM allocation (salloc, sbatch): its GPUs spread evenly over this many
+    # nodes, one srun step. null: what each job's config asks for, launch.nodes (a sweep may vary it,
+    # launch.nodes=1,2; 1 for a non-expgpu app). Outside an allocation: 1.
+    nodes: Optional[int] = None
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="gpu_pool", node=GpuPoolLauncherConf,
