@@ -20,6 +20,7 @@ import pytest
 from slurm_cluster import slurm_cluster_2n  # noqa: F401
 
 from expgpu.pool.allocation import Allocation, Slot, check_job, fit, node_gpus
+from expgpu.pool.steps import master_port, srun_command, step_cpus, step_env, step_mem_mb
 
 RECORD_TASK = '''
 import json, os, time
@@ -131,6 +132,22 @@ def test_a_job_that_can_never_fit_is_one_line(need, nodes, message):
         check_job("job #0 (x=1)", need, nodes, _alloc(a=4, b=4), "launch.nodes", "GPUS_KEY")
     assert message in str(got.value)
     check_job("job #0 (x=1)", 8, 2, _alloc(a=4, b=4), "launch.nodes", "GPUS_KEY")   # fits: no error
+
+
+def test_a_steps_command_asks_for_its_nodes_gpus_and_share_of_cpus_and_memory_and_nothing_inherited():
+    alloc = Allocation("7", ("a", "b"), {"a": (0, 1, 2, 3), "b": (0, 1, 2, 3)}, {"a": 8, "b": 16}, 4000)
+    slots = [Slot("a", 0), Slot("a", 1), Slot("b", 2), Slot("b", 3)]
+    assert (step_cpus(alloc, slots), step_mem_mb(alloc, slots)) == (4, 2000)   # the least of its nodes' shares
+    assert step_cpus(alloc, [Slot("a", 0)]) == 2
+    cmd = srun_command(slots, 4, 2000, "/x/job.pkl")
+    assert cmd[:10] == ["srun", "--exact", "--kill-on-bad-exit=1", "--nodes=2", "--nodelist=a,b", "--ntasks=2",
+                        "--ntasks-per-node=1", "--gres=gpu:2", "--cpus-per-task=4", "--mem=2000M"]
+    assert cmd[-2:] == ["expgpu.pool.step_process", "/x/job.pkl"]
+    # the allocation's shape, which srun reads from its environment, does not reach the step
+    env = step_env({"SLURM_NTASKS_PER_NODE": "4", "SLURM_MEM_PER_NODE": "4000", "SLURM_JOB_ID": "7", "PATH": "/bin",
+                    "EXPGPU_POOL_PARENT": "1"}, {"MASTER_PORT": "1"})
+    assert env == {"SLURM_JOB_ID": "7", "PATH": "/bin", "MASTER_PORT": "1"}
+    assert len({master_port("7", n) for n in range(100)} | {master_port("8", n) for n in range(100)}) == 200
 
 
 # ---------------------------------------------------------------------------------------------
