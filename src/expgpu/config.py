@@ -132,6 +132,9 @@ class HangConfig:
 @dataclass
 class LaunchConfig:
     nproc_per_node: int = 1                       # >1: expgpu starts this many local workers
+    # Under hydra/launcher=gpu_pool inside a SLURM allocation: the nodes this job's GPUs (and its ranks,
+    # one srun task per node, each with nproc_per_node ranks) are spread over (expgpu/pool/steps.py).
+    nodes: int = 1
     # auto: a function task's rank sees only its GPU(s) (visible_devices); a script task's ranks
     # see the node's planned GPUs in local-rank order, so cuda:LOCAL_RANK is each one's own
     # (expgpu/script/environ.py). visible_devices: only its own; set_device: all, then set_device
@@ -291,6 +294,7 @@ def check(cfg: DictConfig) -> None:
                                                   and all(isinstance(o, str) for o in obj)),
          "objective", "null, a metric name the task returns (e.g. eval_loss), or a list of names")
     need(cfg.launch.nproc_per_node >= 1, "launch.nproc_per_node", "an integer >= 1")
+    need(cfg.launch.nodes >= 1, "launch.nodes", "an integer >= 1")
     need(cfg.backend.timeout_s > 0, "backend.timeout_s", "seconds > 0")
     hang = cfg.launch.hang.timeout_s
     need(hang is None or hang == "auto" or (isinstance(hang, (int, float)) and not isinstance(hang, bool)

@@ -12,6 +12,9 @@
     jobs.py       a job, its files, pool.json (every batch's jobs)
     leases.py     one lock file per GPU, shared by every sweep on the machine
     board.py      the live table / log lines
+    allocation.py inside a SLURM allocation: its nodes, their GPUs and CPUs; where a job's GPUs fit (pure)
+    steps.py      inside a SLURM allocation: each job an srun step (command, environment, CPUs, start)
+    step_process.py the job in each task of its srun step
 
 Each job runs in a process of its own, forked ahead of time from the sweep's fork server (Hydra,
 torch and the task's modules imported once) but given nothing of its job, and no GPU, until its
@@ -25,6 +28,10 @@ sweeps never share a GPU.
 Jobs run in their own process group (session), so a Ctrl-C at the terminal reaches only the
 launcher, which passes it on to every running job (expgpu checkpoints and stops), waits grace_s,
 then SIGKILLs what is left; queued jobs never start. Jobs die with the launcher (PR_SET_PDEATHSIG).
+
+Inside a SLURM allocation (salloc, sbatch) the pool is the allocation's GPUs on every node, counted by the
+launcher (no leases: SLURM gives no GPU to two steps), and each job is an srun step on the node(s) it was
+given, started when its GPUs are free (no spares: a step starts its own Python).
 
 Nothing heavy is imported here or at Hydra start-up; the plugin imports launch() inside its launch().
 """

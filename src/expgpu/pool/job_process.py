@@ -154,11 +154,12 @@ def _outcome(ret) -> dict:
     return {"state": "stopped" if isinstance(err, Stopped) else "failed", "error": one_line(err)}
 
 
-def run_job(job_file: Path, go=None) -> int:
+def run_job(job_file: Path, go=None, send_back: bool = True) -> int:
     """Run the job in `job_file` as Hydra's launchers do; the exit code says how it went.
 
     go: for a primed job, called where its task function starts (run_job's set-up is done by
-    then: the job's config saved, its logging set, its hydra.job.env_set applied)."""
+    then: the job's config saved, its logging set, its hydra.job.env_set applied). send_back: False
+    in the ranks of an srun step but the first (expgpu.pool.step_process): one JobReturn per job."""
     from hydra.core.utils import JobStatus, run_job, setup_globals
 
     from expgpu import rundir
@@ -186,7 +187,8 @@ def run_job(job_file: Path, go=None) -> int:
             print(f"expgpu: {err}", file=sys.stderr)
         else:
             traceback.print_exception(type(err), err, err.__traceback__)
-    _send_back(ret, outcome, Path(spec["return"]))
+    if send_back:
+        _send_back(ret, outcome, Path(spec["return"]))
     return 0 if ret.status is JobStatus.COMPLETED else 1
 
 

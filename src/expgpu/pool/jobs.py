@@ -41,6 +41,7 @@ class Job:
     config: Any                  # the job's composed config (DictConfig, hydra node included)
     dir: Path
     need: int                    # GPUs; 0 takes a CPU slot
+    nodes: int = 1               # inside a SLURM allocation: the nodes its GPUs are spread over
     state: str = "queued"        # queued | running | ending | finished | failed | stopped | not_started
     gpus: list = field(default_factory=list)
     slot: int | None = None
@@ -60,6 +61,10 @@ class Job:
 
     @property
     def where(self) -> str:
+        if self.gpus and hasattr(self.gpus[0], "node"):   # an allocation's: SLURM picks the node's GPUs
+            nodes = list(dict.fromkeys(g.node for g in self.gpus))
+            per = len(self.gpus) // len(nodes)
+            return f"{','.join(nodes)}: {per} GPU{'s' if per > 1 else ''}" + (" each" if len(nodes) > 1 else "")
         if self.gpus:
             return "GPU " + ",".join(str(g.index) for g in self.gpus)
         return f"cpu slot {self.slot}" if self.slot is not None else "-"
@@ -212,11 +217,14 @@ _earlier: dict[str, list[dict]] = {}
 class Record:
     """pool.json: every job of every launch() batch of this sweep, in launch order."""
 
-    def __init__(self, sweep_dir: Path, pool_gpus: list, cpu_slots: int, threads: str, simulated: bool):
+    def __init__(self, sweep_dir: Path, pool_gpus: list, cpu_slots: int, threads: str, simulated: bool,
+                 allocation: dict | None = None):
         self.path = sweep_dir / RECORD
         self.before = _earlier.setdefault(str(sweep_dir), [])
         self.head = {"launcher": "gpu_pool", "pool": [g.index for g in pool_gpus], "cpu_slots": cpu_slots,
                      "threads_per_job": threads}
+        if allocation is not None:   # inside a SLURM allocation: its job id, nodes and their GPUs
+            self.head["allocation"] = allocation
         self.simulated = simulated
         self.batch = len({r["batch"] for r in self.before})   # this launch()'s number, from 0
 
@@ -237,7 +245,8 @@ class Record:
             "num": j.num, "overrides": j.overrides, "dir": str(j.dir), "state": j.state,
             "gpus": [g.index for g in j.gpus], "gpu_names": [g.name for g in j.gpus],
             "simulated": self.simulated, "slot": j.slot,
-            "need": j.need, "pid": j.proc.pid if j.proc else None, "started": j.started, "ended": j.ended,
+            "need": j.need, "nodes": sorted({g.node for g in j.gpus if hasattr(g, "node")}),
+            "pid": j.proc.pid if j.proc else None, "started": j.started, "ended": j.ended,
             "wall_s": round(j.ended - j.started, 3) if j.started and j.ended else None,
             "returncode": j.returncode, "error": j.error, "batch": self.batch, "primed": j.primed,
         }

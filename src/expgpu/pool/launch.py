@@ -13,10 +13,12 @@ from typing import Any, Mapping, Sequence
 
 from expgpu import procs
 from expgpu.errors import UserError
+from expgpu.pool import allocation
 from expgpu.pool import jobs as jobfiles
+from expgpu.pool.allocation import Allocation
 from expgpu.pool.jobs import Job, Record
 from expgpu.pool.scheduler import at_once, thread_budget
-from expgpu.pool.settings import Settings, job_need, pool_gpus, settings
+from expgpu.pool.settings import Settings, job_need, job_nodes, pool_gpus, settings
 from expgpu.pool.spares import SPARES_LOG, Spare, primable, spare_env, task_modules
 from expgpu.procs.forkserver import ForkServer
 
@@ -54,6 +56,9 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
     if max_parallel is not None:
         s = dataclasses.replace(s, max_parallel=min(s.max_parallel or max_parallel, max_parallel))
     procs.atexit_grace_s()   # a bad EXPGPU_ATEXIT_GRACE_S: one line now, before any job starts
+    alloc = allocation.detect(os.environ)
+    if alloc is not None:
+        return _open_in_allocation(alloc, s, hydra_context, task_function, config, first)
     simulate = OmegaConf.select(config, "inventory.simulate", default=None)
     if OmegaConf.is_config(simulate):
         simulate = OmegaConf.to_container(simulate, resolve=True)
@@ -95,13 +100,55 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
                  job_env, threads, warm, own_code, server)
 
 
-def _compose_all(ctx, config, first: list[tuple[list[str], int]], s: Settings, gpus: list) -> list[Job]:
-    return [compose_job(ctx, config, overrides, num, s, gpus) for overrides, num in first]
+def _open_in_allocation(alloc: Allocation, s: Settings, hydra_context, task_function, config,
+                        first: list[tuple[list[str], int]]):
+    """The pool inside a SLURM allocation: its GPUs on every node, each job an srun step (expgpu.pool.steps);
+    no spares, no fork server, no machine-wide leases (the allocation's GPUs are its own, and SLURM never
+    gives one to two steps)."""
+    if s.gpus is not None:
+        raise UserError(f"hydra.launcher.gpus={list(s.gpus)} is not allowed inside a SLURM allocation: all "
+                        f"(the allocation's GPUs, {alloc.describe()})")
+    if not alloc.gpus_per_node:
+        raise UserError(f"{alloc.describe()}: gpu_pool runs each job on GPUs of the allocation, and it has none; "
+                        "ask salloc/sbatch for some (--gres=gpu:N or --gpus-per-node=N)")
+    gpus = alloc.slots()
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    (sweep_dir / jobfiles.STATE).mkdir(parents=True, exist_ok=True)
+    jobs = _compose_all(hydra_context, config, first, s, gpus, alloc)
+    threads = (f"{s.threads_per_job} thread(s) per job (hydra.launcher.threads_per_job)" if s.threads_per_job
+               else f"threads per job as set ({procs.user_threads()})" if procs.user_threads()
+               else "threads per job: the step's CPUs (its share of the node's)")
+    desc = alloc.describe()
+    log.info("gpu_pool: %d jobs on %s, each an srun step; %s; sweep dir %s", len(jobs), desc, threads, sweep_dir)
+    for job in jobs:
+        log.info("\t#%d : %s", job.num, job.label)
+    record = Record(sweep_dir, gpus, 0, threads, False, allocation={
+        "job_id": alloc.job_id, "nodes": {n: list(alloc.gpus[n]) for n in alloc.nodes}})
+    return _pool(jobs, gpus, s, sweep_dir, None, desc, [], (hydra_context, task_function), record, {}, None, [],
+                 False, None, alloc)
 
 
-def compose_job(ctx, config, overrides: Sequence[str], num: int, s: Settings, gpus: list) -> Job:
-    """Job number `num`, composed as Hydra's launchers do, checked against the pool's GPUs."""
+def _compose_all(ctx, config, first: list[tuple[list[str], int]], s: Settings, gpus: list,
+                 alloc: Allocation | None = None) -> list[Job]:
+    return [compose_job(ctx, config, overrides, num, s, gpus, alloc) for overrides, num in first]
+
+
+def compose_job(ctx, config, overrides: Sequence[str], num: int, s: Settings, gpus: list,
+                alloc: Allocation | None = None) -> Job:
+    """Job number `num`, composed as Hydra's launchers do, checked against the pool's GPUs (inside a SLURM
+    allocation: against its nodes and their GPUs)."""
     job = jobfiles.compose(ctx, config, overrides, num, lambda cfg: job_need(cfg, s, len(gpus)))
+    job.nodes, key = job_nodes(job.config, s)
+    if alloc is not None:
+        if s.gpus_per_job is None:   # what a job's config asks for is a node's: on each of its nodes
+            job.need *= job.nodes
+        how = ("hydra.launcher.gpus_per_job" if s.gpus_per_job is not None
+               else "launch.nproc_per_node x gpu_map.gpus_per_rank")
+        allocation.check_job(f"job #{job.num} ({job.label})", job.need, job.nodes, alloc, key, how)
+        return job
+    if job.nodes > 1:
+        raise UserError(f"{key}={job.nodes} (job #{job.num}) is allowed only inside a SLURM allocation (salloc, "
+                        "sbatch); here every job runs on this machine: 1")
     if job.need > len(gpus):
         how = ("hydra.launcher.gpus_per_job" if s.gpus_per_job is not None
                else "launch.nproc_per_node x gpu_map.gpus_per_rank")
@@ -135,7 +182,7 @@ def _threads(s: Settings, needs: list[int], gpus: list) -> tuple[int | None, dic
 
 def _pool(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, desc: str, spares: list[Spare],
           shared: tuple, record: Record, job_env: dict, threads: int | None, warm: list[str],
-          own_code: bool, server: ForkServer):
+          own_code: bool, server: ForkServer | None, alloc: Allocation | None = None):
     # Shared by every job: Hydra's loader and callbacks, the task function and Hydra's singletons
     # (ConfigStore, JobRuntime), pickled once with cloudpickle as Hydra's joblib launcher does.
     import cloudpickle
@@ -148,10 +195,11 @@ def _pool(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, 
     # One per launch(): a kept fork server (and its forks) hold the last one's, unpickled.
     context = state / f"pool-context-{os.getpid()}-{record.batch}.pkl"
     pool = Pool(jobs, gpus, s, sweep_dir, context, lease_dir, desc, spares, record, job_env, threads, warm,
-                own_code, server, primable(*shared, own_code))
+                own_code, server, server is not None and primable(*shared, own_code), alloc)
     try:
         atomic_write_bytes(context, cloudpickle.dumps((*shared, Singleton.get_state())))
-        if own_code and server.alive():   # the forks to come find it unpickled (spares.task_modules: why not always)
+        # the forks to come find it unpickled (spares.task_modules: why not always)
+        if own_code and server is not None and server.alive():
             server.warm([], context)
     except BaseException:
         close_pool(pool)
@@ -165,6 +213,8 @@ def close_pool(pool) -> None:
     for spare in pool.spares:
         spare.dismiss()
     pool.context.unlink(missing_ok=True)
+    if pool.server is None:   # inside an allocation: no fork server
+        return _tidy(pool.sweep_dir / jobfiles.STATE)
     _keep(pool.server, pool.sweep_dir / jobfiles.STATE, bool(pool.gpus))
 
 

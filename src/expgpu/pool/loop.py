@@ -17,17 +17,19 @@ from expgpu.pool.scheduler import Scheduler
 from expgpu.pool.settings import Settings
 from expgpu.pool.spares import SPARES_LOG, Spare
 from expgpu.pool.starts import Starter
+from expgpu.pool.steps import StepStarter
 
 POLL_S = 0.02   # how often the launcher looks at its jobs and the free GPUs (at the latest: it
                 # wakes at once when a job's process exits)
 
 
-class Pool(Starter):
+class Pool(StepStarter, Starter):
     def __init__(self, jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, context: Path,
                  lease_dir: Path | None, desc: str, spares: list[Spare], record: Record,
                  job_env: dict[str, str], threads: int | None, warm: list[str], own_code: bool, server,
-                 prime: bool):
+                 prime: bool, alloc=None):
         self.jobs, self.gpus, self.s = jobs, gpus, s
+        self.alloc = alloc         # the SLURM allocation it runs in (expgpu.pool.allocation): jobs are srun steps
         self.sweep_dir, self.context, self.lease_dir = sweep_dir, context, lease_dir
         self.scheduler = Scheduler(patience=max(1, len(gpus)))
         self.board: Board | None = None
@@ -97,11 +99,14 @@ class Pool(Starter):
         ended = self._reap()
         if self.stop_signal is not None:
             self._stopping()
+        elif any(j.state == "queued" for j in self.jobs) and self.alloc is not None:
+            self._start_steps()
         elif any(j.state == "queued" for j in self.jobs):
             self._start_ready()
             self._check_waiting()
         self._settle(ended)
-        self._keep_spares()
+        if self.server is not None:
+            self._keep_spares()
         if self._dirty:   # once per round, after the starts: not on a job's critical path
             self._dirty = False
             self.record.write(self.jobs, self.stop_signal)
@@ -125,8 +130,11 @@ class Pool(Starter):
                 if job.state == "queued":
                     job.state = "not_started"
             name = signal.Signals(self.stop_signal).name
+            # srun answers one SIGINT with its tasks' status only; SIGTERM makes it end its step (SLURM
+            # cancels it, so its ranks may not get to checkpoint; SIGUSR2 would requeue the allocation)
+            sig = signal.SIGTERM if self.alloc is not None and self.stop_signal == signal.SIGINT else self.stop_signal
             for job in self._running():
-                procs.kill_group(job.proc.pid, self.stop_signal)
+                procs.kill_group(job.proc.pid, sig)
             self._kill_at = time.monotonic() + self.s.grace_s
             self.board.event(f"{name}: stopping {len(self._running())} running job(s) "
                              f"(SIGKILL in {self.s.grace_s:.0f}s, again to kill now)")
@@ -169,7 +177,8 @@ class Pool(Starter):
         """Wait until a running job's process exits or `timeout` passes: a slot is refilled the
         moment its job ends, not up to a poll interval later (a wave of 1-s jobs loses ~1%)."""
         fds = [j.exit_fd for j in self._running() if j.exit_fd is not None]
-        if fds and self.server.sock is not None:   # it reports the exit code a moment after the exit
+        # the fork server reports a fork's exit code a moment after the exit
+        if fds and self.server is not None and self.server.sock is not None:
             fds.append(self.server.sock)
         if fds:
             select.select(fds, [], [], timeout)

@@ -4,7 +4,7 @@ processes, no locks, no clock (tests drive it with plain lists)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 class Scheduler:
@@ -22,9 +22,13 @@ class Scheduler:
         self.passed = 0           # how many jobs started ahead of it
 
     def pick(self, waiting: Sequence[tuple[Any, int]], free_gpus: Sequence[Any], free_slots: Sequence[int],
-             room: float) -> list[tuple[Any, tuple, int | None]]:
+             room: float, fit: Callable[[Sequence[Any], Any, int], tuple | None] | None = None,
+             ) -> list[tuple[Any, tuple, int | None]]:
         """waiting: (job, GPUs needed; 0 = a CPU slot) in sweep order. Returns (job, its GPUs, its
-        CPU slot or None) for every job to start now."""
+        CPU slot or None) for every job to start now. fit(free GPUs, job, need): which of the free GPUs
+        the job would get, None if it does not fit (inside a SLURM allocation: GPUs of the same node(s));
+        by default the first `need` free ones."""
+        fit = fit or _first
         gpus, slots = list(free_gpus), list(free_slots)
         starts: list[tuple[Any, tuple, int | None]] = []
         blocked = None
@@ -38,9 +42,10 @@ class Scheduler:
                 continue
             if blocked is not None and self.passed >= self.patience:
                 continue   # keep what frees up for the blocked job
-            if need <= len(gpus):
-                starts.append((job, tuple(gpus[:need]), None))
-                del gpus[:need]
+            taken = fit(gpus, job, need)
+            if taken is not None:
+                starts.append((job, tuple(taken), None))
+                gpus = [g for g in gpus if g not in taken]
                 room -= 1
                 if blocked is not None:
                     self.passed += 1
@@ -51,6 +56,10 @@ class Scheduler:
         if blocked is None:
             self.head, self.passed = None, 0
         return starts
+
+
+def _first(free: Sequence[Any], job: Any, need: int) -> tuple | None:
+    return tuple(free[:need]) if need <= len(free) else None
 
 
 def at_once(needs: Sequence[int], n_gpus: int, cpu_slots: int, max_parallel: int | None) -> int:

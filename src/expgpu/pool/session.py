@@ -46,7 +46,7 @@ class Session:
 
     def submit(self, overrides: Sequence[str], num: int) -> Job:
         p = self.pool
-        job = compose_job(self.launcher.hydra_context, self.launcher.config, overrides, num, p.s, p.gpus)
+        job = compose_job(self.launcher.hydra_context, self.launcher.config, overrides, num, p.s, p.gpus, p.alloc)
         p.jobs.append(job)   # the board and pool.json show the same list
         p._dirty = True
         return job

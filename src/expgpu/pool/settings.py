@@ -20,6 +20,7 @@ class Settings:
     wait_timeout_s: float | None
     grace_s: float
     threads_per_job: int | None = None   # None: the cores shared out among the jobs at once
+    nodes: int | None = None             # inside a SLURM allocation; None: each job's launch.nodes
 
 
 def settings(params: Mapping[str, Any]) -> Settings:
@@ -34,7 +35,7 @@ def settings(params: Mapping[str, Any]) -> Settings:
                     max_parallel=_whole(p, "max_parallel", 1, True), cpu_slots=_whole(p, "cpu_slots", 1, False),
                     lease_dir=lease, wait_timeout_s=_seconds(p, "wait_timeout_s", True),
                     grace_s=_seconds(p, "grace_s", False),
-                    threads_per_job=_whole(p, "threads_per_job", 1, True))
+                    threads_per_job=_whole(p, "threads_per_job", 1, True), nodes=_whole(p, "nodes", 1, True))
 
 
 def _whole(p: Mapping[str, Any], key: str, low: int, none_ok: bool) -> int | None:
@@ -88,6 +89,21 @@ def pool_gpus(s: Settings, simulate: Any = None) -> list:
             raise UserError(f"hydra.launcher.gpus: GPU {i} is not on this machine; allowed: all, or "
                             f"a list of {seen}{why}")
     return [by_index[i] for i in s.gpus]
+
+
+def job_nodes(cfg: Any, s: Settings) -> tuple[int, str]:
+    """(the nodes a job spreads its GPUs over, the key that said so): hydra.launcher.nodes, else what its
+    expgpu config asks for (launch.nodes: a sweep may vary it), 1 for another Hydra app."""
+    from expgpu import config
+
+    if s.nodes is not None:
+        return s.nodes, "hydra.launcher.nodes"
+    if not config.is_expgpu(cfg):
+        return 1, "hydra.launcher.nodes"
+    value = cfg.launch.nodes
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"launch.nodes={value!r} is not allowed: an integer >= 1")
+    return value, "launch.nodes"
 
 
 def job_need(cfg: Any, s: Settings, pool_size: int) -> int:

@@ -1,12 +1,14 @@
 """`hydra/launcher=gpu_pool`: a local sweep, one job per free GPU (or CPU slot), in parallel.
 
     python -m expgpu -m hydra/launcher=gpu_pool task=a,b,digits task.optimizer.lr=1e-3,1e-2
+    salloc -N 2 --gres=gpu:4 python -m expgpu -m hydra/launcher=gpu_pool task=a,b launch.nodes=1,2
 
 Each job is a process of its own, started ahead (torch imported), that sees only its GPU(s)
 (CUDA_VISIBLE_DEVICES set before any of the job's code runs) and its share of the CPU cores; the
 next job starts the moment GPUs free up; GPUs are leased machine-wide, so two sweeps never share
-one. Hydra imports this module on every start: the work lives in the expgpu.pool package,
-imported inside launch().
+one. Inside a SLURM allocation, the pool is the allocation's GPUs on every node, and each job is
+an srun step on the node(s) it was given (expgpu.pool.steps). Hydra imports this module on every
+start: the work lives in the expgpu.pool package, imported inside launch().
 """
 
 # No `from __future__ import annotations`: Hydra executes plugin modules without registering
@@ -43,6 +45,10 @@ class GpuPoolLauncherConf:
     # cores shared out among the jobs that can run at once, unless OMP/MKL_NUM_THREADS is set; torch
     # would otherwise start one thread per core in every job and oversubscribe the cores.
     threads_per_job: Optional[int] = None
+    # Nodes per job, inside a SLURM allocation (salloc, sbatch): its GPUs spread evenly over this many
+    # nodes, one srun step. null: what each job's config asks for, launch.nodes (a sweep may vary it,
+    # launch.nodes=1,2; 1 for a non-expgpu app). Outside an allocation: 1.
+    nodes: Optional[int] = None
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="gpu_pool", node=GpuPoolLauncherConf,

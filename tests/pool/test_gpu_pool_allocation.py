@@ -1,0 +1,235 @@
+"""hydra/launcher=gpu_pool inside a SLURM allocation (expgpu.pool.allocation, expgpu.pool.steps): the pool is
+the allocation's GPUs on every node, each job an srun step on the node(s) it was given.
+
+On the real 2-node local cluster (two slurmd on this machine, 4 fake GPUs each: SLURM sets
+CUDA_VISIBLE_DEVICES and SLURM_STEP_GPUS of every step); the sweep runs as `salloc -N 2 --gres=gpu:4
+--exclusive python -m expgpu -m ...`, as a user would type it. Every rank of every job records what
+its step saw and when its model ran.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from slurm_cluster import slurm_cluster_2n  # noqa: F401
+
+from expgpu.pool.allocation import Allocation, Slot, check_job, fit, node_gpus
+from expgpu.pool.steps import master_port, srun_command, step_cpus, step_env, step_mem_mb
+
+RECORD_TASK = '''
+import json, os, time
+import torch
+
+
+class Sleep(torch.nn.Linear):
+    """Records what this rank's step gave it, sleeps, then trains like any model (or fails)."""
+
+    def __init__(self, seconds=1.0, fail=False, tag=0):
+        super().__init__(4, 1)
+        self.fail = fail
+        me = {k: os.environ.get(k) for k in ("EXPGPU_POOL_JOB", "SLURMD_NODENAME", "CUDA_VISIBLE_DEVICES",
+                                             "SLURM_STEP_GPUS", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NTASKS",
+                                             "SLURM_STEP_NODELIST", "OMP_NUM_THREADS", "MASTER_PORT")}
+        t0 = time.time()
+        time.sleep(seconds)
+        with open(os.environ["POOL_TEST_LOG"], "a") as f:
+            f.write(json.dumps({**me, "t0": t0, "t1": time.time()}) + "\\n")
+
+    def forward(self, x):
+        if self.fail:
+            raise RuntimeError("this job fails on purpose")
+        return super().forward(x)
+'''
+
+RECORD_YAML = '''
+model:
+  _target_: alloc_task.Sleep
+  seconds: 1.0
+  fail: false
+  tag: 0
+dataset:
+  _target_: expgpu.tasks.data.SmoothRegression
+  size: 16
+  in_features: 4
+  out_features: 1
+optimizer:
+  _target_: torch.optim.SGD
+  _partial_: true
+  lr: 0.01
+loss: mse
+batch_size: 8
+max_steps: 1
+seed: 0
+'''
+
+SALLOC = ["salloc", "-N", "2", "--gres=gpu:4", "--exclusive", "--time=10"]
+
+
+def _sweep(cluster, tmp: Path, overrides: list[str], salloc: list[str] = SALLOC, timeout: float = 240):
+    code = tmp / "code"
+    (code / "conf" / "task").mkdir(parents=True, exist_ok=True)
+    (code / "alloc_task.py").write_text(RECORD_TASK)
+    (code / "conf" / "task" / "record.yaml").write_text(RECORD_YAML)
+    env = {**cluster.env, "POOL_TEST_LOG": str(tmp / "record.jsonl"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(code), cluster.env.get("PYTHONPATH")]))}
+    cmd = [*salloc, sys.executable, "-m", "expgpu", "-m", "--config-dir", str(code / "conf"),
+           "hydra/launcher=gpu_pool", f"hydra.sweep.dir={tmp / 'sweep'}", "task=record", "logger=none", *overrides]
+    return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _records(tmp: Path) -> list[dict]:
+    path = tmp / "record.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# ---------------------------------------------------------------------------------------------
+# The allocation's model (pure)
+
+SCONTROL = """JobId=38 JobName=s.sh
+   NumNodes=2 NumCPUs=16 NumTasks=2 CPUs/Task=1 ReqB:S:C:T=0:0:*:*
+   JOB_GRES=gpu:8
+     Nodes=gpu-[01-02] CPU_IDs=0-7 Mem=0 GRES=gpu:a100:4(IDX:0-3)
+     Nodes=gpu-07 CPU_IDs=0-3 Mem=0 GRES=gpu:2(IDX:1,3)
+   TresPerNode=gres:gpu:4
+"""
+
+
+def test_each_nodes_gpus_are_read_from_scontrol():
+    assert node_gpus(SCONTROL) == {"gpu-01": (0, 1, 2, 3), "gpu-02": (0, 1, 2, 3), "gpu-07": (1, 3)}
+
+
+def _alloc(**gpus: int) -> Allocation:
+    return Allocation("7", tuple(gpus), {n: tuple(range(k)) for n, k in gpus.items()}, {n: 8 for n in gpus}, None)
+
+
+def test_a_jobs_gpus_come_from_as_many_nodes_as_it_asks_the_fullest_fitting_first():
+    free = [Slot("a", 0), Slot("b", 0), Slot("b", 1), Slot("b", 2), Slot("c", 0), Slot("c", 1)]
+    assert fit(free, 1, 1) == (Slot("a", 0),)            # the node with the fewest free GPUs that fit
+    assert fit(free, 2, 1) == (Slot("c", 0), Slot("c", 1))
+    assert fit(free, 4, 2) == (Slot("c", 0), Slot("c", 1), Slot("b", 0), Slot("b", 1))
+    assert fit(free, 4, 1) is None                       # never 4 from two nodes for a 1-node job
+    assert fit(free, 6, 3) is None
+
+
+@pytest.mark.parametrize("need, nodes, message", [
+    (6, 1, "job #0 (x=1) needs 6 GPUs on each of 1 node(s), but the allocation has at most 4 GPU(s) per node "
+           "(SLURM job 7: 2 node(s) (a,b) x 4 GPU(s)); allowed: at most 4 per node (GPUS_KEY, over launch.nodes "
+           "nodes)"),
+    (12, 2, "needs 6 GPUs on each of 2 node(s), but the allocation has at most 4 GPU(s) per node"),
+    (2, 3, "asks for launch.nodes=3, but the allocation has 2 node(s); allowed: 1..2"),
+    (3, 2, "needs 3 GPUs, not a multiple of launch.nodes=2"),
+])
+def test_a_job_that_can_never_fit_is_one_line(need, nodes, message):
+    from expgpu.errors import UserError
+
+    with pytest.raises(UserError, match="^") as got:
+        check_job("job #0 (x=1)", need, nodes, _alloc(a=4, b=4), "launch.nodes", "GPUS_KEY")
+    assert message in str(got.value)
+    check_job("job #0 (x=1)", 8, 2, _alloc(a=4, b=4), "launch.nodes", "GPUS_KEY")   # fits: no error
+
+
+def test_a_steps_command_asks_for_its_nodes_gpus_and_share_of_cpus_and_memory_and_nothing_inherited():
+    alloc = Allocation("7", ("a", "b"), {"a": (0, 1, 2, 3), "b": (0, 1, 2, 3)}, {"a": 8, "b": 16}, 4000)
+    slots = [Slot("a", 0), Slot("a", 1), Slot("b", 2), Slot("b", 3)]
+    assert (step_cpus(alloc, slots), step_mem_mb(alloc, slots)) == (4, 2000)   # the least of its nodes' shares
+    assert step_cpus(alloc, [Slot("a", 0)]) == 2
+    cmd = srun_command(slots, 4, 2000, "/x/job.pkl")
+    assert cmd[:10] == ["srun", "--exact", "--kill-on-bad-exit=1", "--nodes=2", "--nodelist=a,b", "--ntasks=2",
+                        "--ntasks-per-node=1", "--gres=gpu:2", "--cpus-per-task=4", "--mem=2000M"]
+    assert cmd[-2:] == ["expgpu.pool.step_process", "/x/job.pkl"]
+    # the allocation's shape, which srun reads from its environment, does not reach the step
+    env = step_env({"SLURM_NTASKS_PER_NODE": "4", "SLURM_MEM_PER_NODE": "4000", "SLURM_JOB_ID": "7", "PATH": "/bin",
+                    "EXPGPU_POOL_PARENT": "1"}, {"MASTER_PORT": "1"})
+    assert env == {"SLURM_JOB_ID": "7", "PATH": "/bin", "MASTER_PORT": "1"}
+    assert len({master_port("7", n) for n in range(100)} | {master_port("8", n) for n in range(100)}) == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# Real sweeps in a real 2-node allocation
+
+def _by_job(records: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for r in records:
+        out.setdefault(int(r["EXPGPU_POOL_JOB"]), []).append(r)
+    return out
+
+
+def _gpus(r: dict) -> set[tuple[str, int]]:
+    """The (node, GPU) pairs SLURM gave this rank's step on its node."""
+    assert r["CUDA_VISIBLE_DEVICES"] == r["SLURM_STEP_GPUS"], r
+    return {(r["SLURMD_NODENAME"], int(g)) for g in r["SLURM_STEP_GPUS"].split(",")}
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_sweep_of_1_and_2_gpu_jobs_shares_no_gpu_and_uses_both_nodes(slurm_cluster_2n, tmp_path):
+    # 12 jobs: 1 or 2 GPUs (gpu_map.gpus_per_rank), on 1 node or spread over 2 (launch.nodes)
+    done = _sweep(slurm_cluster_2n, tmp_path, ["gpu_map.gpus_per_rank=1,2", "launch.nodes=1,2",
+                                               "task.model.seconds=3", "task.model.tag=range(3)"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    pool = json.loads((tmp_path / "sweep" / "pool.json").read_text())
+    assert [j["state"] for j in pool["jobs"]] == ["finished"] * 12
+    assert sorted(pool["allocation"]["nodes"]) == sorted(slurm_cluster_2n.nodes)
+    jobs = _by_job(_records(tmp_path))
+    assert sorted(jobs) == list(range(12))
+    for num, ranks in jobs.items():
+        row = pool["jobs"][num]
+        nodes = 2 if "launch.nodes=2" in row["overrides"] else 1
+        per_node = 2 if "gpu_map.gpus_per_rank=2" in row["overrides"] else 1
+        # one task per node, each with its own step's GPUs on its node, as the launcher counted them
+        assert len(ranks) == nodes and {r["SLURM_NTASKS"] for r in ranks} == {str(nodes)}, ranks
+        assert {r["SLURMD_NODENAME"] for r in ranks} == set(row["nodes"]), (ranks, row)
+        assert all(len(_gpus(r)) == per_node for r in ranks), ranks
+        assert len({r["SLURM_STEP_ID"] for r in ranks}) == 1
+        assert row["need"] == nodes * per_node
+    # no GPU of a node in two jobs' steps at once
+    spans = [(num, r) for num, ranks in jobs.items() for r in ranks]
+    for (a, x), (b, y) in itertools.combinations(spans, 2):
+        if a != b and x["t0"] < y["t1"] and y["t0"] < x["t1"]:
+            assert not _gpus(x) & _gpus(y), f"jobs #{a} and #{b} shared {_gpus(x) & _gpus(y)}"
+    assert {r["SLURMD_NODENAME"] for r in _records(tmp_path)} == set(slurm_cluster_2n.nodes)
+    at_once = max(sum(1 for _, o in spans if o["t0"] <= r["t0"] < o["t1"]) for _, r in spans)
+    assert at_once >= 3, "jobs ran side by side"
+    assert len({r["MASTER_PORT"] for r in _records(tmp_path)}) == 12   # a port of its own per job
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_failing_job_is_named_and_the_others_finish(slurm_cluster_2n, tmp_path):
+    done = _sweep(slurm_cluster_2n, tmp_path, ["task.model.seconds=0.5", "task.model.fail=false,true,false"])
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    pool = json.loads((tmp_path / "sweep" / "pool.json").read_text())
+    assert [j["state"] for j in pool["jobs"]] == ["finished", "failed", "finished"]
+    assert "this job fails on purpose" in pool["jobs"][1]["error"]
+    out = done.stdout + done.stderr
+    lines = [ln for ln in out.splitlines() if "job #1 (" in ln and " failed: " in ln and " failed after " not in ln]
+    assert len(lines) == 1 and "this job fails on purpose" in lines[0], out
+    assert "expgpu: the sweep failed (its failed jobs are listed above)" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "this job fails on purpose" in (tmp_path / "sweep" / "1" / "console.log").read_text()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("overrides, message", [
+    (["gpu_map.gpus_per_rank=6"], "expgpu: error: job #0 (task=record logger=none task.model.tag=0 "
+     "gpu_map.gpus_per_rank=6) needs 6 GPUs on each of 1 node(s), but the allocation has at most 4 GPU(s) per node"),
+    (["gpu_map.gpus_per_rank=6", "launch.nodes=2"], "but the allocation has at most 4 GPU(s) per node"),
+    (["launch.nodes=3"], "asks for launch.nodes=3, but the allocation has 2 node(s); allowed: 1..2"),
+])
+def test_a_job_that_cannot_fit_the_allocation_is_one_line_and_exit_2(slurm_cluster_2n, tmp_path, overrides, message):
+    done = _sweep(slurm_cluster_2n, tmp_path, ["task.model.tag=0,1", *overrides], timeout=120)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    said = [ln for ln in done.stderr.splitlines() if ln.startswith("expgpu")]
+    assert len(said) == 1 and message in said[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert not _records(tmp_path), "no job may start"
