@@ -100,6 +100,16 @@ def _rank_of_several() -> int | None:
     return info.rank if info.world_size > 1 else None
 
 
+def _check_nodes(nodes: int, info: ranks.RankInfo) -> None:
+    """launch.nodes places a gpu_pool job inside a SLURM allocation (its srun step has that many nodes);
+    anywhere else a run's nodes are its launcher's, and a value other than theirs would be silently ignored."""
+    have = info.num_nodes or -(-info.world_size // max(1, info.local_world_size))
+    if nodes != 1 and nodes != have:
+        raise UserError(f"launch.nodes={nodes} is not allowed here: it spreads a hydra/launcher=gpu_pool job over "
+                        f"that many nodes of a SLURM allocation, and this run has {have} node(s) ({info.source}); "
+                        "elsewhere the nodes are the launcher's (srun/sbatch -N, hydra.launcher.nodes): leave it 1")
+
+
 def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
     stop_signals.install()  # here for launchers that call the task function (submitit); idempotent
     config.check(cfg)
@@ -110,6 +120,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
         plain["task"]["name"] = _task_name(plain)
     script.prepare(plain, _launch_dir())   # a script task: its keys checked, its command made (plain["script"])
     info = ranks.detect()
+    _check_nodes(plain["launch"]["nodes"], info)
     nproc = plain["launch"]["nproc_per_node"]
     if nproc > 1 and info.local_world_size > 1:
         raise UserError(f"launch.nproc_per_node={nproc}, but {info.source} already started "

@@ -70,6 +70,7 @@ BAD = {
     "on_hang unknown": (["launch.on_hang=retry"], "launch.on_hang"),
     "restart without restarts": (["launch.on_hang=restart"], "launch.on_hang=restart is not allowed: fail, or restart "
                                                              "with launch.max_restarts >= 1"),
+    "nodes zero": (["launch.nodes=0"], "launch.nodes=0 is not allowed: an integer >= 1"),
     "max_restarts negative": (["launch.max_restarts=-1"], "launch.max_restarts=-1 is not allowed: an integer >= 0"),
     "dp with ranks": (["launch.wrap=dp", "launch.nproc_per_node=2"], "launch.wrap=dp is not allowed"),
     "objective type": (["objective=3"], "objective=3 is not allowed"),

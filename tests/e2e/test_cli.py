@@ -202,6 +202,8 @@ def test_user_task_from_own_config_dir(tmp_path):
     (["launch.max_restarts=-1"], "launch.max_restarts=-1 is not allowed: an integer >= 0"),
     (["launch.on_hang=restart"], "launch.on_hang=restart is not allowed: fail, or restart with launch.max_restarts "
                                  ">= 1"),
+    (["launch.nodes=2"], "launch.nodes=2 is not allowed here: it spreads a hydra/launcher=gpu_pool job over that "
+                         "many nodes of a SLURM allocation, and this run has 1 node(s) (single)"),
     (["faults.crash_attempts=0"], "faults.crash_attempts=0 is not allowed: null (every attempt) or an integer >= 1"),
 ])
 @pytest.mark.slow

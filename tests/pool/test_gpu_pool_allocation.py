@@ -12,8 +12,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -233,3 +235,43 @@ def test_a_job_that_cannot_fit_the_allocation_is_one_line_and_exit_2(slurm_clust
     assert len(said) == 1 and message in said[0], done.stderr
     assert "Traceback" not in done.stderr
     assert not _records(tmp_path), "no job may start"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ctrl_c_stops_every_step_with_a_checkpoint_and_the_rerun_resumes_them(slurm_cluster_2n, tmp_path):
+    """The stop reaches the ranks of every step on every node through SLURM (scancel --signal), not srun's own
+    handling (which would cancel the step on SIGTERM): they save and end stopped; the same sweep again resumes."""
+    import psutil
+
+    sweep = tmp_path / "sweep"
+    cmd = [*SALLOC, sys.executable, "-m", "expgpu", "-m", "hydra/launcher=gpu_pool", f"hydra.sweep.dir={sweep}",
+           "task=a", "task.max_steps=4000", "task.log_every=5", "faults.device_ms_per_example=0.2",
+           "launch.nodes=1,2", "logger=none"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=slurm_cluster_2n.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not all((sweep / str(n) / "metrics.jsonl").exists() for n in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.5)
+        launcher = next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                        if "expgpu" in " ".join(p.cmdline()))
+        launcher.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, (out + err)[-3000:]
+    for n in (0, 1):
+        result = json.loads((sweep / str(n) / "result.json").read_text())
+        assert result["status"] == "stopped" and result["stop_signal"] == "SIGINT", result
+        assert (sweep / str(n) / "checkpoint.pt").exists()
+    stopped = [json.loads((sweep / str(n) / "result.json").read_text())["steps"] for n in (0, 1)]
+    again = subprocess.run(cmd, cwd=tmp_path, env=slurm_cluster_2n.env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    for n, step in zip((0, 1), stopped):
+        result = json.loads((sweep / str(n) / "result.json").read_text())
+        assert (result["status"], result["resumed_from_step"]) == ("finished", step), result

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from expgpu import procs
 from expgpu.pool import jobs as jobfiles
+from expgpu.pool import steps
 from expgpu.pool.board import Board
 from expgpu.pool.jobs import Job, Record
 from expgpu.pool.scheduler import Scheduler
@@ -30,6 +31,7 @@ class Pool(StepStarter, Starter):
                  prime: bool, alloc=None):
         self.jobs, self.gpus, self.s = jobs, gpus, s
         self.alloc = alloc         # the SLURM allocation it runs in (expgpu.pool.allocation): jobs are srun steps
+        self._steps_killed = False
         self.sweep_dir, self.context, self.lease_dir = sweep_dir, context, lease_dir
         self.scheduler = Scheduler(patience=max(1, len(gpus)))
         self.board: Board | None = None
@@ -130,18 +132,33 @@ class Pool(StepStarter, Starter):
                 if job.state == "queued":
                     job.state = "not_started"
             name = signal.Signals(self.stop_signal).name
-            # srun answers one SIGINT with its tasks' status only; SIGTERM makes it end its step (SLURM
-            # cancels it, so its ranks may not get to checkpoint; SIGUSR2 would requeue the allocation)
-            sig = signal.SIGTERM if self.alloc is not None and self.stop_signal == signal.SIGINT else self.stop_signal
-            for job in self._running():
-                procs.kill_group(job.proc.pid, sig)
+            if self.alloc is not None:
+                self._stop_steps()
+            else:
+                for job in self._running():
+                    procs.kill_group(job.proc.pid, self.stop_signal)
             self._kill_at = time.monotonic() + self.s.grace_s
             self.board.event(f"{name}: stopping {len(self._running())} running job(s) "
                              f"(SIGKILL in {self.s.grace_s:.0f}s, again to kill now)")
             self._dirty = True
         if self._hard or time.monotonic() > self._kill_at:
+            if self.alloc is not None and self._running() and not self._steps_killed:   # their tasks too, everywhere
+                self._steps_killed = True
+                steps.signal_steps(self.alloc.job_id, {steps.step_name(j.num): j.num for j in self._running()},
+                                   signal.SIGKILL)
             for job in self._running():
                 procs.kill_group(job.proc.pid)
+
+    def _stop_steps(self) -> None:
+        """Inside an allocation: the stop signal to every running step's tasks, through SLURM (their ranks
+        save and end); SIGUSR2 goes on as SIGTERM, since a job's rank 0 would take it for its own requeue and
+        requeue the whole allocation. A step not started yet has nothing to save: its srun ends it."""
+        sig = signal.SIGTERM if self.stop_signal == signal.SIGUSR2 else signal.Signals(self.stop_signal)
+        running = self._running()
+        told = steps.signal_steps(self.alloc.job_id, {steps.step_name(j.num): j.num for j in running}, sig)
+        for job in running:
+            if job.num not in told:
+                procs.kill_group(job.proc.pid, signal.SIGTERM)
 
     def _reap(self) -> list[Job]:
         """Jobs whose process has just exited: their GPUs and slots are free from now on."""

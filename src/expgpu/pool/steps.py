@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,14 +69,49 @@ def step_mem_mb(alloc: Allocation, slots: Sequence[Slot]) -> int | None:
     return max(1, alloc.mem_mb * took // max(1, len(alloc.gpus[node])))
 
 
-def srun_command(slots: Sequence[Slot], cpus: int, mem_mb: int | None, job_file: str) -> list[str]:
+def step_name(num: int) -> str:
+    """A job's step name, this launcher's own (another sweep may share the allocation): how a stop finds it."""
+    return f"expgpu-pool-{os.getpid()}-{num}"
+
+
+def srun_command(slots: Sequence[Slot], cpus: int, mem_mb: int | None, job_file: str, name: str = "") -> list[str]:
     nodes = list(dict.fromkeys(s.node for s in slots))
     per_node = len(slots) // len(nodes)
     cmd = ["srun", "--exact", "--kill-on-bad-exit=1", f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}",
            f"--ntasks={len(nodes)}", "--ntasks-per-node=1", f"--gres=gpu:{per_node}", f"--cpus-per-task={cpus}"]
+    if name:
+        cmd.append(f"--job-name={name}")
     if mem_mb is not None:
         cmd.append(f"--mem={mem_mb}M")
     return cmd + [sys.executable, "-m", "expgpu.pool.step_process", job_file]
+
+
+# How long squeue and scancel may take to answer a stop (the controller may be busy)
+SLURM_CALL_S = 15.0
+
+
+def signal_steps(job_id: str, names: Mapping[str, int], sig: signal.Signals) -> set[int]:
+    """Send `sig` to the tasks of the running steps named in `names` (step name -> job number), on every
+    node, through SLURM: `scancel --signal` signals a step's tasks and leaves the step running, so its ranks
+    save and end on their own (srun itself would end its step on SIGTERM, and answer SIGINT with a status
+    line). The job numbers whose step was signalled; a step not started yet is not among them."""
+    try:
+        listed = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"], capture_output=True,
+                                text=True, timeout=SLURM_CALL_S).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("gpu_pool: could not list the allocation's steps to stop them (%s)", one_line(e))
+        return set()
+    steps = {name: step for step, name in (ln.split(None, 1) for ln in listed.splitlines() if " " in ln)
+             if name in names}
+    done = set()
+    for name, step in steps.items():
+        try:
+            subprocess.run(["scancel", f"--signal={sig.name.removeprefix('SIG')}", step], capture_output=True,
+                           timeout=SLURM_CALL_S, check=True)
+            done.add(names[name])
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("gpu_pool: could not signal step %s (%s)", step, one_line(e))
+    return done
 
 
 def step_env(env: Mapping[str, str], job_env: Mapping[str, str]) -> dict[str, str]:
@@ -118,7 +154,7 @@ class StepStarter:
         console = job.dir / jobfiles.CONSOLE
         try:
             job_file = jobfiles.write_job_file(job, self.context)
-            cmd = srun_command(slots, cpus, step_mem_mb(self.alloc, slots), str(job_file))
+            cmd = srun_command(slots, cpus, step_mem_mb(self.alloc, slots), str(job_file), step_name(job.num))
             with open(console, "ab") as out:
                 # its own session: a Ctrl-C at the terminal reaches the launcher only, which passes it on
                 job.proc = subprocess.Popen(cmd, env=step_env(os.environ, self._step_job_env(job, cpus)),
