@@ -267,6 +267,19 @@ def test_gpu_pool_sweep_gives_each_job_its_gpu_and_its_own_dir(tmp_path):
     assert "best: job 0 (task.args.lr=0.1), val_loss 0.01" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
+def test_a_value_a_sweep_cannot_pass_is_one_line_before_any_job_starts(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = subprocess.run([sys.executable, "-m", "expgpu", "-m", *CONF, "task=script_probe", "task.args.x=[[1]],[[2]]",
+                           "hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2", f"hydra.sweep.dir={sweep}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env=clean_env())
+    assert done.returncode == 2, done.stderr
+    said = [ln for ln in done.stderr.splitlines() if ln.startswith("expgpu:")]
+    assert said == ["expgpu: error: task.args.x=[[1]] is not allowed: a number, string, true/false, null, a list "
+                    "of those, or a mapping of them (dotted flags: --trainer.lr=...)"], done.stderr
+    assert " started on " not in done.stdout + done.stderr and not (sweep / "0").exists()
+
+
 def test_under_torchrun_its_variables_pass_through(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     run = expgpu([*CONF, "task=script_probe"], tmp_path / "run",

@@ -130,7 +130,18 @@ def _open_in_allocation(alloc: Allocation, s: Settings, hydra_context, task_func
 
 def _compose_all(ctx, config, first: list[tuple[list[str], int]], s: Settings, gpus: list,
                  alloc: Allocation | None = None) -> list[Job]:
-    return [compose_job(ctx, config, overrides, num, s, gpus, alloc) for overrides, num in first]
+    """Every job of the batch, composed and checked as its start will check it (expgpu.config's ranges, a
+    script task's args: expgpu.script.spec.checked), before any starts: one line for the sweep, not a failure
+    per job. (An optimizing sweeper's trials, composed one at a time, fail one by one instead.)"""
+    from expgpu import config as expgpu_config
+    from expgpu.script import spec
+
+    jobs = [compose_job(ctx, config, overrides, num, s, gpus, alloc) for overrides, num in first]
+    for job in jobs:
+        if expgpu_config.is_expgpu(job.config):
+            expgpu_config.check(job.config)
+            spec.checked(job.config, os.getcwd())
+    return jobs
 
 
 def compose_job(ctx, config, overrides: Sequence[str], num: int, s: Settings, gpus: list,

@@ -86,6 +86,18 @@ def prepare(plain: dict, launch_dir: str | Path) -> None:
     plain["script"] = build(task, Path(launch_dir).absolute()).to_dict()
 
 
+def checked(cfg, launch_dir: str | Path) -> dict | None:
+    """A composed job config's script task checked as the job's start will check it (its keys, its args
+    written in its style), by a launcher before any job starts: a bad value is one line then, not a failure
+    of every job. Its ScriptSpec as a dict, as prepare() makes it from this launch dir; None for a function task."""
+    from omegaconf import OmegaConf
+
+    plain = {k: OmegaConf.to_container(cfg[k], resolve=True, enum_to_str=True)
+             for k in ("task", "launch", "checkpoint")}
+    prepare(plain, launch_dir)
+    return plain.get("script")
+
+
 def build(task: Mapping, launch_dir: Path) -> ScriptSpec:
     _check_keys(task)
     script, module = task.get("script"), task.get("module")

@@ -117,9 +117,7 @@ def _script(cfg) -> dict | None:
     failed job after the queue); its command made from this launch dir, as the job will make it."""
     from expgpu.script import spec
 
-    plain = {k: _resolved(cfg, k) for k in ("task", "launch", "checkpoint")}
-    spec.prepare(plain, os.getcwd())
-    return plain.get("script")
+    return spec.checked(cfg, os.getcwd())
 
 
 def check_cluster(p: Plan, dry: bool = False) -> None:
