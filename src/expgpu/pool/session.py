@@ -11,6 +11,7 @@ time instead of until the last job of a batch is done.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Sequence
 
@@ -79,10 +80,17 @@ def capacity(launcher) -> int:
     starts: its GPUs over the GPUs a job needs, or its CPU slots; narrowed by max_parallel."""
     from omegaconf import OmegaConf
 
+    from expgpu.pool import allocation
     from expgpu.pool.scheduler import at_once
-    from expgpu.pool.settings import job_need, pool_gpus, settings
+    from expgpu.pool.settings import job_need, job_nodes, pool_gpus, settings
 
     s = settings(launcher.params)
+    alloc = allocation.detect(os.environ)
+    if alloc is not None:   # inside a SLURM allocation: its GPUs, a job's on each of its nodes
+        gpus = alloc.slots()
+        nodes, _ = job_nodes(launcher.config, s)
+        need = job_need(launcher.config, s, len(gpus)) * (nodes if s.gpus_per_job is None else 1)
+        return at_once([need] * (len(gpus) + 1), len(gpus), s.cpu_slots, s.max_parallel)
     simulate = OmegaConf.select(launcher.config, "inventory.simulate", default=None)
     if OmegaConf.is_config(simulate):
         simulate = OmegaConf.to_container(simulate, resolve=True)

@@ -34,11 +34,11 @@ def _first_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0] if lines else f"exit code {proc.returncode}"
 
 
-def check_tools() -> None:
+def check_tools(who: str = "hydra/launcher=slurm", instead: str = "hydra/launcher=submitit_local") -> None:
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
-        raise UserError(f"hydra/launcher=slurm needs SLURM's {', '.join(missing)}, not found on PATH; run from a "
-                        "SLURM login node (or `module load slurm`), or run here with hydra/launcher=submitit_local")
+        raise UserError(f"{who} needs SLURM's {', '.join(missing)}, not found on PATH; run from a "
+                        f"SLURM login node (or `module load slurm`), or run here with {instead}")
 
 
 def ping(timeout_s: float) -> None:

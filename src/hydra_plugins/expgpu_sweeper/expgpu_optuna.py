@@ -83,6 +83,8 @@ class ExpgpuOptunaSweeper(Sweeper):
 
         # Any Hydra app, not only `python -m expgpu`: what ends the sweep is one line, never Hydra's
         # report with a traceback (SystemExit passes through Hydra's run_and_report).
+        if hasattr(self.launcher, "take_over"):   # slurm_pool: the study runs inside the allocation, not here
+            self.launcher.take_over()
         with exit_on_user_error():
             try:
                 return sweep(self.params, self.config, self.launcher, arguments)

@@ -1,0 +1,295 @@
+"""`hydra/launcher=slurm_pool`: a whole sweep (or study) as one SLURM job, its trials packed onto the
+allocation's GPUs by gpu_pool inside it (expgpu.pool.allocation): one queue wait, not one per trial.
+
+From the login node the launcher writes an sbatch script that runs the same command again, with
+`hydra/launcher=gpu_pool` and this sweep dir, submits it, and follows it: the job's state while it
+waits in the queue, then its output (the pool's board) as it runs; the command exits with the sweep's
+own exit code. Ctrl-C while following detaches (the job runs on) and says how to follow again:
+
+    python -m expgpu.slurm.sweep_job SWEEP_DIR          # follow again (or: tail -f its output)
+
+SWEEP_DIR/.slurm_pool/ holds the script, the job's record (job.json: id, output, exit file) and its
+output; the job writes its command's exit code to exit-<job id> as its last act, so a job that ended
+without one (scancel, a node lost, the time limit) is told apart from one that finished. Results,
+pool.json, report.html and optimization_results.yaml land in SWEEP_DIR as for a local sweep: the
+command inside writes them. With an optimizing sweeper the study runs inside the allocation, asking
+for the next trial as any slot frees.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from expgpu.errors import UserError
+from expgpu.rundir import atomic_write_bytes
+from expgpu.slurm import cluster
+
+STATE = ".slurm_pool"
+POLL_S = 1.0
+SLURM_CALL_S = 15.0
+# The allocation's own keys (hydra.launcher.*); `pool` holds gpu_pool's, passed to the sweep inside
+ALLOCATION_KEYS = ("partition", "nodes", "gpus_per_node", "cpus_per_node", "mem_gb", "timeout_min", "account", "qos",
+                   "constraint", "additional_parameters", "pool", "detach", "ping_timeout_s")
+
+
+def inner_argv(argv: Sequence[str], sweep_dir: Path, pool: Mapping[str, Any]) -> list[str]:
+    """The command to run inside the allocation: this one, with gpu_pool for slurm_pool (named on the command
+    line, or added: a config may have chosen slurm_pool), without the allocation's own keys, in this sweep dir."""
+    out, named = [], False
+    for word in argv:
+        if word.startswith(("hydra/launcher=", "hydra.launcher=")):
+            out.append("hydra/launcher=gpu_pool")
+            named = True
+        elif word.lstrip("+~").startswith(("hydra.launcher.", "hydra.sweep.dir=")):
+            continue
+        else:
+            out.append(word)
+    if not named:
+        out.append("hydra/launcher=gpu_pool")
+    out += [f"hydra.launcher.{k}={_value(v)}" for k, v in pool.items() if v is not None]
+    return out + [f"hydra.sweep.dir={sweep_dir}"]
+
+
+def _value(v: Any) -> str:
+    return json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+
+
+def sbatch_script(params: Mapping[str, Any], command: Sequence[str], cwd: Path, state: Path) -> str:
+    """The allocation: nodes x gpus_per_node GPUs, whole nodes unless cpus_per_node is given, the time limit,
+    partition, account, qos; its body runs `command` in `cwd` and records its exit code."""
+    lines = ["#!/bin/bash", "#SBATCH --job-name=expgpu-sweep", f"#SBATCH --nodes={params['nodes']}",
+             "#SBATCH --ntasks-per-node=1", f"#SBATCH --gres=gpu:{params['gpus_per_node']}",
+             f"#SBATCH --time={int(params['timeout_min'])}", f"#SBATCH --output={state}/allocation-%j.out",
+             "#SBATCH --open-mode=append"]
+    cpus = params.get("cpus_per_node")
+    lines.append(f"#SBATCH --cpus-per-task={cpus}" if cpus else "#SBATCH --exclusive")
+    if params.get("mem_gb"):
+        lines.append(f"#SBATCH --mem={params['mem_gb']}G")
+    for key in ("partition", "account", "qos", "constraint"):
+        if params.get(key):
+            lines.append(f"#SBATCH --{key}={params[key]}")
+    for key, value in (params.get("additional_parameters") or {}).items():
+        lines.append(f"#SBATCH --{key}" if value is True else f"#SBATCH --{key}={value}")
+    return "\n".join(lines + [
+        "", "# the sweep, with hydra/launcher=gpu_pool: each of its jobs an srun step on the GPUs it was given",
+        f"cd {shlex.quote(str(cwd))}", shlex.join(command), "code=$?",
+        f'echo "$code" > {shlex.quote(str(state))}/exit-"$SLURM_JOB_ID"', 'exit "$code"', ""])
+
+
+def check(params: Mapping[str, Any]) -> None:
+    """The allocation's settings, one line each, before anything is submitted."""
+    for key in ("nodes", "gpus_per_node", "timeout_min"):
+        value = params.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: an integer >= 1 (the allocation's "
+                            + {"nodes": "nodes", "gpus_per_node": "GPUs on each node",
+                               "timeout_min": "time limit in minutes"}[key] + ")")
+    cpus = params.get("cpus_per_node")
+    if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, int) or cpus < 1):
+        raise UserError(f"hydra.launcher.cpus_per_node={cpus!r} is not allowed: null (whole nodes) or an integer >= 1")
+    pool = dict(params.get("pool") or {})
+    unknown = sorted(set(pool) - POOL_KEYS)
+    if unknown:
+        raise UserError(f"hydra.launcher.pool.{unknown[0]}: not a key of gpu_pool inside the allocation; allowed: "
+                        + ", ".join(sorted(POOL_KEYS)))
+    from expgpu.pool.settings import settings
+
+    try:   # gpu_pool's own checks, now rather than in the allocation after the queue
+        settings({"gpus": "all", "cpu_slots": 1, "grace_s": 15.0, **pool})
+    except UserError as e:
+        raise UserError(str(e).replace("hydra.launcher.", "hydra.launcher.pool.", 1)) from None
+
+
+# gpu_pool's keys that mean something inside an allocation (its GPUs are the allocation's: no gpus, lease_dir)
+POOL_KEYS = frozenset({"gpus_per_job", "max_parallel", "wait_timeout_s", "grace_s", "threads_per_job", "nodes"})
+
+
+def submit(params: Mapping[str, Any], argv: Sequence[str], sweep_dir: Path) -> dict:
+    """Write the script, check the cluster, sbatch it; the job's record (also SWEEP_DIR/.slurm_pool/job.json)."""
+    check(params)
+    cluster.check_tools("hydra/launcher=slurm_pool", "hydra/launcher=gpu_pool")
+    partition = cluster.check(params.get("partition"), float(params.get("ping_timeout_s") or 15.0))
+    state = sweep_dir / STATE
+    state.mkdir(parents=True, exist_ok=True)
+    script = state / "allocation.sbatch"
+    command = [sys.executable, *inner_argv(argv, sweep_dir, params.get("pool") or {})]
+    atomic_write_bytes(script, sbatch_script({**params, "partition": partition}, command, Path.cwd(),
+                                             state).encode())
+    try:
+        done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                              timeout=SLURM_CALL_S)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"sbatch did not answer within {SLURM_CALL_S:g} s: is the SLURM controller up?") from None
+    if done.returncode != 0:
+        raise UserError(f"sbatch refused the sweep's allocation: {(done.stderr or done.stdout).strip()[:300]} "
+                        f"(its script: {script})")
+    job_id = done.stdout.strip().split(";")[0]
+    record = {"job_id": job_id, "script": str(script), "output": str(state / f"allocation-{job_id}.out"),
+              "exit": str(state / f"exit-{job_id}"), "sweep_dir": str(sweep_dir), "submitted": time.time()}
+    atomic_write_bytes(state / "job.json", json.dumps(record, indent=1).encode())
+    return record
+
+
+def take_over(params: Mapping[str, Any], config, hydra_context, job_overrides: Sequence[Sequence[str]]) -> None:
+    """The launcher's first launch() (or an optimizing sweeper's start): the whole sweep as one SLURM job, then
+    this process ends with the sweep's exit code (SystemExit: Hydra's multirun does not go on here). Under
+    expgpu's dry_run=true: the script and where the first jobs would run, nothing submitted."""
+    from omegaconf import OmegaConf
+
+    params = {k: (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v) for k, v in params.items()}
+    sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
+    check(params)
+    alloc, rows = planned(params, config, hydra_context, job_overrides)
+    if OmegaConf.select(config, "dry_run", default=False) is True:
+        state = sweep_dir / STATE
+        command = [sys.executable, *inner_argv(sys.orig_argv[1:], sweep_dir, params.get("pool") or {})]
+        print(f"--- sbatch script of the sweep's allocation (dry run: nothing submitted) ---\n"
+              f"{sbatch_script(params, command, Path.cwd(), state).rstrip()}\n---", flush=True)
+        if job_overrides:
+            print(first_jobs(alloc, rows), flush=True)
+        raise SystemExit(0)
+    record = submit(params, sys.orig_argv[1:], sweep_dir)
+    print(f"slurm_pool: the sweep is SLURM job {record['job_id']} ({params['nodes']} node(s) x "
+          f"{params['gpus_per_node']} GPU(s)); sweep dir {sweep_dir}; its output: {record['output']}", flush=True)
+    if params.get("detach"):
+        print(f"slurm_pool: detached. Follow it: python -m expgpu.slurm.sweep_job {sweep_dir}; stop it: "
+              f"scancel {record['job_id']}", flush=True)
+        raise SystemExit(0)
+    raise SystemExit(follow(record))
+
+
+def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Sequence[Sequence[str]]):
+    """(the allocation params ask for, [(num, label, GPUs, nodes)] of each job): every job composed and checked
+    against that allocation now, before anything is submitted (a job that can never fit is one line, not a
+    failure after the queue); the sweep's own config stands for the jobs an optimizing sweeper will ask for."""
+    from expgpu.pool import jobs as jobfiles
+    from expgpu.pool.allocation import Allocation, check_job
+    from expgpu.pool.settings import job_need, job_nodes, settings
+
+    nodes = tuple(f"node{i + 1}" for i in range(params["nodes"]))
+    gpus = tuple(range(params["gpus_per_node"]))
+    alloc = Allocation("(to submit)", nodes, {n: gpus for n in nodes},
+                       {n: params.get("cpus_per_node") or 1 for n in nodes}, None)
+    s = settings({"gpus": "all", "cpu_slots": 1, "grace_s": 15.0, **(params.get("pool") or {})})
+    size = len(nodes) * len(gpus)
+    rows = []
+    for num, overrides in enumerate(job_overrides or [()]):
+        cfg = (jobfiles.compose(hydra_context, config, overrides, num, lambda c: 0).config if job_overrides
+               else config)
+        n, key = job_nodes(cfg, s)
+        need = job_need(cfg, s, size) * (n if s.gpus_per_job is None else 1)
+        label = f"job #{num} ({' '.join(overrides)})" if job_overrides else "the sweep's jobs"
+        check_job(label, need, n, alloc, key, "hydra.launcher.pool.gpus_per_job" if s.gpus_per_job is not None
+                  else "launch.nproc_per_node x gpu_map.gpus_per_rank")
+        rows.append((num, " ".join(overrides), need, n))
+    return alloc, rows
+
+
+def first_jobs(alloc, rows: list[tuple], shown: int = 8) -> str:
+    """Where the first jobs would run on the allocation (node names are SLURM's to choose)."""
+    from expgpu.pool.allocation import fit
+    from expgpu.pool.scheduler import Scheduler
+
+    rows = rows[:shown]
+    nodes = {num: n for num, _, _, n in rows}
+    placed = {num: slots for num, slots, _ in Scheduler(patience=1).pick(
+        [(num, need) for num, _, need, _ in rows], alloc.slots(), [], float("inf"),
+        lambda free, num, need: fit(free, need, nodes[num]))}
+    out = [f"the first {len(rows)} job(s) on {len(alloc.nodes)} node(s) x {alloc.gpus_per_node} GPU(s) "
+           "(SLURM names the nodes):"]
+    for num, label, _, _ in rows:
+        where = placed.get(num)
+        text = "; ".join(f"{node}: GPU {','.join(str(g.index) for g in where if g.node == node)}"
+                         for node in dict.fromkeys(g.node for g in where)) if where else "waits for GPUs to free"
+        out.append(f"  #{num} {label or '(no overrides)'} -> {text}")
+    return "\n".join(out)
+
+
+def follow(record: Mapping[str, Any], out=sys.stdout) -> int:
+    """The job's state while queued, its output while it runs, until it ends: the sweep's exit code. Ctrl-C
+    detaches (0), saying how to follow again."""
+    job, output, exit_file = record["job_id"], Path(record["output"]), Path(record["exit"])
+    offset, said = 0, None
+    try:
+        while True:
+            state = _state(job)
+            if state is not None and state != said and not state.startswith("RUNNING"):
+                print(f"slurm_pool: job {job} {state.lower()}", file=out, flush=True)
+            said = state or said
+            offset = _tail(output, offset, out)
+            if state is None:   # it left the queue: its last output, then how it ended
+                _tail(output, offset, out)
+                return _ended(job, exit_file, output)
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        print(f"\nslurm_pool: detached; job {job} runs on. Follow it again: python -m expgpu.slurm.sweep_job "
+              f"{record['sweep_dir']} (or tail -f {output}); stop it: scancel {job}", file=out, flush=True)
+        return 0
+
+
+def _state(job: str) -> str | None:
+    """squeue's state of the job (and why it waits), None once it has left the queue."""
+    try:
+        done = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True, text=True,
+                              timeout=SLURM_CALL_S)
+    except subprocess.TimeoutExpired:
+        return "UNKNOWN (squeue did not answer)"
+    text = done.stdout.strip()
+    if done.returncode != 0 or not text:
+        return None
+    state, _, reason = text.partition(" ")
+    return f"{state} ({reason})" if state == "PENDING" and reason not in ("", "None") else state
+
+
+def _tail(path: Path, offset: int, out) -> int:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return offset
+    whole = data[:data.rfind(b"\n") + 1]
+    if whole:
+        out.write(whole.decode(errors="replace"))
+        out.flush()
+    return offset + len(whole)
+
+
+def _ended(job: str, exit_file: Path, output: Path) -> int:
+    for _ in range(10):   # the file system may show the job's last write a moment late
+        try:
+            return int(exit_file.read_text().strip())
+        except (OSError, ValueError):
+            time.sleep(0.5)
+    print(f"expgpu: slurm_pool: job {job} ended without its sweep's exit code (cancelled, its time limit, a node "
+          f"lost?); its output: {output}", file=sys.stderr, flush=True)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m expgpu.slurm.sweep_job SWEEP_DIR: follow a slurm_pool sweep again."""
+    args = sys.argv[1:] if argv is None else argv
+    path = Path(args[0]) / STATE / "job.json" if args else None
+    try:
+        record = json.loads(path.read_text()) if path else None
+    except (OSError, ValueError):
+        record = None
+    if record is None:
+        print(f"expgpu: error: {args[0] if args else '(no SWEEP_DIR)'} holds no slurm_pool job "
+              f"({STATE}/job.json); usage: python -m expgpu.slurm.sweep_job SWEEP_DIR", file=sys.stderr)
+        raise SystemExit(2)
+    if shutil.which("squeue") is None:
+        print("expgpu: error: squeue is not on PATH: follow the job from a SLURM login node", file=sys.stderr)
+        raise SystemExit(2)
+    raise SystemExit(follow(record))
+
+
+if __name__ == "__main__":
+    main()

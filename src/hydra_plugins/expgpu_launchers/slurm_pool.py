@@ -1,0 +1,79 @@
+"""`hydra/launcher=slurm_pool`: a whole sweep or study as one SLURM job, its jobs packed onto the allocation's
+GPUs by gpu_pool (each an srun step), so the queue is paid once, not per trial.
+
+    python -m expgpu -m hydra/launcher=slurm_pool hydra.launcher.nodes=2 hydra.launcher.gpus_per_node=4 \\
+        task=a,b gpu_map.gpus_per_rank=1,2 hydra.launcher.partition=gpu
+    python -m expgpu -m hydra/launcher=slurm_pool hydra/sweeper=expgpu_optuna ...   # the study inside
+
+The first launch() (an optimizing sweeper: its start) submits the same command with hydra/launcher=gpu_pool
+as the allocation's script, follows it and ends with the sweep's exit code (expgpu.slurm.sweep_job).
+Hydra imports this module on every start: nothing heavy here, and no `from __future__ import annotations`
+(Hydra's plugin scan executes modules without registering them in sys.modules).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Sequence
+
+from hydra.core.config_store import ConfigStore
+from hydra.plugins.launcher import Launcher
+
+
+@dataclass
+class PoolInsideConf:
+    """gpu_pool's settings inside the allocation (hydra/launcher=gpu_pool's keys of the same names)."""
+    gpus_per_job: Optional[int] = None
+    max_parallel: Optional[int] = None
+    nodes: Optional[int] = None            # per job; null: each job's launch.nodes
+    grace_s: float = 15.0
+    threads_per_job: Optional[int] = None
+    wait_timeout_s: Optional[float] = None
+
+
+@dataclass
+class SlurmPoolLauncherConf:
+    _target_: str = "hydra_plugins.expgpu_launchers.slurm_pool.SlurmPoolLauncher"
+    # The allocation
+    nodes: int = 1
+    gpus_per_node: int = 1
+    cpus_per_node: Optional[int] = None    # null: whole nodes (--exclusive), their CPUs shared out per step
+    mem_gb: Optional[int] = None           # memory per node (GB); null: SLURM's default
+    timeout_min: int = 60                  # the whole sweep's time limit
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    # Any other sbatch option, without the dashes: {reservation: mine, mail-type: END}
+    additional_parameters: Dict[str, Any] = field(default_factory=dict)
+    # gpu_pool's settings inside the allocation: hydra.launcher.pool.max_parallel=4, ...
+    pool: PoolInsideConf = field(default_factory=PoolInsideConf)
+    # Submit, say how to follow, and return at once (else: follow until the sweep ends; Ctrl-C detaches)
+    detach: bool = False
+    ping_timeout_s: float = 15.0
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="slurm_pool", node=SlurmPoolLauncherConf,
+                             provider="expgpu")
+
+
+class SlurmPoolLauncher(Launcher):
+    def __init__(self, **params: Any) -> None:
+        self.params = params
+        self.config = None
+        self.hydra_context = None
+        self.task_function = None
+
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+
+    def take_over(self, job_overrides: Sequence[Sequence[str]] = ()) -> None:
+        """The whole sweep as one SLURM job; ends this process (SystemExit) with the sweep's exit code."""
+        from expgpu.errors import exit_on_user_error
+        from expgpu.slurm import sweep_job
+
+        with exit_on_user_error():
+            sweep_job.take_over(self.params, self.config, self.hydra_context, job_overrides)
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
+        self.take_over(job_overrides)

@@ -1,0 +1,119 @@
+"""hydra/launcher=slurm_pool on the real 2-node local cluster (expgpu.slurm.sweep_job): a whole sweep or study as
+one SLURM job, followed from the submitting terminal, or detached and followed again; its dry run; bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from slurm_cluster import slurm_cluster_2n  # noqa: F401
+
+from conftest import HELPERS, REPO, clean_env
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+SWEEP = ["hydra/launcher=slurm_pool", "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=4",
+         "hydra.launcher.timeout_min=10", "task=a", "task.max_steps=20", "logger=none"]
+
+
+def _run(cluster, args: list[str], sweep: Path, timeout: float = 300, env: dict | None = None):
+    return subprocess.run([sys.executable, "-m", "expgpu", "-m", *args, f"hydra.sweep.dir={sweep}"], cwd=sweep.parent,
+                          env=env or cluster.env, capture_output=True, text=True, timeout=timeout)
+
+
+def _job(sweep: Path) -> dict:
+    return json.loads((sweep / ".slurm_pool" / "job.json").read_text())
+
+
+@pytest.mark.timeout(400)
+def test_a_sweep_is_one_slurm_job_followed_to_its_end(slurm_cluster_2n, tmp_path):
+    sweep = tmp_path / "sweep"
+    done = _run(slurm_cluster_2n, [*SWEEP, "task.seed=range(4)", "gpu_map.gpus_per_rank=1,2", "launch.nodes=1,2"],
+                sweep)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    job = _job(sweep)
+    assert f"slurm_pool: the sweep is SLURM job {job['job_id']} (2 node(s) x 4 GPU(s))" in done.stdout
+    assert "gpu_pool: done 16/16" in done.stdout   # the pool's board, followed from the allocation's output
+    pool = json.loads((sweep / "pool.json").read_text())
+    assert pool["allocation"]["job_id"] == job["job_id"]   # one SLURM job ran every trial
+    assert [j["state"] for j in pool["jobs"]] == ["finished"] * 16
+    assert {n for j in pool["jobs"] for n in j["nodes"]} == set(slurm_cluster_2n.nodes)
+    assert (sweep / "report.html").exists() and (sweep / ".slurm_pool" / f"exit-{job['job_id']}").read_text() == "0\n"
+
+
+@pytest.mark.timeout(400)
+def test_detached_it_says_how_to_follow_and_following_again_ends_with_the_sweeps_code(slurm_cluster_2n, tmp_path):
+    sweep = tmp_path / "sweep"
+    done = _run(slurm_cluster_2n, [*SWEEP, "task.seed=0,1", "hydra.launcher.detach=true"], sweep, timeout=60)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert f"slurm_pool: detached. Follow it: python -m expgpu.slurm.sweep_job {sweep}" in done.stdout
+    again = subprocess.run([sys.executable, "-m", "expgpu.slurm.sweep_job", str(sweep)], env=slurm_cluster_2n.env,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    assert "gpu_pool: done 2/2" in again.stdout
+    assert all(json.loads((sweep / str(n) / "result.json").read_text())["status"] == "finished" for n in (0, 1))
+
+
+@pytest.mark.timeout(400)
+def test_an_optimizing_study_runs_inside_the_allocation_trials_beside_each_other_pruned_ones_too(slurm_cluster_2n,
+                                                                                                tmp_path):
+    sweep = tmp_path / "study"
+    args = ["--config-dir", str(REPO / "tests" / "conf"), "task=tune_probe", "objective=score",
+            "hydra/sweeper=expgpu_optuna", "hydra.sweeper.sampler.seed=0", "task.x=interval(0,1)",
+            "hydra.sweeper.n_trials=8", "hydra.sweeper.pruner={_target_:optuna.pruners.ThresholdPruner,upper:0.5,"
+            "n_warmup_steps:2}", "hydra/launcher=slurm_pool", "hydra.launcher.nodes=2",
+            "hydra.launcher.gpus_per_node=2", "logger=none"]
+    env = {**slurm_cluster_2n.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(HELPERS),
+                                                                               slurm_cluster_2n.env.get("PYTHONPATH")]))}
+    done = _run(slurm_cluster_2n, args, sweep, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    pool = json.loads((sweep / "pool.json").read_text())
+    assert pool["allocation"]["job_id"] == _job(sweep)["job_id"] and len(pool["jobs"]) == 8   # n_trials, no more
+    states = [j["state"] for j in pool["jobs"]]
+    assert states.count("finished") == 8 and "pruned" in (sweep / "report.html").read_text()
+    spans = [(j["started"], j["ended"]) for j in pool["jobs"]]
+    assert max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans) >= 2, "trials ran side by side"
+    assert (sweep / "optimization_results.yaml").exists()
+
+
+def test_its_dry_run_prints_the_allocations_script_and_where_the_first_jobs_go(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = subprocess.run([sys.executable, "-m", "expgpu", "-m", *SWEEP, "gpu_map.gpus_per_rank=1,2",
+                           "launch.nodes=1,2", "dry_run=true", f"hydra.sweep.dir={sweep}"], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for line in ("#SBATCH --nodes=2", "#SBATCH --gres=gpu:4", "#SBATCH --time=10", "#SBATCH --exclusive",
+                 "-m expgpu -m hydra/launcher=gpu_pool task=a task.max_steps=20 logger=none gpu_map.gpus_per_rank=1,2 "
+                 "launch.nodes=1,2 dry_run=true hydra.launcher.grace_s=15.0 hydra.sweep.dir=" + str(sweep)):
+        assert line in out, out
+    assert "the first 4 job(s) on 2 node(s) x 4 GPU(s)" in out
+    first = "task=a task.max_steps=20 logger=none gpu_map.gpus_per_rank=1 launch.nodes"
+    assert f"#0 {first}=1 dry_run=True -> node1: GPU 0\n" in out
+    assert f"#1 {first}=2 dry_run=True -> node1: GPU 1; node2: GPU 0\n" in out
+    assert not (sweep / ".slurm_pool" / "job.json").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["hydra.launcher.gpus_per_node=0"], "hydra.launcher.gpus_per_node=0 is not allowed: an integer >= 1 (the "
+                                         "allocation's GPUs on each node)"),
+    (["hydra.launcher.pool.gpus=[0]"], "hydra.launcher.pool.gpus: unknown key; allowed under hydra.launcher.pool: "
+                                       "gpus_per_job, max_parallel, nodes, grace_s"),
+    (["hydra.launcher.pool.max_parallel=0"], "hydra.launcher.pool.max_parallel=0 is not allowed: an integer >= 1"),
+    ([], "hydra/launcher=slurm_pool needs SLURM's sbatch"),
+    (["gpu_map.gpus_per_rank=1,6"], "job #1 (task=a task.max_steps=20 logger=none gpu_map.gpus_per_rank=6) needs 6 "
+                                    "GPUs on each of 1 node(s), but the allocation has at most 4 GPU(s) per node"),
+    (["launch.nodes=3"], "asks for launch.nodes=3, but the allocation has 2 node(s); allowed: 1..2"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_anything_is_submitted(tmp_path, args, message):
+    env = clean_env(PATH=os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                         if not (Path(p) / "sbatch").exists()) or "/nonexistent")
+    done = subprocess.run([sys.executable, "-m", "expgpu", "-m", *SWEEP, *args, f"hydra.sweep.dir={tmp_path / 's'}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    said = [ln for ln in done.stderr.splitlines() if ln.startswith("expgpu")]
+    assert len(said) == 1 and message in said[0] and "Traceback" not in done.stderr, done.stderr
