@@ -155,9 +155,12 @@ def test_torn_files_and_lost_runs_are_rows(tmp_path):
                                                                "started": now - 7200}))
     failed = write_run(tmp_path / "failed_no_result", rows, record={"host": socket.gethostname(), "pid": dead_pid()})
     (failed / ".expgpu" / "failure.json").write_text(json.dumps({"message": "ValueError: bad batch"}))
+    failed_alive = write_run(tmp_path / "failed_alive", rows, record=me)   # its process ran on: a sweep's next job
+    (failed_alive / ".expgpu" / "failure.json").write_text(json.dumps({"message": "RuntimeError: boom"}))
     done = status(str(tmp_path))
     assert done.returncode == 0, done.stderr
     got = by_dir(rows_of(str(tmp_path)))
+    assert got["failed_alive"]["status"] == "failed" and got["failed_alive"]["note"] == "RuntimeError: boom"
     assert got["torn_result"]["status"] == "broken" and "result.json unreadable" in got["torn_result"]["note"]
     assert got["torn_metrics"]["status"] == "finished" and got["torn_metrics"]["step"] == 50
     assert "last line is torn" in got["torn_metrics"]["note"]
@@ -202,6 +205,9 @@ def test_slurm_jobs_not_started_are_queued(tmp_path):
     old(write_run(top / "slurm" / "1240", [{"step": 5}]))   # no longer in the queue: lost
     sweep = top / "multirun" / "2025-01-01" / "12-00-00"
     write_run(sweep / "0", [{"step": 3}], result={"status": "finished", "steps": 3})
+    write_run(sweep / "1", [])   # a gpu_pool job primed ahead (its .hydra/), its GPUs still busy
+    (sweep / "pool.json").write_text(json.dumps({"jobs": [{"num": 1, "dir": str(sweep / "1"), "state": "queued"},
+                                                           {"num": 2, "dir": str(sweep / "2"), "state": "queued"}]}))
     for job in ("2000_0", "2000_1"):
         (sweep / ".submitit" / job).mkdir(parents=True)
     env = fake_squeue(tmp_path, "1234|PENDING\\n2000_1|PENDING\\n")
@@ -211,14 +217,16 @@ def test_slurm_jobs_not_started_are_queued(tmp_path):
                                                                                     "2000_1"}
     runs = by_dir(got)
     assert runs["1234"]["status"] == "queued" and runs["1240"]["status"] == "lost"
-    assert runs["12-00-00"]["jobs"] == {"finished": 1, "queued": 1}
+    assert runs["12-00-00"]["jobs"] == {"finished": 1, "queued": 1, "waiting": 2}
     assert runs["12-00-00"]["status"] == "queued"
     jobs = by_dir(rows_of(str(sweep), env=env))
     assert jobs["2000_1"]["status"] == "queued" and jobs["0"]["status"] == "finished" and "2000_0" not in jobs
+    assert jobs["1"]["status"] == jobs["2"]["status"] == "waiting"
     # without squeue: the files' word, and no failure
     bare = clean_env(PATH=os.path.dirname(sys.executable))
     runs = by_dir(rows_of(str(top), env=bare))
-    assert runs["1234"]["status"] == "lost" and runs["12-00-00"]["jobs"] == {"finished": 1, "submitted": 2}
+    assert runs["1234"]["status"] == "lost"
+    assert runs["12-00-00"]["jobs"] == {"finished": 1, "submitted": 2, "waiting": 2}
 
 
 @pytest.mark.parametrize("what", ["missing", "empty", "file"])

@@ -178,7 +178,10 @@ def read_run(run_dir: Path, now: float | None = None) -> RunRow:
     if row.started is None:
         row.started = mtime(run_dir / ".hydra") or mtime(run_dir)
     newest = max((t for t in (metrics_mtime, mtime(rundir.process_file(run_dir)), mtime(run_dir)) if t), default=0.0)
-    if row.status != "broken":
+    job_failed = _failure(run_dir) if rundir.job_failure_file(run_dir).exists() else None
+    if job_failed:   # the job's own record: failed, even while its process lives on (a sweep's next job)
+        row.status, row.note = "failed", job_failed
+    elif row.status != "broken":
         if record and alive(record, newest, now):
             row.status = "running"
         elif not record and not (run_dir / rundir.METRICS).exists() and (run_dir / rundir.PLAN).exists():

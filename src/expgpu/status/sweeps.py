@@ -78,6 +78,8 @@ def sweep_jobs(sweep: Path, now: float) -> tuple[list[RunRow], list[str]]:
             mine.gpus = mine.gpus or shown
             if mine.status in ("lost", "running") and entry.get("state") in ("failed", "stopped"):
                 mine.status, mine.note = entry["state"], entry.get("error") or mine.note
+            elif mine.pid is None and mine.status in ("lost", "running") and entry.get("state") == "queued":
+                mine.status = "waiting"   # its job dir made ahead (a primed job), its GPUs still busy
         elif job_dir.resolve() not in seen and entry.get("state") in ("queued", "not_started"):
             rows.append(RunRow(kind="job", dir=str(job_dir), gpus=shown,
                                status="waiting" if entry["state"] == "queued" else "not started"))
