@@ -1,5 +1,8 @@
 """`python -m expgpu [overrides]`: Hydra composes the config, expgpu.app runs it.
 
+`expgpu status [DIR]` (a first word `status`, which no override is) shows where the runs are instead
+(expgpu.status).
+
 User errors (a wrong key, value, group option, environment variable, GPU id) end in
 one line naming what is wrong and what is allowed, and exit code 2; no traceback.
 """
@@ -116,6 +119,10 @@ def _append_hint(e: BaseException) -> str:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["status"]:   # `expgpu status [DIR]`: a command of its own, not a Hydra override
+        from expgpu.status import main as status
+
+        sys.exit(status(sys.argv[2:]))
     from expgpu.procs import stop_signals
 
     # Before Hydra and torch load (seconds): a SIGTERM/SIGUSR2 from SLURM or a Ctrl-C in that

@@ -25,7 +25,7 @@ from expgpu.errors import Hung, Stopped, UserError, WorkerFailed, first_line
 from expgpu.gpus import memory_estimate, placement
 from expgpu.launch import requeue, restarts, spawn, worker
 from expgpu.procs import stop_signals
-from expgpu.results import is_script, write_job_failure
+from expgpu.results import is_script, write_job_failure, write_process
 from expgpu.rundir import atomic_write_bytes
 
 log = logging.getLogger("expgpu")
@@ -158,6 +158,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
 
     if info.rank == 0:
         rundir.job_failure_file(run_dir).unlink(missing_ok=True)   # from an attempt this one reruns
+        write_process(run_dir)   # running, while this process lives (expgpu status)
         if loggers.chosen(plain):
             loggers.record_job(run_dir)   # the sweep and overrides, which only this process knows
     if plain["checkpoint"]["verify"]:

@@ -42,6 +42,12 @@ the job failed, whether it was the user's error, and the node it was on (`node`:
 host name): the supervisor, the sweep report and a restart (which node to leave out) read them. Under SLURM
 every rank also says at its start which node it runs on (RUN_DIR/.expgpu/rank<N>.node.json): a hang's culprits
 write no failure record.
+
+The process record (RUN_DIR/.expgpu/process.json), written when a run starts by the process in charge of it (rank
+0, or the supervisor of its ranks), says which process that is: `pid`, `host`, `created` (the process's start, by
+the OS: a pid reused later has another), `started` (when the launch began), `job` (SLURM's job id, else null),
+`visible` (CUDA_VISIBLE_DEVICES then, else null). A run without result.json whose process is gone was lost (killed,
+its node gone), not running: `expgpu status` reads it.
 """
 
 from __future__ import annotations
@@ -151,6 +157,24 @@ def write_rank_node(run_dir: Path, rank: int, env=None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps({"rank": rank, "node": node_name(env), "host": socket.gethostname(),
                                          "attempt": current_attempt(env)}).encode())
+
+
+def write_process(run_dir: Path, env=None) -> None:
+    """RUN_DIR/.expgpu/process.json: this process is in charge of the run (see the module's docstring)."""
+    import psutil
+
+    env = os.environ if env is None else env
+    me = psutil.Process()
+    job = env.get("SLURM_JOB_ID")
+    if job and env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"   # as squeue names it
+    started = env.get(envvars.START_TIME, "")
+    path = rundir.process_file(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps({
+        "pid": me.pid, "host": socket.gethostname(), "created": me.create_time(),
+        "started": float(started) if started.replace(".", "", 1).isdigit() else me.create_time(), "job": job or None,
+        "visible": env.get("CUDA_VISIBLE_DEVICES")}).encode())
 
 
 def read_rank_node(run_dir: Path, rank: int) -> dict | None:

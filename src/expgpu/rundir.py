@@ -29,6 +29,9 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
         wandb/, mlflow.db (a single run)
     RUN_DIR/.expgpu/                        expgpu's hand-over files between its own processes:
         config.json, logging.json           the resolved config and hydra.job_logging, for spawned ranks
+        process.json                        the process in charge of the run (rank 0's, or its supervisor's): pid,
+                                            host, its start, the SLURM job; `expgpu status` tells a running run
+                                            from a lost one by it (expgpu.results.write_process)
         rank<N>.failure.json                the one-line reason a rank failed (the report shows it)
         failure.json                        the one-line reason the job failed, whatever the launcher
         loggers.json                        the job's sweep and overrides, the loggers' run ids (resume)
@@ -132,6 +135,10 @@ def excluded_nodes_file(run_dir: Path) -> Path:
 
 def backstop_file(run_dir: Path, rank: int) -> Path:
     return state_dir(run_dir) / f"backstop-rank{rank}.txt"
+
+
+def process_file(run_dir: Path) -> Path:
+    return state_dir(run_dir) / "process.json"
 
 
 def failure_file(run_dir: Path, rank: int) -> Path:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from expgpu.errors import UserError
 from expgpu.loggers.progress import FIELDS
-from expgpu.rundir import METRICS, POOL_RECORD, RESULT, failure_files, hang_dir, job_failure_file
+from expgpu.rundir import METRICS, POOL_RECORD, RESULT, STUDY, failure_files, hang_dir, job_failure_file
 
 # Every metrics.jsonl row's own bookkeeping, not a metric the task logged: no panel of its own.
 _NOT_PLOTTED = ("epoch", "time", "step", *FIELDS)   # FIELDS: a row's progress (expgpu.loggers.progress)
@@ -153,7 +153,7 @@ def _objective(job_dir: Path, row: Row) -> None:
         row.maximize = [str(w).lower().endswith("maximize") for w in ways]
 
 
-def _failure(job_dir: Path, row: Row) -> str | None:
+def failure_line(job_dir: Path, row: Row) -> str | None:
     """Why the job failed, in one line: the job's own record, else the rank that failed first."""
     job = job_failure_file(job_dir)
     ranks = sorted(failure_files(job_dir), key=lambda p: (p.stat().st_mtime, p.name))
@@ -165,7 +165,7 @@ def _failure(job_dir: Path, row: Row) -> str | None:
     return None
 
 
-def _devices(result: dict, simulated: bool) -> str:
+def devices(result: dict, simulated: bool) -> str:
     parts = []
     for r in result.get("plan") or []:
         if not isinstance(r, dict):
@@ -209,17 +209,17 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
         row.metrics = {str(k): v for k, v in metrics.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)} if isinstance(metrics, dict) else {}
         row.steps = result.get("steps")
-        row.devices = _devices(result, _is_simulated(job_dir))
+        row.devices = devices(result, _is_simulated(job_dir))
         timing = result.get("timing") or {}
         if isinstance(timing.get("train_s"), (int, float)):
             row.wall_s = round(float(timing.get("startup_s") or 0) + float(timing["train_s"]), 3)
     reason = None
     if row.status == "hung":   # the watchdog's line names the rank at fault; its stacks are in hang/
         line = (result.get("hang") or {}).get("line")
-        reason = f"{line} (every rank's stacks: {hang_dir(job_dir)})" if line else _failure(job_dir, row)
+        reason = f"{line} (every rank's stacks: {hang_dir(job_dir)})" if line else failure_line(job_dir, row)
         row.error = reason or ""
     elif row.status != "broken" and (result is None or row.status not in ("finished", "stopped")):
-        reason = _failure(job_dir, row)
+        reason = failure_line(job_dir, row)
         if reason is not None:
             row.status, row.error = "failed", reason
         elif result is None:
@@ -248,8 +248,26 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
     return row
 
 
-def _job_dirs(sweep: Path, depth: int = 3) -> list[tuple[str, Path]]:
-    """Job dirs under a sweep dir: those Hydra wrote (.hydra/) or expgpu did (result.json).
+# What marks a dir as a job's (a run's): Hydra wrote it (.hydra/), or expgpu did
+JOB_MARKS = (".hydra", RESULT, METRICS)
+# What marks a dir as a sweep's: Hydra's multirun.yaml, gpu_pool's record, an optimizing sweep's study,
+# submitit's folder of submitted jobs
+SWEEP_MARKS = ("multirun.yaml", POOL_RECORD, STUDY, ".submitit")
+
+
+def is_job_dir(names) -> bool:
+    """Whether a dir holding these names is a job's (a run's) dir."""
+    return any(m in names for m in JOB_MARKS)
+
+
+def is_sweep_dir(names) -> bool:
+    """Whether a dir holding these names is a sweep's dir (its jobs are below it)."""
+    return any(m in names for m in SWEEP_MARKS)
+
+
+def job_dirs(sweep: Path, depth: int = 3) -> list[tuple[str, Path]]:
+    """Job dirs under a sweep dir: those Hydra wrote (.hydra/) or expgpu did (result.json), with their names
+    relative to the sweep dir.
 
     Hydra's default subdir is the job number; a subdir pattern may nest, so look a few levels
     down, but not into hidden dirs (.submitit/, .expgpu/) or below a job dir."""
@@ -257,11 +275,12 @@ def _job_dirs(sweep: Path, depth: int = 3) -> list[tuple[str, Path]]:
     for root, dirs, files in os.walk(sweep):
         path = Path(root)
         rel = path.relative_to(sweep)
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        if rel.parts and (".hydra" in os.listdir(path) or RESULT in files or METRICS in files):
+        if rel.parts and is_job_dir(dirs + files):
             found.append((str(rel), path))
             dirs[:] = []
-        elif len(rel.parts) >= depth:
+            continue
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        if len(rel.parts) >= depth:
             dirs[:] = []
     return sorted(found)
 
@@ -288,9 +307,9 @@ def collect(sweep: Path) -> list[Row]:
                 job_dir = sweep / job_dir.name
             rows.append(read_job(job_dir, str(entry.get("num", job_dir.name)), entry))
             seen.add(job_dir.resolve())
-        rows += [read_job(p, n) for n, p in _job_dirs(sweep) if p.resolve() not in seen]
+        rows += [read_job(p, n) for n, p in job_dirs(sweep) if p.resolve() not in seen]
         return rows
-    jobs = _job_dirs(sweep)
+    jobs = job_dirs(sweep)
     if not jobs and ((sweep / ".hydra").is_dir() or (sweep / RESULT).exists()):
         return [read_job(sweep, sweep.name)]   # a single run dir
     if not jobs:

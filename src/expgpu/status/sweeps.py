@@ -1,0 +1,137 @@
+"""The runs and sweeps under a directory, and a sweep's jobs: where `expgpu status` finds what to show.
+
+A dir is a sweep's or a run's by what it holds (expgpu.report.collect's marks: the report finds job dirs the same
+way); the walk goes no deeper than either, nor into hidden dirs, nor more than DEPTH levels below the top
+(outputs/DATE/TIME, outputs/multirun/DATE/TIME, outputs/slurm/JOB). A sweep's jobs are its job dirs, gpu_pool's jobs
+that have none yet (pool.json) and SLURM jobs submitted for it that have not started (.submitit/<job id>/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+from expgpu.report.collect import is_job_dir, is_sweep_dir, job_dirs
+from expgpu.rundir import POOL_RECORD
+from expgpu.status import queue
+from expgpu.status.read import QUEUED_STATES, RunRow, mtime, read_run, settle
+
+DEPTH = 4
+# Which status a sweep row shows, from its jobs': the first that any job has
+_SWEEP_ORDER = ("running", "queued", "waiting", "lost", "failed", "hung", "broken", "stopped", "pruned", "finished")
+
+
+def find(top: Path) -> tuple[list[Path], list[Path]]:
+    """The run dirs and the sweep dirs under `top` (`top` itself, if it is one)."""
+    runs: list[Path] = []
+    sweeps: list[Path] = []
+    for root, dirs, files in os.walk(top):
+        names = dirs + files
+        path = Path(root)
+        if is_sweep_dir(names):
+            sweeps.append(path)
+            dirs[:] = []
+        elif is_job_dir(names):
+            runs.append(path)
+            dirs[:] = []
+        else:
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            if len(path.relative_to(top).parts) >= DEPTH:
+                dirs[:] = []
+    return runs, sweeps
+
+
+def _pool(sweep: Path) -> list[dict]:
+    try:
+        doc = json.loads((sweep / POOL_RECORD).read_bytes())
+    except (OSError, ValueError):
+        return []
+    jobs = doc.get("jobs") if isinstance(doc, dict) else None
+    return [j for j in jobs if isinstance(j, dict)] if isinstance(jobs, list) else []
+
+
+def _submitted(sweep: Path) -> list[str]:
+    """The SLURM job ids submitit recorded for this sweep (its folder's subdirs, as %j names them)."""
+    try:
+        return [e.name for e in os.scandir(sweep / ".submitit") if e.is_dir() and e.name.replace("_", "").isdigit()]
+    except OSError:
+        return []
+
+
+def sweep_jobs(sweep: Path, now: float) -> tuple[list[RunRow], list[str]]:
+    """A sweep's jobs' rows, and the SLURM job ids submitted for it with no run dir yet (squeue decides those)."""
+    rows = [read_run(path, now) for _, path in job_dirs(sweep)]
+    for row in rows:
+        row.kind = "job"
+    seen = {Path(r.dir).resolve() for r in rows}
+    for entry in _pool(sweep):
+        job_dir = Path(str(entry.get("dir", "")))
+        job_dir = job_dir if job_dir.is_absolute() else sweep / job_dir
+        gpus = entry.get("gpus") or []
+        shown = f"GPU {','.join(map(str, gpus))}" if gpus else \
+            f"cpu slot {entry['slot']}" if entry.get("slot") is not None else ""
+        mine = next((r for r in rows if Path(r.dir).resolve() == job_dir.resolve()), None)
+        if mine is not None:
+            mine.gpus = mine.gpus or shown
+            if mine.status in ("lost", "running") and entry.get("state") in ("failed", "stopped"):
+                mine.status, mine.note = entry["state"], entry.get("error") or mine.note
+            elif mine.pid is None and mine.status in ("lost", "running") and entry.get("state") == "queued":
+                mine.status = "waiting"   # its job dir made ahead (a primed job), its GPUs still busy
+        elif job_dir.resolve() not in seen and entry.get("state") in ("queued", "not_started"):
+            rows.append(RunRow(kind="job", dir=str(job_dir), gpus=shown,
+                               status="waiting" if entry["state"] == "queued" else "not started"))
+    started = {r.slurm_job for r in rows if r.slurm_job}
+    return rows, [j for j in _submitted(sweep) if j not in started]
+
+
+def sweep_row(sweep: Path, jobs: list[RunRow]) -> RunRow:
+    """A sweep as one row: its jobs by status, the most pressing of them as its own."""
+    counts = Counter(r.status for r in jobs)
+    status = next((s for s in _SWEEP_ORDER if counts.get(s)), next(iter(counts), "empty"))
+    starts = [r.started for r in jobs if r.started]
+    running = [r for r in jobs if r.status == "running"]
+    etas = [r.eta_s for r in running if r.eta_s is not None]
+    started = min(starts) if starts else mtime(sweep)
+    elapsed = [r.elapsed_s + (r.started - started) for r in jobs if r.elapsed_s is not None and r.started]
+    gpus = ", ".join(dict.fromkeys(r.gpus for r in running if r.gpus))
+    return RunRow(kind="sweep", dir=str(sweep), status=status, jobs=dict(sorted(counts.items())),
+                  started=started, elapsed_s=round(max(elapsed), 1) if elapsed else None,
+                  eta_s=max(etas) if etas and not counts.get("queued") and not counts.get("waiting") else None,
+                  gpus=gpus)
+
+
+def rows(top: Path, expand: bool | None = None, now: float | None = None) -> list[RunRow]:
+    """The table's rows under `top`, newest first: a sweep as one row, or, when `top` is a sweep (or `expand`),
+    its jobs. squeue is asked once, for every run's SLURM job that its files cannot tell apart."""
+    now = time.time() if now is None else now
+    runs, sweeps = find(top)
+    expand = expand if expand is not None else sweeps == [top]
+    out = [read_run(p, now) for p in runs]
+    by_sweep: list[tuple[Path, list[RunRow]]] = []
+    unstarted: dict[str, Path] = {}
+    for sweep in sweeps:
+        jobs, waiting = sweep_jobs(sweep, now)
+        by_sweep.append((sweep, jobs))
+        unstarted.update({j: sweep for j in waiting})
+    every = out + [r for _, jobs in by_sweep for r in jobs]
+    wondering = [r.slurm_job for r in every if r.slurm_job and r.status in ("running", "lost", "failed")]
+    answer = queue.states(wondering + list(unstarted)) if wondering or unstarted else {}
+    for r in every:
+        settle(r, answer)
+    for job, sweep in unstarted.items():
+        state = (answer or {}).get(job)
+        if state is None and answer is not None:
+            continue   # left the queue without a run dir: a job its dirs or the sweep's log tell about
+        jobs = next(js for s, js in by_sweep if s == sweep)
+        jobs.append(RunRow(kind="job", dir=str(sweep / ".submitit" / job), slurm_job=job,
+                           status="queued" if state in QUEUED_STATES else "running" if state else "submitted",
+                           note=f"SLURM job {job}: " + (state.lower() if state else "squeue not available")))
+    for sweep, jobs in by_sweep:
+        if expand:
+            out += jobs
+        else:
+            out.append(sweep_row(sweep, jobs))
+    return sorted(out, key=lambda r: -(r.started or 0.0))
