@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
-from hydra.plugins.launcher import Launcher
+
+from hydra_plugins.expgpu_launchers.gpu_pool import GpuPoolLauncher
 
 
 @dataclass
@@ -55,17 +56,8 @@ ConfigStore.instance().store(group="hydra/launcher", name="slurm_pool", node=Slu
                              provider="expgpu")
 
 
-class SlurmPoolLauncher(Launcher):
-    def __init__(self, **params: Any) -> None:
-        self.params = params
-        self.config = None
-        self.hydra_context = None
-        self.task_function = None
-
-    def setup(self, *, hydra_context, task_function, config) -> None:
-        self.config = config
-        self.hydra_context = hydra_context
-        self.task_function = task_function
+class SlurmPoolLauncher(GpuPoolLauncher):
+    """gpu_pool's launcher (its set-up), whose jobs run in one SLURM allocation rather than here."""
 
     def take_over(self, job_overrides: Sequence[Sequence[str]] = ()) -> None:
         """The whole sweep as one SLURM job; ends this process (SystemExit) with the sweep's exit code."""
