@@ -123,7 +123,7 @@ def test_the_launcher_list_shows_launchers_only():
     shown = line.split(": ", 1)[1].split(", ")
     # joblib: Hydra's own, listed where hydra-joblib-launcher is installed (the dev extra); never
     # slurm_site, the group of slurm's site defaults, nor a schema node of expgpu's.
-    assert [x for x in shown if x != "joblib"] == ["basic", "gpu_pool", "slurm", "submitit_local",
+    assert [x for x in shown if x != "joblib"] == ["basic", "gpu_pool", "slurm", "slurm_pool", "submitit_local",
                                                    "submitit_slurm"], line
 
 

@@ -122,8 +122,11 @@ def run_node(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
                 # ("connection closed by peer"). A rank killed outright wrote nothing:
                 # it went first. The cause may still be exiting (printing its traceback,
                 # tearing its group down) when its echo has already ended: it counts too.
+                # A rank that exited non-zero without a record of its own was stopped by
+                # its watchdog because a peer failed (train.watchdog): an echo, last.
                 bad += [(r, 1) for r, c in enumerate(codes) if c is None and failure_file(run_dir, r).exists()]
-                rank, code = min(bad, key=lambda rc: _mtime(failure_file(run_dir, rc[0])))
+                rank, code = min(bad, key=lambda rc: (rc[1] > 0 and not failure_file(run_dir, rc[0]).exists(),
+                                                      _mtime(failure_file(run_dir, rc[0]))))
                 _stop(workers, grace_s=grace_s)
                 return read_failure(run_dir, rank, code)
             if all(c == 0 for c in codes):

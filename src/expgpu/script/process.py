@@ -101,9 +101,9 @@ def await_requeue(outcome: Outcome, stopper) -> None:
     owner whose SIGUSR2 requeues the job (submitit's handlers): that was a preemption's first signal, so wait
     PREEMPT_WAIT_S for its SIGUSR2; when it comes the stop is SIGUSR2 (the job is requeued and the script
     resumes, as a script that handles SIGTERM would be), else it stays a SIGTERM stop (scancel)."""
-    if outcome.stopped_by != "SIGTERM" or stopper.received is not None or "SIGTERM" in stopper.owned \
+    if outcome.stopped_by != "SIGTERM" or stopper.received not in (None, "SIGUSR2") or "SIGTERM" in stopper.owned \
             or stopper.previous_handler(signal.SIGUSR2) is None:
-        return
+        return   # (the SIGUSR2 may have come already, as the script was dying)
     deadline = time.monotonic() + PREEMPT_WAIT_S
     while stopper.received is None and time.monotonic() < deadline:
         time.sleep(TICK_S)
