@@ -22,6 +22,9 @@ class UserError(Exception):
 
 EXIT_USER_ERROR = 2
 EXIT_HUNG = 124   # a run the hang watchdog ended (GNU timeout's code for "timed out"); a crash exits 1
+# A rank its watchdog ended because a peer's task raised (expgpu.train.watchdog): an echo of the peer's failure,
+# which a supervisor names instead (expgpu.launch.spawn)
+EXIT_PEER_FAILED = 113
 
 
 @contextlib.contextmanager

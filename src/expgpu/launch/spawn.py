@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 from expgpu import envvars, procs
+from expgpu.errors import EXIT_PEER_FAILED
 from expgpu.procs import stop_signals
 from expgpu.procs.handles import ProcHandle, RankStarter
 from expgpu.results import Failure, read_failure
@@ -122,11 +123,9 @@ def run_node(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
                 # ("connection closed by peer"). A rank killed outright wrote nothing:
                 # it went first. The cause may still be exiting (printing its traceback,
                 # tearing its group down) when its echo has already ended: it counts too.
-                # A rank that exited non-zero without a record of its own was stopped by
-                # its watchdog because a peer failed (train.watchdog): an echo, last.
+                # A rank its watchdog ended because a peer failed (EXIT_PEER_FAILED) is an echo: last.
                 bad += [(r, 1) for r, c in enumerate(codes) if c is None and failure_file(run_dir, r).exists()]
-                rank, code = min(bad, key=lambda rc: (rc[1] > 0 and not failure_file(run_dir, rc[0]).exists(),
-                                                      _mtime(failure_file(run_dir, rc[0]))))
+                rank, code = min(bad, key=lambda rc: (rc[1] == EXIT_PEER_FAILED, _mtime(failure_file(run_dir, rc[0]))))
                 _stop(workers, grace_s=grace_s)
                 return read_failure(run_dir, rank, code)
             if all(c == 0 for c in codes):

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from expgpu import rundir
-from expgpu.errors import EXIT_HUNG
+from expgpu.errors import EXIT_HUNG, EXIT_PEER_FAILED
 from expgpu.procs import stacks
 from expgpu.procs.hang_rules import (
     DONE,
@@ -166,7 +166,7 @@ class Watchdog:
         if "failed" in verdict:
             log.error("rank %d: stopping: rank(s) %s failed (their error is their own record)", self.rank,
                       ", ".join(map(str, verdict["failed"])))
-            _exit(1)
+            _exit(EXIT_PEER_FAILED)
         faulthandler.cancel_dump_traceback_later()
         header = (f"rank {self.rank} (pid {os.getpid()}, {socket.gethostname()}), step {self._step}, "
                   f"phase {self.where()[1]}; the run hung: {json.dumps(verdict)}")
