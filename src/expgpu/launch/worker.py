@@ -79,7 +79,8 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
                 "world_size": info.world_size, "backend": backend if info.world_size > 1 else None,
                 "strategy": node.strategy, "run_dir": str(run_dir)}
         dog = watchdog.start(group.store(), info.rank, info.world_size, run_dir, watchdog.settings(cfg),
-                             run.progress, lambda verdict, text: _hung(run, base, verdict, text, info))
+                             run.progress, lambda verdict, text: _hung(run, base, verdict, text, info),
+                             run.write_out_rows)
         try:
             status, metrics = _call(run, spec)
         except BaseException as e:

@@ -344,6 +344,11 @@ class Run:
         if self._metrics is not None:
             self._metrics.log(self.step + 1 if self._in_step else self.step, scalars)
 
+    def write_out_rows(self) -> None:
+        """The metrics.jsonl rows made so far, handed to the OS (before a peer's failure ends this rank)."""
+        if self._metrics is not None:
+            self._metrics.write_out()
+
     def all_reduce(self, value, op: str = "sum"):
         """`value` summed (or "mean", "max", "min") over all ranks, returned on every rank: a
         tensor (a new one, detached), a number, or a dict of them; as it is on one rank.

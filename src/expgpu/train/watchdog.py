@@ -60,14 +60,16 @@ PREFIX = "expgpu/watchdog"
 
 
 class Watchdog:
-    """One rank's thread. `where()`: (the run's step, its phase); `on_verdict(verdict, line)`: run by the
+    """One rank's thread. `where()`: (the run's step, its phase); `before_exit()`: what this rank keeps before it
+    ends for a peer's failure (its metrics rows written so far); `on_verdict(verdict, line)`: run by the
     rank that claimed the verdict, before every rank exits."""
 
     def __init__(self, store, rank: int, world_size: int, run_dir: Path, s: HangSettings,
-                 where: Callable[[], tuple[int, str]], on_verdict: Callable[[dict, str], None]):
+                 where: Callable[[], tuple[int, str]], on_verdict: Callable[[dict, str], None],
+                 before_exit: Callable[[], None] | None = None):
         self.store = store.clone()   # a connection of its own: the loop's collectives keep theirs
         self.rank, self.world, self.run_dir, self.s = rank, world_size, Path(run_dir), s
-        self.where, self.on_verdict = where, on_verdict
+        self.where, self.on_verdict, self.before_exit = where, on_verdict, before_exit
         self.watcher = rank in (0, world_size - 1)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="expgpu-watchdog", daemon=True)
@@ -166,6 +168,11 @@ class Watchdog:
         if "failed" in verdict:
             log.error("rank %d: stopping: rank(s) %s failed (their error is their own record)", self.rank,
                       ", ".join(map(str, verdict["failed"])))
+            if self.before_exit is not None:
+                try:
+                    self.before_exit()
+                except Exception:   # what it could not keep is after the last checkpoint: a resume redoes it
+                    pass
             _exit(EXIT_PEER_FAILED)
         faulthandler.cancel_dump_traceback_later()
         header = (f"rank {self.rank} (pid {os.getpid()}, {socket.gethostname()}), step {self._step}, "
@@ -229,11 +236,12 @@ def _exit(code: int = EXIT_HUNG) -> None:
     os._exit(code)
 
 
-def start(store, rank: int, world_size: int, run_dir: Path, s: HangSettings | None, where, on_verdict):
+def start(store, rank: int, world_size: int, run_dir: Path, s: HangSettings | None, where, on_verdict,
+          before_exit=None):
     """The rank's watchdog, started; None for one rank or when it is off."""
     if s is None or world_size < 2 or store is None:
         return None
-    return Watchdog(store, rank, world_size, run_dir, s, where, on_verdict).start()
+    return Watchdog(store, rank, world_size, run_dir, s, where, on_verdict, before_exit).start()
 
 
 # The rules (the limit, the verdict, the culprits, the line) are the script tasks' watch's too: expgpu.procs.hang_rules
