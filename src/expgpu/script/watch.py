@@ -45,6 +45,7 @@ from expgpu.procs import stacks
 from expgpu.procs.hang_rules import DONE, HangSettings, culprits, limit, line, settings
 from expgpu.rundir import atomic_write_bytes
 from expgpu.script.heartbeat import Heartbeat
+from expgpu.script.result import read_json
 
 log = logging.getLogger("expgpu")
 
@@ -136,14 +137,14 @@ class Watch:
         out = {self.rank: mine}
         for r in range(self.world):
             if r != self.rank:
-                rec = _read(rundir.script_watch(self.run_dir, r))
+                rec = read_json(rundir.script_watch(self.run_dir, r))
                 if rec is None or rec.get("launch") != self.launch:
                     return {}
                 out[r] = rec
         return out
 
     def _claim_of_this_launch(self) -> dict | None:
-        return _read(rundir.script_hang_claim(self.run_dir, self.launch))
+        return read_json(rundir.script_hang_claim(self.run_dir, self.launch))
 
     def _claim(self, verdict: dict) -> dict:
         """Claim the hang, once for the launch (a link made whole or not at all); the claim that won."""
@@ -156,7 +157,7 @@ class Watch:
             self.claimed = True
             return verdict
         except FileExistsError:
-            return _read(path) or verdict
+            return read_json(path) or verdict
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -207,7 +208,7 @@ class Watch:
         frames: dict[int, dict] = {}
         while True:
             for r in ranks:
-                doc = _read(rundir.script_frame(self.run_dir, r)) if r not in frames else None
+                doc = read_json(rundir.script_frame(self.run_dir, r)) if r not in frames else None
                 if doc is not None and doc.get("launch") == self.launch:
                     frames[r] = doc["frame"]
             if len(frames) == len(ranks) or time.monotonic() > deadline:
@@ -224,7 +225,7 @@ class Watch:
     def wait_for_verdict(self) -> None:
         deadline = time.monotonic() + VERDICT_WAIT_S
         while time.monotonic() < deadline:
-            doc = _read(rundir.hang_verdict(self.run_dir))
+            doc = read_json(rundir.hang_verdict(self.run_dir))
             if doc is not None and doc.get("launch") == self.launch:
                 return
             time.sleep(0.2)
@@ -307,11 +308,3 @@ def _unknown(tail: list[str]) -> str:
     last = f"its last output: {said[:120]!r}" if said else "it wrote no output"
     why = "py-spy could not read it" if stacks.has_spy() else "no py-spy on PATH to read it"
     return f"an unknown place ({why}; {last})"
-
-
-def _read(path: Path) -> dict | None:
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
