@@ -25,7 +25,7 @@ from expgpu.errors import Hung, Stopped, UserError, WorkerFailed, first_line
 from expgpu.gpus import memory_estimate, placement
 from expgpu.launch import requeue, restarts, spawn, worker
 from expgpu.procs import stop_signals
-from expgpu.results import is_script, write_job_failure, write_process
+from expgpu.results import finished_earlier, is_script, write_job_failure, write_process
 from expgpu.rundir import atomic_write_bytes
 
 log = logging.getLogger("expgpu")
@@ -128,7 +128,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
                         "them: launch.nproc_per_node=1 under torchrun/srun/mpirun")
     local_ranks = nproc if nproc > 1 else info.local_world_size
 
-    earlier = None if plain["dry_run"] else _finished_earlier(run_dir, plain)
+    earlier = None if plain["dry_run"] else finished_earlier(run_dir, plain)
     if earlier is not None:
         if info.rank == 0:
             keys = earlier.get("length_keys", ["max_steps"])   # an older result.json: the built-in loop's
@@ -216,21 +216,6 @@ def _supervise(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int, ser
 
     restarts.supervise(run_dir, plain, attempt, info.world_size)
     return json.loads((run_dir / rundir.RESULT).read_text()) if info.rank == 0 else None
-
-
-def _finished_earlier(run_dir: Path, plain: dict) -> dict | None:
-    """The result of a finished run of the same task settings in this run dir (a rerun of a
-    finished job: a fixed hydra.run.dir or sweep dir, --experimental-rerun), else None."""
-    if not plain["checkpoint"]["resume"]:
-        return None
-    try:
-        result = json.loads((run_dir / rundir.RESULT).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(result, dict) or result.get("status") != "finished":
-        return None
-    same = json.dumps(result.get("task_config"), sort_keys=True) == json.dumps(plain["task"], sort_keys=True)
-    return result if same else None
 
 
 def _finished(result: dict | None, info: ranks.RankInfo, run_dir: Path) -> dict | None:

@@ -210,6 +210,19 @@ class Failure:
     step: int | None = None
 
 
+def finished_earlier(run_dir: Path, plain: dict) -> dict | None:
+    """The result of a finished run of the same task settings in this run dir (a rerun of a finished
+    job: a fixed hydra.run.dir or sweep dir, a requeued slurm_pool allocation, --experimental-rerun),
+    else None. checkpoint.resume=false: None (the user asked to train again)."""
+    if not plain["checkpoint"]["resume"]:
+        return None
+    result = read_result(run_dir)
+    if not isinstance(result, dict) or result.get("status") != "finished":
+        return None
+    same = json.dumps(result.get("task_config"), sort_keys=True) == json.dumps(plain["task"], sort_keys=True)
+    return result if same else None
+
+
 def write_failure(run_dir: Path, rank: int, message: str, user_error: bool = False, step: int | None = None) -> None:
     path = failure_file(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -633,6 +633,7 @@ def test_an_optimizing_sweep_warms_one_fork_server_for_all_its_batches(tmp_path,
     ("launch.nproc_per_node=3", "needs 3 GPUs (launch.nproc_per_node x gpu_map.gpus_per_rank), but the pool has 2"),
     ("hydra.launcher.gpus_per_job=-1", "hydra.launcher.gpus_per_job=-1 is not allowed: an integer >= 0 or null"),
     ("hydra.launcher.threads_per_job=0", "hydra.launcher.threads_per_job=0 is not allowed: an integer >= 1 or null"),
+    ("hydra.launcher.max_requeues=-1", "hydra.launcher.max_requeues=-1 is not allowed: an integer >= 0"),
 ])
 @pytest.mark.slow
 @pytest.mark.timeout(60)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from slurm_cluster import slurm_cluster_2n  # noqa: F401
 
-from conftest import HELPERS, REPO, clean_env
+from conftest import HELPERS, PACED, REPO, clean_env, wait_until
+from expgpu import results
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -43,6 +44,91 @@ def test_a_sweep_is_one_slurm_job_followed_to_its_end(slurm_cluster_2n, tmp_path
     assert [j["state"] for j in pool["jobs"]] == ["finished"] * 16
     assert {n for j in pool["jobs"] for n in j["nodes"]} == set(slurm_cluster_2n.nodes)
     assert (sweep / "report.html").exists() and (sweep / ".slurm_pool" / f"exit-{job['job_id']}").read_text() == "0\n"
+
+
+def _progress(run_dir: Path) -> int:
+    """The last step run_dir's metrics.jsonl holds (0: none yet)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("how", ["USR2 before the time limit", "scontrol requeue"])
+def test_requeued_mid_sweep_it_keeps_finished_jobs_and_resumes_the_cut_one(slurm_cluster_2n, tmp_path, how):
+    """The allocation ends mid-sweep, the ways SLURM ends it, and runs again: the two short jobs that finished are
+    not started again, the long one cut mid-training resumes from its checkpoint, and the sweep ends with 0.
+    SIGUSR2 (what --signal=B:USR2@N sends the batch shell before the time limit): the sweep requeues itself.
+    `scontrol requeue` (as a preemption with PreemptMode=REQUEUE): SIGTERM, and SLURM requeues it."""
+    sweep = tmp_path / "sweep"
+    args = ["hydra/launcher=slurm_pool", "hydra.launcher.nodes=1", "hydra.launcher.gpus_per_node=2",
+            "hydra.launcher.timeout_min=10", "task=a", "logger=none", "task.log_every=5", "backend.timeout_s=60",
+            PACED, "task.max_steps=5000,20,20", f"hydra.sweep.dir={sweep}"]
+    env = slurm_cluster_2n.env
+    follower = subprocess.Popen([sys.executable, "-m", "expgpu", "-m", *args], cwd=tmp_path, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until("the short jobs finished and the long one trained a while", lambda: all(
+            (results.read_result(sweep / str(n)) or {}).get("status") == "finished" for n in (1, 2))
+            and _progress(sweep / "0") >= 100, timeout=240, every=0.5)
+        job = _job(sweep)["job_id"]
+        finished_at = {n: (sweep / str(n) / "result.json").stat().st_mtime_ns for n in (1, 2)}
+        if how == "scontrol requeue":
+            slurm_cluster_2n.run(["scontrol", "requeue", job])
+        else:
+            slurm_cluster_2n.run(["scancel", "--signal=USR2", "--batch", job])
+        out, _ = follower.communicate(timeout=400)
+    finally:
+        follower.kill()
+    assert follower.returncode == 0, out[-5000:]
+    assert f"slurm_pool: job {job} requeued: the sweep goes on in the same sweep dir" in out, out[-5000:]
+    if how != "scontrol requeue":
+        assert f"gpu_pool: requeued SLURM job {job} (1 of at most 3)" in out, out[-5000:]
+    pool = json.loads((sweep / "pool.json").read_text())
+    assert pool["allocation"]["job_id"] == job
+    assert [(j["num"], j["state"], j["kept"]) for j in pool["jobs"]] == [
+        (0, "finished", False), (1, "finished", True), (2, "finished", True)]
+    assert {n: (sweep / str(n) / "result.json").stat().st_mtime_ns for n in (1, 2)} == finished_at
+    long = results.read_result(sweep / "0")
+    assert long["status"] == "finished" and 0 < long["resumed_from_step"] < long["steps"] == 5000, long
+    assert (sweep / ".slurm_pool" / f"exit-{job}").read_text() == "0\n"
+
+
+@pytest.mark.timeout(500)
+def test_a_study_requeued_mid_way_continues_from_its_journal_to_exactly_n_trials(slurm_cluster_2n, tmp_path):
+    """Trial 0 trains slowly while trials 1-3 finish beside it; SLURM's warning before the time limit requeues the
+    allocation; run again, the study goes on from its journal: trial 0 resumes from its checkpoint, no trial is
+    asked twice or run again, and the study ends with exactly n_trials, all complete."""
+    sweep = tmp_path / "study"
+    args = ["--config-dir", str(REPO / "tests" / "conf"), "task=tune_probe", "objective=score",
+            "hydra/sweeper=expgpu_optuna", "hydra.sweeper.sampler.seed=0", "task.x=interval(0,1)",
+            "hydra.sweeper.n_trials=4", "task.max_steps=400", "task.slow_step_s=0.25", "hydra/launcher=slurm_pool",
+            "hydra.launcher.nodes=1", "hydra.launcher.gpus_per_node=2", "logger=none", f"hydra.sweep.dir={sweep}"]
+    env = {**slurm_cluster_2n.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(HELPERS),
+                                                                               slurm_cluster_2n.env.get("PYTHONPATH")]))}
+    follower = subprocess.Popen([sys.executable, "-m", "expgpu", "-m", *args], cwd=tmp_path, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until("trials 1-3 finished while trial 0 trains", lambda: all(
+            (results.read_result(sweep / str(n)) or {}).get("status") == "finished" for n in (1, 2, 3))
+            and _progress(sweep / "0") >= 20, timeout=240, every=0.5)
+        job = _job(sweep)["job_id"]
+        slurm_cluster_2n.run(["scancel", "--signal=USR2", "--batch", job])
+        out, _ = follower.communicate(timeout=400)
+    finally:
+        follower.kill()
+    assert follower.returncode == 0, out[-5000:]
+    assert f"gpu_pool: requeued SLURM job {job} (1 of at most 3)" in out, out[-5000:]
+    assert "3 trial(s) done, 1 to go (1 of them resumed from their job dirs)" in out, out[-5000:]
+    study = json.loads((sweep / "study.json").read_text())
+    assert [(t["number"], t["state"]) for t in study["trials"]] == [(n, "COMPLETE") for n in range(4)], study
+    slow = results.read_result(sweep / "0")
+    assert slow["status"] == "finished" and 0 < slow["resumed_from_step"] < slow["steps"] == 400, slow
+    pool = json.loads((sweep / "pool.json").read_text())
+    assert sorted((j["num"], j["state"]) for j in pool["jobs"]) == [(n, "finished") for n in range(4)]
+    assert (sweep / "optimization_results.yaml").exists()
 
 
 @pytest.mark.timeout(400)
@@ -88,8 +174,10 @@ def test_its_dry_run_prints_the_allocations_script_and_where_the_first_jobs_go(t
     assert done.returncode == 0, done.stderr
     out = done.stdout
     for line in ("#SBATCH --nodes=2", "#SBATCH --gres=gpu:4", "#SBATCH --time=10", "#SBATCH --exclusive",
+                 "#SBATCH --requeue", "#SBATCH --signal=B:USR2@120",
                  "-m expgpu -m hydra/launcher=gpu_pool task=a task.max_steps=20 logger=none gpu_map.gpus_per_rank=1,2 "
-                 "launch.nodes=1,2 dry_run=true hydra.launcher.grace_s=15.0 hydra.sweep.dir=" + str(sweep)):
+                 "launch.nodes=1,2 dry_run=true hydra.launcher.grace_s=15.0 hydra.launcher.max_requeues=3 "
+                 "hydra.sweep.dir=" + str(sweep)):
         assert line in out, out
     assert "the first 4 job(s) on 2 node(s) x 4 GPU(s)" in out
     first = "task=a task.max_steps=20 logger=none gpu_map.gpus_per_rank=1 launch.nodes"
@@ -104,6 +192,9 @@ def test_its_dry_run_prints_the_allocations_script_and_where_the_first_jobs_go(t
     (["hydra.launcher.pool.gpus=[0]"], "hydra.launcher.pool.gpus: unknown key; allowed under hydra.launcher.pool: "
                                        "gpus_per_job, max_parallel, nodes, grace_s"),
     (["hydra.launcher.pool.max_parallel=0"], "hydra.launcher.pool.max_parallel=0 is not allowed: an integer >= 1"),
+    (["hydra.launcher.max_requeues=-1"], "hydra.launcher.max_requeues=-1 is not allowed: an integer >= 0 (how often "
+                                         "the allocation may requeue itself before its time limit)"),
+    (["hydra.launcher.signal_delay_s=0"], "hydra.launcher.signal_delay_s=0 is not allowed: an integer >= 1"),
     ([], "hydra/launcher=slurm_pool needs SLURM's sbatch"),
     (["gpu_map.gpus_per_rank=1,6"], "job #1 (task=a task.max_steps=20 logger=none gpu_map.gpus_per_rank=6) needs 6 "
                                     "GPUs on each of 1 node(s), but the allocation has at most 4 GPU(s) per node"),

@@ -53,6 +53,7 @@ class Job:
     error: str | None = None
     ret: Any = None              # its hydra.core.utils.JobReturn
     primed: bool = False         # its process did Hydra's set-up of it before its start (Spare.prime)
+    kept: bool = False           # finished in an earlier run of this sweep dir: not started (expgpu.pool.kept)
 
     @property
     def label(self) -> str:
@@ -221,6 +222,8 @@ class Record:
                  allocation: dict | None = None):
         self.path = sweep_dir / RECORD
         self.before = _earlier.setdefault(str(sweep_dir), [])
+        if not self.before:   # a rerun of the sweep dir (a requeued allocation): its earlier jobs stay listed
+            self.before.extend(_rows(self.path))
         self.head = {"launcher": "gpu_pool", "pool": [g.index for g in pool_gpus], "cpu_slots": cpu_slots,
                      "threads_per_job": threads}
         if allocation is not None:   # inside a SLURM allocation: its job id, nodes and their GPUs
@@ -231,14 +234,14 @@ class Record:
     def write(self, jobs: list[Job], stop_signal: int | None) -> None:
         from expgpu.rundir import atomic_write_bytes
 
-        rows = self.before + [self._row(j) for j in jobs]
+        rows = _replaced(self.before, [self._row(j) for j in jobs])
         doc = {**self.head, "batches": self._batches(rows),
                "interrupted": signal.Signals(stop_signal).name if stop_signal else None, "jobs": rows}
         atomic_write_bytes(self.path, (json.dumps(doc, indent=1) + "\n").encode())
 
     def close(self, jobs: list[Job]) -> None:
         """This batch is over: the next launch() in this process adds its jobs after these."""
-        self.before.extend(self._row(j) for j in jobs)
+        self.before[:] = _replaced(self.before, [self._row(j) for j in jobs])
 
     def _row(self, j: Job) -> dict:
         return {
@@ -248,7 +251,7 @@ class Record:
             "need": j.need, "nodes": sorted({g.node for g in j.gpus if hasattr(g, "node")}),
             "pid": j.proc.pid if j.proc else None, "started": j.started, "ended": j.ended,
             "wall_s": round(j.ended - j.started, 3) if j.started and j.ended else None,
-            "returncode": j.returncode, "error": j.error, "batch": self.batch, "primed": j.primed,
+            "returncode": j.returncode, "error": j.error, "batch": self.batch, "primed": j.primed, "kept": j.kept,
         }
 
     @staticmethod
@@ -258,3 +261,18 @@ class Record:
         for r in rows:
             out.setdefault(r["batch"], []).append(r["num"])
         return [{"batch": b, "jobs": nums} for b, nums in sorted(out.items())]
+
+
+def _rows(path: Path) -> list[dict]:
+    """The jobs an earlier run of the sweep wrote to its pool.json (none if it is missing or unreadable)."""
+    try:
+        jobs = json.loads(path.read_text()).get("jobs")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [r for r in jobs if isinstance(r, dict) and "num" in r and "batch" in r] if isinstance(jobs, list) else []
+
+
+def _replaced(before: list[dict], rows: list[dict]) -> list[dict]:
+    """`before`, less the jobs that `rows` ran again (a rerun's row is the job's latest), then `rows`."""
+    again = {r["num"] for r in rows}
+    return [r for r in before if r["num"] not in again] + rows

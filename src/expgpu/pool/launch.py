@@ -17,6 +17,7 @@ from expgpu.pool import allocation
 from expgpu.pool import jobs as jobfiles
 from expgpu.pool.allocation import Allocation
 from expgpu.pool.jobs import Job, Record
+from expgpu.pool.kept import keep_finished
 from expgpu.pool.scheduler import at_once, thread_budget
 from expgpu.pool.settings import Settings, job_need, job_nodes, pool_gpus, settings
 from expgpu.pool.spares import SPARES_LOG, Spare, primable, spare_env, task_modules
@@ -141,6 +142,10 @@ def _compose_all(ctx, config, first: list[tuple[list[str], int]], s: Settings, g
         if expgpu_config.is_expgpu(job.config):
             expgpu_config.check(job.config)
             spec.checked(job.config, os.getcwd())
+    kept = keep_finished(jobs)
+    if kept:
+        log.info("gpu_pool: %d job(s) finished in an earlier run of this sweep dir, kept (not started again): %s",
+                 len(kept), " ".join(f"#{j.num}" for j in kept))
     return jobs
 
 

@@ -4,6 +4,7 @@ reap finished jobs, lease free GPUs, start what fits (scheduler), keep spares wa
 from __future__ import annotations
 
 import math
+import os
 import select
 import signal
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from expgpu import procs
 from expgpu.pool import jobs as jobfiles
-from expgpu.pool import steps
+from expgpu.pool import requeue, steps
 from expgpu.pool.board import Board
 from expgpu.pool.jobs import Job, Record
 from expgpu.pool.scheduler import Scheduler
@@ -20,6 +21,9 @@ from expgpu.pool.spares import SPARES_LOG, Spare
 from expgpu.pool.starts import Starter
 from expgpu.pool.steps import StepStarter
 
+# A second signal this soon after the first, the same one, is the same request (the batch shell hands on
+# what SLURM may have sent this process too), not a second Ctrl-C that kills at once.
+SAME_SIGNAL_S = 1.0
 POLL_S = 0.02   # how often the launcher looks at its jobs and the free GPUs (at the latest: it
                 # wakes at once when a job's process exits)
 
@@ -42,6 +46,7 @@ class Pool(StepStarter, Starter):
         self.prime = prime         # spares may be primed with their next job (spares.primable)
         self.stop_signal: int | None = None
         self._hard = False
+        self._signalled = 0.0
         self._kill_at: float | None = None
         self._waiting_since: float | None = None
         self._busy_elsewhere: tuple = ()
@@ -70,8 +75,10 @@ class Pool(StepStarter, Starter):
         """Before the first round: pool.json, the board, the launcher's own Ctrl-C / SIGTERM."""
         self.record.write(self.jobs, None)
         self.board = Board(self.jobs, self.desc)
+        # Inside an allocation SIGUSR2 is SLURM's warning of its end: stop, save, maybe requeue (pool.requeue)
+        stops = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGUSR2,) if self.alloc is not None else ())
         try:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in stops:
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         except ValueError:  # not the main thread: signals stay with whoever handles them
             pass
@@ -94,6 +101,8 @@ class Pool(StepStarter, Starter):
         self.board.close()
         self.record.write(self.jobs, self.stop_signal)
         self.record.close(self.jobs)
+        if self.alloc is not None:
+            requeue.after_stop(self.alloc.job_id, self.stop_signal, self.s.max_requeues, self.sweep_dir, os.environ)
 
     def round(self) -> list[Job]:
         """One look at the jobs: reap, start what fits, read what the ended ones sent back, keep
@@ -121,8 +130,13 @@ class Pool(StepStarter, Starter):
         return [j for j in self.jobs if j.state == "running"]
 
     def _on_signal(self, signum, frame) -> None:
+        now = time.monotonic()
         if self.stop_signal is None:
-            self.stop_signal = signum
+            self.stop_signal, self._signalled = signum, now
+        elif signum == self.stop_signal and now - self._signalled < SAME_SIGNAL_S:
+            pass   # the same request twice (the batch shell passed on what SLURM sent this process too)
+        elif self.stop_signal == signal.SIGUSR2 and signum == signal.SIGTERM:
+            self.stop_signal = signum   # SLURM ends the job after its warning: it decides what comes next
         else:
             self._hard = True   # a second Ctrl-C: kill now
 

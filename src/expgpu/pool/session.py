@@ -16,6 +16,7 @@ import time
 from typing import Sequence
 
 from expgpu.pool.jobs import Job
+from expgpu.pool.kept import keep_finished
 from expgpu.pool.launch import close_pool, compose_job, open_pool
 from expgpu.pool.loop import POLL_S
 
@@ -30,6 +31,8 @@ class Session:
         self.launcher = launcher
         self.pool = open_pool(launcher.params, launcher.hydra_context, launcher.task_function, launcher.config,
                               first, max_parallel, planned)
+        # jobs kept from an earlier run of the sweep dir (expgpu.pool.kept): the next wait() returns them
+        self._kept = [j for j in self.pool.jobs if j.kept]
         try:
             self.pool.begin()
         except BaseException:
@@ -50,6 +53,9 @@ class Session:
         job = compose_job(self.launcher.hydra_context, self.launcher.config, overrides, num, p.s, p.gpus, p.alloc)
         p.jobs.append(job)   # the board and pool.json show the same list
         p._dirty = True
+        if keep_finished([job]):
+            p.board.event(f"#{job.num} finished in an earlier run of this sweep dir: kept, not started again")
+            self._kept.append(job)
         return job
 
     def running(self) -> list[Job]:
@@ -60,7 +66,7 @@ class Session:
         the same round) or `timeout_s` passes; the jobs that ended, their JobReturn read."""
         deadline = time.monotonic() + timeout_s
         while True:
-            ended = self.pool.round()
+            ended, self._kept = self.pool.round() + self._kept, []
             left = deadline - time.monotonic()
             if ended or not self.pool.busy() or left <= 0:
                 return ended

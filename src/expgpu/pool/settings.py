@@ -21,6 +21,7 @@ class Settings:
     grace_s: float
     threads_per_job: int | None = None   # None: the cores shared out among the jobs at once
     nodes: int | None = None             # inside a SLURM allocation; None: each job's launch.nodes
+    max_requeues: int = 0                # inside a batch allocation: its requeues on SIGUSR2 (expgpu.pool.requeue)
 
 
 def settings(params: Mapping[str, Any]) -> Settings:
@@ -35,7 +36,8 @@ def settings(params: Mapping[str, Any]) -> Settings:
                     max_parallel=_whole(p, "max_parallel", 1, True), cpu_slots=_whole(p, "cpu_slots", 1, False),
                     lease_dir=lease, wait_timeout_s=_seconds(p, "wait_timeout_s", True),
                     grace_s=_seconds(p, "grace_s", False),
-                    threads_per_job=_whole(p, "threads_per_job", 1, True), nodes=_whole(p, "nodes", 1, True))
+                    threads_per_job=_whole(p, "threads_per_job", 1, True), nodes=_whole(p, "nodes", 1, True),
+                    max_requeues=_whole({"max_requeues": 0, **p}, "max_requeues", 0, False))
 
 
 def _whole(p: Mapping[str, Any], key: str, low: int, none_ok: bool) -> int | None:

@@ -36,7 +36,8 @@ POLL_S = 1.0
 SLURM_CALL_S = 15.0
 # The allocation's own keys (hydra.launcher.*); `pool` holds gpu_pool's, passed to the sweep inside
 ALLOCATION_KEYS = ("partition", "nodes", "gpus_per_node", "cpus_per_node", "mem_gb", "timeout_min", "account", "qos",
-                   "constraint", "additional_parameters", "pool", "detach", "ping_timeout_s")
+                   "constraint", "additional_parameters", "pool", "detach", "ping_timeout_s", "max_requeues",
+                   "signal_delay_s")
 
 
 def inner_argv(argv: Sequence[str], sweep_dir: Path, pool: Mapping[str, Any]) -> list[str]:
@@ -63,11 +64,14 @@ def _value(v: Any) -> str:
 
 def sbatch_script(params: Mapping[str, Any], command: Sequence[str], cwd: Path, state: Path) -> str:
     """The allocation: nodes x gpus_per_node GPUs, whole nodes unless cpus_per_node is given, the time limit,
-    partition, account, qos; its body runs `command` in `cwd` and records its exit code."""
+    partition, account, qos, requeueable with SLURM's warning before its time limit; its body runs `command`
+    in `cwd` and records its exit code."""
     lines = ["#!/bin/bash", "#SBATCH --job-name=expgpu-sweep", f"#SBATCH --nodes={params['nodes']}",
              "#SBATCH --ntasks-per-node=1", f"#SBATCH --gres=gpu:{params['gpus_per_node']}",
              f"#SBATCH --time={int(params['timeout_min'])}", f"#SBATCH --output={state}/allocation-%j.out",
              "#SBATCH --open-mode=append"]
+    if params.get("max_requeues"):
+        lines += ["#SBATCH --requeue", f"#SBATCH --signal=B:USR2@{int(params.get('signal_delay_s') or 120)}"]
     cpus = params.get("cpus_per_node")
     lines.append(f"#SBATCH --cpus-per-task={cpus}" if cpus else "#SBATCH --exclusive")
     if params.get("mem_gb"):
@@ -77,10 +81,16 @@ def sbatch_script(params: Mapping[str, Any], command: Sequence[str], cwd: Path, 
             lines.append(f"#SBATCH --{key}={params[key]}")
     for key, value in (params.get("additional_parameters") or {}).items():
         lines.append(f"#SBATCH --{key}" if value is True else f"#SBATCH --{key}={value}")
+    exit_file = f'{shlex.quote(str(state))}/exit-"$SLURM_JOB_ID"'
     return "\n".join(lines + [
-        "", "# the sweep, with hydra/launcher=gpu_pool: each of its jobs an srun step on the GPUs it was given",
-        f"cd {shlex.quote(str(cwd))}", shlex.join(command), "code=$?",
-        f'echo "$code" > {shlex.quote(str(state))}/exit-"$SLURM_JOB_ID"', 'exit "$code"', ""])
+        "", f"rm -f {exit_file}   # a requeued run's: the exit code is this run's",
+        "# the sweep, with hydra/launcher=gpu_pool: each of its jobs an srun step on the GPUs it was given",
+        f"cd {shlex.quote(str(cwd))}", shlex.join(command) + " &", "sweep=$!",
+        "# SLURM's warning before the time limit (--signal=B:USR2) reaches this shell only: the sweep saves and",
+        "# requeues. SIGTERM (a preemption, scancel, scontrol requeue) reaches the sweep too; this shell waits on.",
+        "trap 'kill -USR2 $sweep 2>/dev/null' USR2", "trap 'kill -TERM $sweep 2>/dev/null' TERM",
+        'while kill -0 "$sweep" 2>/dev/null; do wait "$sweep"; done', 'wait "$sweep"; code=$?',
+        f'echo "$code" > {exit_file}', 'exit "$code"', ""])
 
 
 def check(params: Mapping[str, Any]) -> None:
@@ -91,6 +101,13 @@ def check(params: Mapping[str, Any]) -> None:
             raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: an integer >= 1 (the allocation's "
                             + {"nodes": "nodes", "gpus_per_node": "GPUs on each node",
                                "timeout_min": "time limit in minutes"}[key] + ")")
+    for key, low in (("max_requeues", 0), ("signal_delay_s", 1)):
+        value = params.get(key, low)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: an integer >= {low} ("
+                            + {"max_requeues": "how often the allocation may requeue itself before its time limit",
+                               "signal_delay_s": "seconds before the time limit that SLURM warns the sweep"}[key]
+                            + ")")
     cpus = params.get("cpus_per_node")
     if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, int) or cpus < 1):
         raise UserError(f"hydra.launcher.cpus_per_node={cpus!r} is not allowed: null (whole nodes) or an integer >= 1")
@@ -107,6 +124,11 @@ def check(params: Mapping[str, Any]) -> None:
         raise UserError(str(e).replace("hydra.launcher.", "hydra.launcher.pool.", 1)) from None
 
 
+def _inside(params: Mapping[str, Any]) -> dict:
+    """gpu_pool's settings inside the allocation: hydra.launcher.pool.*, and how often it may requeue itself."""
+    return {**(params.get("pool") or {}), "max_requeues": params.get("max_requeues") or 0}
+
+
 # gpu_pool's keys that mean something inside an allocation (its GPUs are the allocation's: no gpus, lease_dir)
 POOL_KEYS = frozenset({"gpus_per_job", "max_parallel", "wait_timeout_s", "grace_s", "threads_per_job", "nodes"})
 
@@ -119,7 +141,7 @@ def submit(params: Mapping[str, Any], argv: Sequence[str], sweep_dir: Path) -> d
     state = sweep_dir / STATE
     state.mkdir(parents=True, exist_ok=True)
     script = state / "allocation.sbatch"
-    command = [sys.executable, *inner_argv(argv, sweep_dir, params.get("pool") or {})]
+    command = [sys.executable, *inner_argv(argv, sweep_dir, _inside(params))]
     atomic_write_bytes(script, sbatch_script({**params, "partition": partition}, command, Path.cwd(),
                                              state).encode())
     try:
@@ -149,7 +171,7 @@ def take_over(params: Mapping[str, Any], config, hydra_context, job_overrides: S
     alloc, rows = planned(params, config, hydra_context, job_overrides)
     if OmegaConf.select(config, "dry_run", default=False) is True:
         state = sweep_dir / STATE
-        command = [sys.executable, *inner_argv(sys.orig_argv[1:], sweep_dir, params.get("pool") or {})]
+        command = [sys.executable, *inner_argv(sys.orig_argv[1:], sweep_dir, _inside(params))]
         print(f"--- sbatch script of the sweep's allocation (dry run: nothing submitted) ---\n"
               f"{sbatch_script(params, command, Path.cwd(), state).rstrip()}\n---", flush=True)
         if job_overrides:
@@ -221,7 +243,10 @@ def follow(record: Mapping[str, Any], out=sys.stdout) -> int:
         while True:
             state = _state(job)
             if state is not None and state != said and not state.startswith("RUNNING"):
-                print(f"slurm_pool: job {job} {state.lower()}", file=out, flush=True)
+                again = said is not None and said.startswith(("RUNNING", "COMPLETING")) \
+                    and state.startswith(("PENDING", "REQUEUED"))
+                print(f"slurm_pool: job {job} " + ("requeued: the sweep goes on in the same sweep dir when it runs "
+                                                   "again" if again else state.lower()), file=out, flush=True)
             said = state or said
             offset = _tail(output, offset, out)
             if state is None:   # it left the queue: its last output, then how it ended

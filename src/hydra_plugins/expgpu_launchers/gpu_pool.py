@@ -49,6 +49,11 @@ class GpuPoolLauncherConf:
     # nodes, one srun step. null: what each job's config asks for, launch.nodes (a sweep may vary it,
     # launch.nodes=1,2; 1 for a non-expgpu app). Outside an allocation: 1.
     nodes: Optional[int] = None
+    # Inside a batch allocation (sbatch, hydra/launcher=slurm_pool), on SIGUSR2 (SLURM's warning before the
+    # time limit, --signal=B:USR2@N): the running jobs save, and the allocation requeues itself at most this
+    # many times; run again (same command, same hydra.sweep.dir) it keeps the finished jobs and resumes
+    # the cut ones from their checkpoints. 0: it only stops.
+    max_requeues: int = 0
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="gpu_pool", node=GpuPoolLauncherConf,

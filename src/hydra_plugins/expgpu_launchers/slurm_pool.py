@@ -47,6 +47,11 @@ class SlurmPoolLauncherConf:
     additional_parameters: Dict[str, Any] = field(default_factory=dict)
     # gpu_pool's settings inside the allocation: hydra.launcher.pool.max_parallel=4, ...
     pool: PoolInsideConf = field(default_factory=PoolInsideConf)
+    # Before its time limit (SLURM's SIGUSR2, signal_delay_s ahead) the running trials save and the allocation
+    # requeues itself, at most this many times; run again, the sweep keeps its finished jobs, resumes the cut
+    # ones from their checkpoints, and a study continues from its journal. 0: it only saves and stops.
+    max_requeues: int = 3
+    signal_delay_s: int = 120
     # Submit, say how to follow, and return at once (else: follow until the sweep ends; Ctrl-C detaches)
     detach: bool = False
     ping_timeout_s: float = 15.0
