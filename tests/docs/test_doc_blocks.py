@@ -15,8 +15,9 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import clean_env
 from doc_blocks import REPO, Block, blocks, checked, commands, expgpu_commands, pages, samples, shell_text
+
+from conftest import clean_env
 
 sys.path.insert(0, str(REPO / "examples"))   # the examples' tasks, to see whether they take max_steps
 TASK_STEPS = 20
