@@ -1,4 +1,4 @@
-"""`python -m expgpu.warm_server PATH`, as the README has it: the warm server lives in expgpu.launch."""
+"""`python -m expgpu.warm_server PATH`, as docs/quick-start.md has it: the warm server lives in expgpu.launch."""
 
 from expgpu.launch.warm_server import main
 

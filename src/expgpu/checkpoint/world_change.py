@@ -4,7 +4,7 @@ Nothing here reads or writes a file: it works on the checkpoint's state as a dic
 list, one entry per rank that saved, and the world sizes recorded beside it), so the rule is the
 same whatever format holds that state.
 
-The rules (README, "Resuming on another number of ranks / GPUs"):
+The rules (docs/stopping-and-resume.md, "Resuming on another number of ranks / GPUs"):
 - The model, optimizer and every object tracked from rank 0 load at any world size (DDP keeps
   the ranks' copies equal).
 - The global batch stays fixed. A batch size given to run.loader (and task.batch_size) is per rank
