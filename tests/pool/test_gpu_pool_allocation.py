@@ -22,6 +22,7 @@ import pytest
 from slurm_cluster import slurm_cluster_2n  # noqa: F401
 
 from expgpu.pool.allocation import Allocation, Slot, check_job, fit, node_gpus
+from expgpu.pool.node_servers import rank_env, share
 from expgpu.pool.steps import master_port, srun_command, step_cpus, step_env, step_mem_mb
 
 RECORD_TASK = '''
@@ -38,6 +39,7 @@ class Sleep(torch.nn.Linear):
         me = {k: os.environ.get(k) for k in ("EXPGPU_POOL_JOB", "SLURMD_NODENAME", "CUDA_VISIBLE_DEVICES",
                                              "SLURM_STEP_GPUS", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NTASKS",
                                              "SLURM_STEP_NODELIST", "OMP_NUM_THREADS", "MASTER_PORT")}
+        me["cpus"] = sorted(os.sched_getaffinity(0))
         t0 = time.time()
         time.sleep(seconds)
         with open(os.environ["POOL_TEST_LOG"], "a") as f:
@@ -136,6 +138,20 @@ def test_a_job_that_can_never_fit_is_one_line(need, nodes, message):
     check_job("job #0 (x=1)", 8, 2, _alloc(a=4, b=4), "launch.nodes", "GPUS_KEY")   # fits: no error
 
 
+def test_a_warm_jobs_gpus_are_its_servers_entries_for_them_and_its_cpus_their_share():
+    info = {"gpus": ["0", "1", "2", "3"], "step_gpus": ["4", "5", "6", "7"], "cpus": list(range(16))}
+    assert share([5, 7], [4, 5, 6, 7], info) == ("1,3", "5,7", [4, 5, 6, 7, 12, 13, 14, 15])
+    # what SLURM shows a step when it does not constrain devices: the node's own numbers
+    plain = {"gpus": ["4", "5", "6", "7"], "step_gpus": [], "cpus": [0, 1]}
+    assert share([6], [4, 5, 6, 7], plain) == ("6", "6", [0, 1])
+    env = rank_env(1, ["gpu-01", "gpu-02"], "3")
+    assert (env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"], env["SLURM_STEP_NODELIST"], env["SLURM_STEP_ID"]) \
+        == ("1", "2", "gpu-[01-02]", "3")
+    from expgpu.ranks import slurm
+
+    assert slurm.in_srun_step(env) and slurm.hosts(env) == ("SLURM_STEP_NODELIST", ["gpu-01", "gpu-02"])
+
+
 def test_a_steps_command_asks_for_its_nodes_gpus_and_share_of_cpus_and_memory_and_nothing_inherited():
     alloc = Allocation("7", ("a", "b"), {"a": (0, 1, 2, 3), "b": (0, 1, 2, 3)}, {"a": 8, "b": 16}, 4000)
     slots = [Slot("a", 0), Slot("a", 1), Slot("b", 2), Slot("b", 3)]
@@ -171,10 +187,12 @@ def _gpus(r: dict) -> set[tuple[str, int]]:
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_sweep_of_1_and_2_gpu_jobs_shares_no_gpu_and_uses_both_nodes(slurm_cluster_2n, tmp_path):
+@pytest.mark.parametrize("warm", [True, False], ids=["forked by warm node processes", "srun steps"])
+def test_a_sweep_of_1_and_2_gpu_jobs_shares_no_gpu_and_uses_both_nodes(slurm_cluster_2n, tmp_path, warm):
     # 12 jobs: 1 or 2 GPUs (gpu_map.gpus_per_rank), on 1 node or spread over 2 (launch.nodes)
     done = _sweep(slurm_cluster_2n, tmp_path, ["gpu_map.gpus_per_rank=1,2", "launch.nodes=1,2",
-                                               "task.model.seconds=3", "task.model.tag=range(3)"])
+                                               "task.model.seconds=3", "task.model.tag=range(3)",
+                                               f"hydra.launcher.warm_starts={str(warm).lower()}"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     pool = json.loads((tmp_path / "sweep" / "pool.json").read_text())
     assert [j["state"] for j in pool["jobs"]] == ["finished"] * 12
@@ -200,6 +218,10 @@ def test_a_sweep_of_1_and_2_gpu_jobs_shares_no_gpu_and_uses_both_nodes(slurm_clu
     at_once = max(sum(1 for _, o in spans if o["t0"] <= r["t0"] < o["t1"]) for _, r in spans)
     assert at_once >= 3, "jobs ran side by side"
     assert len({r["MASTER_PORT"] for r in _records(tmp_path)}) == 12   # a port of its own per job
+    out = done.stdout + done.stderr
+    assert ("waiting for the warm processes on 2 node(s)" in out) == warm and "warm starts off" not in out, out
+    # a rank's CPUs: its GPUs' share of the node's (this machine has fewer CPUs than a node's 4 GPUs: all of them)
+    assert all(r["cpus"] == sorted(os.sched_getaffinity(0)) for r in _records(tmp_path)) or not warm
 
 
 @pytest.mark.slurm

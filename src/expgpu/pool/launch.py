@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -125,8 +126,29 @@ def _open_in_allocation(alloc: Allocation, s: Settings, hydra_context, task_func
         log.info("\t#%d : %s", job.num, job.label)
     record = Record(sweep_dir, gpus, 0, threads, False, allocation={
         "job_id": alloc.job_id, "nodes": {n: list(alloc.gpus[n]) for n in alloc.nodes}})
-    return _pool(jobs, gpus, s, sweep_dir, None, desc, [], (hydra_context, task_function), record, {}, None, [],
+    pool = _pool(jobs, gpus, s, sweep_dir, None, desc, [], (hydra_context, task_function), record, {}, None, [],
                  False, None, alloc)
+    if s.warm_starts and (not jobs or any(j.state == "queued" for j in jobs)):
+        _warm_nodes(pool, alloc, config, sweep_dir)
+    return pool
+
+
+def _warm_nodes(pool, alloc: Allocation, config, sweep_dir: Path) -> None:
+    """A warm process on every node of the allocation (expgpu.pool.node_servers), that forks the jobs there:
+    torch and expgpu's modules imported (not the task's own: on real GPUs a module may start CUDA at import,
+    spares.task_modules says why), the shared context unpickled ahead."""
+    from expgpu.pool import node_servers
+    from expgpu.pool.steps import step_env
+
+    state = sweep_dir / jobfiles.STATE
+    try:
+        pool.node_servers = node_servers.start_all(alloc, task_modules(config, False), state / SPARES_LOG,
+                                                   f"expgpu-pool-{os.getpid()}-warm", step_env(os.environ, {}))
+    except OSError as e:
+        log.warning("gpu_pool: warm starts off: could not start srun (%s); each job is an srun step", e)
+        return
+    for server in pool.node_servers.values():
+        server.send({"warm": [], "path": list(sys.path), "context": str(pool.context)})
 
 
 def _compose_all(ctx, config, first: list[tuple[list[str], int]], s: Settings, gpus: list,
@@ -229,6 +251,8 @@ def close_pool(pool) -> None:
     for spare in pool.spares:
         spare.dismiss()
     pool.context.unlink(missing_ok=True)
+    for server in (pool.node_servers or {}).values():
+        server.close()
     if pool.server is None:   # inside an allocation: no fork server
         return _tidy(pool.sweep_dir / jobfiles.STATE)
     _keep(pool.server, pool.sweep_dir / jobfiles.STATE, bool(pool.gpus))

@@ -35,6 +35,7 @@ class Pool(StepStarter, Starter):
                  prime: bool, alloc=None):
         self.jobs, self.gpus, self.s = jobs, gpus, s
         self.alloc = alloc         # the SLURM allocation it runs in (expgpu.pool.allocation): jobs are srun steps
+        self.node_servers = None   # or, there, node -> its warm process that forks the jobs (pool.node_servers)
         self._steps_killed = False
         self.sweep_dir, self.context, self.lease_dir = sweep_dir, context, lease_dir
         self.scheduler = Scheduler(patience=max(1, len(gpus)))
@@ -91,7 +92,7 @@ class Pool(StepStarter, Starter):
     def end(self) -> None:
         """After the last round (or an error in one): nothing outlives the launcher."""
         for job in self._running():
-            procs.kill_group(job.proc.pid)
+            self._kill(job)
             job.proc.wait()
         for job in self.jobs:
             job.close_exit_fd()
@@ -150,7 +151,7 @@ class Pool(StepStarter, Starter):
                 self._stop_steps()
             else:
                 for job in self._running():
-                    procs.kill_group(job.proc.pid, self.stop_signal)
+                    self._kill(job, self.stop_signal)
             self._kill_at = time.monotonic() + self.s.grace_s
             self.board.event(f"{name}: stopping {len(self._running())} running job(s) "
                              f"(SIGKILL in {self.s.grace_s:.0f}s, again to kill now)")
@@ -161,18 +162,29 @@ class Pool(StepStarter, Starter):
                 steps.signal_steps(self.alloc.job_id, {steps.step_name(j.num): j.num for j in self._running()},
                                    signal.SIGKILL)
             for job in self._running():
-                procs.kill_group(job.proc.pid)
+                self._kill(job)
 
     def _stop_steps(self) -> None:
         """Inside an allocation: the stop signal to every running step's tasks, through SLURM (their ranks
         save and end); SIGUSR2 goes on as SIGTERM, since a job's rank 0 would take it for its own requeue and
         requeue the whole allocation. A step not started yet has nothing to save: its srun ends it."""
         sig = signal.SIGTERM if self.stop_signal == signal.SIGUSR2 else signal.Signals(self.stop_signal)
-        running = self._running()
+        warm = [j for j in self._running() if hasattr(j.proc, "signal_group")]
+        for job in warm:   # forked from a node's warm process, not a step: through that process
+            job.proc.signal_group(sig)
+        running = [j for j in self._running() if j not in warm]
         told = steps.signal_steps(self.alloc.job_id, {steps.step_name(j.num): j.num for j in running}, sig)
         for job in running:
             if job.num not in told:
                 procs.kill_group(job.proc.pid, signal.SIGTERM)
+
+    @staticmethod
+    def _kill(job: Job, sig: int = signal.SIGKILL) -> None:
+        """`sig` to the job's process group (on each of its nodes, for a job forked by warm node processes)."""
+        if hasattr(job.proc, "signal_group"):
+            job.proc.signal_group(sig)
+        else:
+            procs.kill_group(job.proc.pid, sig)
 
     def _reap(self) -> list[Job]:
         """Jobs whose process has just exited: their GPUs and slots are free from now on."""
@@ -183,7 +195,7 @@ class Pool(StepStarter, Starter):
                 continue
             # The job is over: whatever it left running in its group (a forked loader worker
             # holding the lease descriptor) goes too, so its GPUs free up now.
-            procs.kill_group(job.proc.pid)
+            self._kill(job)
             job.close_exit_fd()
             job.ended, job.returncode, job.state = time.time(), code, "ending"
             ended.append(job)
@@ -208,6 +220,7 @@ class Pool(StepStarter, Starter):
         """Wait until a running job's process exits or `timeout` passes: a slot is refilled the
         moment its job ends, not up to a poll interval later (a wave of 1-s jobs loses ~1%)."""
         fds = [j.exit_fd for j in self._running() if j.exit_fd is not None]
+        fds += [server.fd for server in (self.node_servers or {}).values() if not server.gone]
         # the fork server reports a fork's exit code a moment after the exit
         if fds and self.server is not None and self.server.sock is not None:
             fds.append(self.server.sock)

@@ -22,6 +22,7 @@ class Settings:
     threads_per_job: int | None = None   # None: the cores shared out among the jobs at once
     nodes: int | None = None             # inside a SLURM allocation; None: each job's launch.nodes
     max_requeues: int = 0                # inside a batch allocation: its requeues on SIGUSR2 (expgpu.pool.requeue)
+    warm_starts: bool = True             # inside an allocation: jobs forked by a warm process per node
 
 
 def settings(params: Mapping[str, Any]) -> Settings:
@@ -37,7 +38,15 @@ def settings(params: Mapping[str, Any]) -> Settings:
                     lease_dir=lease, wait_timeout_s=_seconds(p, "wait_timeout_s", True),
                     grace_s=_seconds(p, "grace_s", False),
                     threads_per_job=_whole(p, "threads_per_job", 1, True), nodes=_whole(p, "nodes", 1, True),
-                    max_requeues=_whole({"max_requeues": 0, **p}, "max_requeues", 0, False))
+                    max_requeues=_whole({"max_requeues": 0, **p}, "max_requeues", 0, False),
+                    warm_starts=_flag(p, "warm_starts"))
+
+
+def _flag(p: Mapping[str, Any], key: str) -> bool:
+    value = p.get(key, True)
+    if not isinstance(value, bool):
+        raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: true or false")
+    return value
 
 
 def _whole(p: Mapping[str, Any], key: str, low: int, none_ok: bool) -> int | None:

@@ -25,6 +25,7 @@ from typing import Mapping, Sequence
 from expgpu import envvars, procs
 from expgpu.errors import one_line
 from expgpu.pool import jobs as jobfiles
+from expgpu.pool import node_servers
 from expgpu.pool.allocation import Allocation, Slot
 from expgpu.pool.allocation import fit as fit_on_nodes
 from expgpu.pool.jobs import Job
@@ -124,6 +125,8 @@ class StepStarter:
     """Mixed into Pool, whose attributes (jobs, alloc, s, scheduler, board, ...) it uses."""
 
     def _start_steps(self) -> None:
+        if self.node_servers is not None and not self._servers_ready():
+            return
         running = self._running()
         room = (self.s.max_parallel or float("inf")) - len(running)
         if room <= 0:
@@ -137,8 +140,41 @@ class StepStarter:
         def fit(gpus, num, need):   # need/nodes GPUs on each of the job's nodes
             return fit_on_nodes(gpus, need, nodes[num])
 
+        start = self._start_step if self.node_servers is None else self._start_warm
         for num, slots, _ in self.scheduler.pick(waiting, free, [], room, fit):
-            self._start_step(by_num[num], list(slots))
+            start(by_num[num], list(slots))
+
+    def _servers_ready(self) -> bool:
+        """Whether jobs may start: every node's warm process is ready (or warm starts have been turned off)."""
+        why = node_servers.waiting(self.node_servers)
+        if why == "":
+            self.board.waiting(f"waiting for the warm processes on {len(self.node_servers)} node(s)")
+            return False
+        self.board.waiting("")
+        if why is not None:
+            log.warning("gpu_pool: warm starts off: %s; each job is an srun step of its own", why)
+            for server in self.node_servers.values():
+                server.close()
+            self.node_servers = None
+        return True
+
+    def _start_warm(self, job: Job, slots: list[Slot]) -> None:
+        """The job forked on its nodes' warm processes (expgpu.pool.node_servers), one process per node."""
+        job_file = jobfiles.write_job_file(job, self.context)
+        by_node = node_servers.job_slots(slots)
+        nodes = list(by_node)
+        servers = [self.node_servers[n] for n in nodes]
+        for rank, (node, server) in enumerate(zip(nodes, servers)):
+            visible, step_gpus, cpus = server.gpus_and_cpus(by_node[node], self.alloc)
+            env = {**self._step_job_env(job, len(cpus)), **node_servers.rank_env(rank, nodes, servers[0].info["step"]),
+                   envvars.LAUNCH_ID: f"slurm-{self.alloc.job_id}.{step_name(job.num)}",
+                   "CUDA_VISIBLE_DEVICES": visible, "SLURM_STEP_GPUS": step_gpus, "SLURM_CPUS_PER_TASK": str(len(cpus))}
+            server.send({"start": job.num, "job_file": str(job_file), "console": str(job.dir / jobfiles.CONSOLE),
+                         "env": env, "cpus": cpus})
+        job.proc = node_servers.RemoteJob(job.num, servers)
+        job.state, job.gpus, job.started = "running", slots, time.time()
+        self.board.event(f"#{job.num} started on {job.where}: {job.label}")
+        self._dirty = True
 
     def _step_job_env(self, job: Job, cpus: int) -> dict[str, str]:
         env = {envvars.POOL_JOB: str(job.num), envvars.START_TIME: str(time.time()),

@@ -130,7 +130,8 @@ def _inside(params: Mapping[str, Any]) -> dict:
 
 
 # gpu_pool's keys that mean something inside an allocation (its GPUs are the allocation's: no gpus, lease_dir)
-POOL_KEYS = frozenset({"gpus_per_job", "max_parallel", "wait_timeout_s", "grace_s", "threads_per_job", "nodes"})
+POOL_KEYS = frozenset({"gpus_per_job", "max_parallel", "wait_timeout_s", "grace_s", "threads_per_job", "nodes",
+                       "warm_starts"})
 
 
 def submit(params: Mapping[str, Any], argv: Sequence[str], sweep_dir: Path) -> dict:

@@ -54,6 +54,10 @@ class GpuPoolLauncherConf:
     # many times; run again (same command, same hydra.sweep.dir) it keeps the finished jobs and resumes
     # the cut ones from their checkpoints. 0: it only stops.
     max_requeues: int = 0
+    # Inside a SLURM allocation: one warm process per node (torch imported, an srun step with --overlap)
+    # forks each job, which gets its GPUs (CUDA_VISIBLE_DEVICES) and their share of the node's CPUs
+    # (affinity); false: each job is an srun step of its own, confined by SLURM, that starts cold.
+    warm_starts: bool = True
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="gpu_pool", node=GpuPoolLauncherConf,

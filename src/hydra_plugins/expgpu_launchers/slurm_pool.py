@@ -28,6 +28,7 @@ class PoolInsideConf:
     grace_s: float = 15.0
     threads_per_job: Optional[int] = None
     wait_timeout_s: Optional[float] = None
+    warm_starts: bool = True               # jobs forked by a warm process per node (gpu_pool's key)
 
 
 @dataclass
