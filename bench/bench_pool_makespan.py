@@ -17,6 +17,8 @@ end-to-end = the whole command, Hydra's own start-up included
                                                          # the hand-over: a job handed out (pool.json started) to
                                                          # its task code; a job's end to the next on its GPUs
     python bench/bench_pool_makespan.py --cpu [--before DIR/src]
+    python bench/bench_pool_makespan.py --eight --report live    # with expgpu's sweep report (live: rewritten
+                                                                 # as jobs end; final: at the end only)
 
 --cpu: 6 jobs of task a (400 steps, CPU-bound), basic launcher vs hydra/launcher=gpu_pool
 hydra.launcher.cpu_slots=2, no OMP_NUM_THREADS set (the pool's thread budget decides); the whole
@@ -90,11 +92,17 @@ def env(src: Path = REPO / "src", threads: bool = True) -> dict:
     return e
 
 
+REPORT = "none"   # --report: the sweep report callback in the bench's app (none, final, live)
+
+
 def run(kind: str, durations: list[float], slots: int, tmp: Path, n: int) -> tuple[float, float]:
     """(makespan, end-to-end) seconds of one sweep with launcher `kind`."""
     log = tmp / f"{kind}{n}.jsonl"
     args = [sys.executable, str(tmp / "app.py"), "-m", f"job=range({len(durations)})",
             f"durations=[{','.join(map(str, durations))}]", f"log={log}", f"hydra.sweep.dir={tmp / f'{kind}{n}'}"]
+    if REPORT != "none":
+        args += ["+hydra.callbacks.report._target_=expgpu.report.callback.SweepReport",
+                 f"+hydra.callbacks.report.live={REPORT == 'live'}", "+hydra.callbacks.report.refresh_s=1"]
     if kind == "pool_cpu":
         args += ["hydra/launcher=gpu_pool", f"hydra.launcher.cpu_slots={slots}"]
     elif kind == "pool_gpu":
@@ -210,7 +218,12 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=6, help="--cpu: jobs in the sweep")
     ap.add_argument("--steps", type=int, default=400, help="--cpu: steps per job")
     ap.add_argument("--before", help="--cpu: another checkout's src/ to run the pool sweep on too")
+    ap.add_argument("--report", choices=("none", "final", "live"), default="none",
+                    help="expgpu's sweep report in the app: none, at the end only, or live (rewritten as jobs end, "
+                         "at most every second here)")
     args = ap.parse_args()
+    global REPORT
+    REPORT = args.report
     if args.cpu:
         return cpu_main(args)
     if args.eight:

@@ -9,7 +9,8 @@ column per metric the jobs returned, a failed job's one-line reason. Writes, int
 report.csv (one column per override key), loss_curves.png (a panel per metric the jobs logged,
 the ranking metric first; matplotlib's Agg backend: no display needed), for a sweep of
 hydra/sweeper=expgpu_optuna optimization.png (report.history), and report.html (all on one page).
-A sweep writes the same at its end (report.callback). Never writes into a job dir.
+A sweep writes the same at its end (report.callback), and report.csv and report.html from its start and
+as its jobs end (report.live: the page reloads itself while the sweep runs). Never writes into a job dir.
 """
 
 from __future__ import annotations
@@ -21,17 +22,20 @@ from pathlib import Path
 from expgpu.errors import EXIT_USER_ERROR, UserError
 from expgpu.report.best import Ranking, rank
 from expgpu.report.collect import Row, collect, read_job
+from expgpu.report.state import Progress
 
 CSV_FILE = "report.csv"
 PNG_FILE = "loss_curves.png"
 HTML_FILE = "report.html"
 
-__all__ = ["CSV_FILE", "HTML_FILE", "PNG_FILE", "Ranking", "Row", "cli", "collect", "main", "rank", "read_job",
-           "write"]
+__all__ = ["CSV_FILE", "HTML_FILE", "PNG_FILE", "Progress", "Ranking", "Row", "cli", "collect", "main", "rank",
+           "read_job", "write"]
 
 
-def write(sweep: Path, rows: list[Row], ranking: Ranking, plot: bool = True) -> list[Path]:
-    """report.csv, loss_curves.png (unless plot=False, or nothing was logged) and report.html."""
+def write(sweep: Path, rows: list[Row], ranking: Ranking, plot: bool = True,
+          progress: Progress | None = None) -> list[Path]:
+    """report.csv, loss_curves.png (unless plot=False, or nothing was logged) and report.html; `progress`:
+    where the sweep stands, said at the top of the page (a running sweep's page reloads itself)."""
     from expgpu.report import history, html, table
     from expgpu.report.plot import plot as draw
 
@@ -44,7 +48,7 @@ def write(sweep: Path, rows: list[Row], ranking: Ranking, plot: bool = True) -> 
     if study is not None and history.plot(study, sweep / history.PNG, f"{sweep}: study {study['study']}"):
         pngs.append(history.PNG)
     written += [sweep / p for p in pngs]
-    html.write(rows, ranking, sweep / HTML_FILE, str(sweep), pngs)
+    html.write(rows, ranking, sweep / HTML_FILE, str(sweep), pngs, progress)
     written.append(sweep / HTML_FILE)
     return written
 

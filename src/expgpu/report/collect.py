@@ -74,7 +74,8 @@ class Row:
         return out
 
 
-def _shown(overrides: list[str]) -> list[str]:
+def shown(overrides: list[str]) -> list[str]:
+    """The overrides a row shows: Hydra's own (hydra.*) left out."""
     return [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]
 
 
@@ -192,14 +193,14 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
     """Everything the report knows about one job, from its dir (and pool.json's entry)."""
     row = Row(job=name, dir=job_dir)
     pool = pool or {}
-    row.overrides = _shown(pool.get("overrides") or [])
+    row.overrides = shown(pool.get("overrides") or [])
     if not job_dir.is_dir():
         row.status = pool.get("state") if pool.get("state") in ("not_started", "queued") else "missing"
         row.error = pool.get("error") or ("" if row.status != "missing" else "no job dir")
         return row
     found = _overrides(job_dir, row)
     if found is not None:
-        row.overrides = _shown(found)
+        row.overrides = shown(found)
     result = _read_json(job_dir / RESULT, row)
     row.series, span = _series(job_dir / METRICS, row)
     _objective(job_dir, row)
@@ -285,7 +286,8 @@ def job_dirs(sweep: Path, depth: int = 3) -> list[tuple[str, Path]]:
     return sorted(found)
 
 
-def collect(sweep: Path) -> list[Row]:
+def collect(sweep: Path, read=read_job) -> list[Row]:
+    """Every job's Row; `read` reads one job (read_job, or the live report's cached read_job)."""
     if not sweep.is_dir():
         raise UserError(f"{sweep}: no such directory; give a sweep dir such as outputs/multirun/DATE/TIME")
     pool_doc = None
@@ -305,20 +307,20 @@ def collect(sweep: Path) -> list[Row]:
             # A sweep dir moved since: the job dir is where it was, relative to the sweep dir.
             if not job_dir.exists() and (sweep / job_dir.name).exists():
                 job_dir = sweep / job_dir.name
-            rows.append(read_job(job_dir, str(entry.get("num", job_dir.name)), entry))
+            rows.append(read(job_dir, str(entry.get("num", job_dir.name)), entry))
             seen.add(job_dir.resolve())
-        rows += [read_job(p, n) for n, p in job_dirs(sweep) if p.resolve() not in seen]
+        rows += [read(p, n) for n, p in job_dirs(sweep) if p.resolve() not in seen]
         return rows
     jobs = job_dirs(sweep)
     if not jobs and ((sweep / ".hydra").is_dir() or (sweep / RESULT).exists()):
-        return [read_job(sweep, sweep.name)]   # a single run dir
+        return [read(sweep, sweep.name)]   # a single run dir
     if not jobs:
         raise UserError(f"{sweep}: no job dirs in it (a job dir holds .hydra/ or result.json); "
                         "give a sweep dir such as outputs/multirun/DATE/TIME")
-    rows = [read_job(p, n) for n, p in jobs]
+    rows = [read(p, n) for n, p in jobs]
     # Numbered job dirs (Hydra's default subdir): a gap is a job that left nothing behind.
     nums = sorted(int(n) for n, _ in jobs if n.isdigit())
     if nums:
         for gap in sorted(set(range(nums[-1] + 1)) - set(nums)):
-            rows.append(read_job(sweep / str(gap), str(gap)))
+            rows.append(read(sweep / str(gap), str(gap)))
     return sorted(rows, key=lambda r: (0, int(r.job)) if r.job.isdigit() else (1, r.job))
