@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None, prog: str = "expgpu-report") -> int:
     parser.add_argument("sweep_dir", type=Path, help="a sweep dir (outputs/multirun/DATE/TIME) or a run dir")
     parser.add_argument("--metric", help="rank by this returned metric (default: the jobs' objective, else the "
                                          "metric most finished jobs returned, a loss or score, held-out first: "
-                                         "see the README)")
+                                         "see docs/status-and-reports.md)")
     way = parser.add_mutually_exclusive_group()
     way.add_argument("--maximize", action="store_const", const=True, dest="maximize", help="higher is better")
     way.add_argument("--minimize", action="store_const", const=False, dest="maximize", help="lower is better")
