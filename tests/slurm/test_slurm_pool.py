@@ -176,7 +176,8 @@ def test_its_dry_run_prints_the_allocations_script_and_where_the_first_jobs_go(t
     for line in ("#SBATCH --nodes=2", "#SBATCH --gres=gpu:4", "#SBATCH --time=10", "#SBATCH --exclusive",
                  "#SBATCH --requeue", "#SBATCH --signal=B:USR2@120",
                  "-m expgpu -m hydra/launcher=gpu_pool task=a task.max_steps=20 logger=none gpu_map.gpus_per_rank=1,2 "
-                 "launch.nodes=1,2 dry_run=true hydra.launcher.grace_s=15.0 hydra.launcher.max_requeues=3 "
+                 "launch.nodes=1,2 dry_run=true hydra.launcher.grace_s=15.0 hydra.launcher.warm_starts=true "
+                 "hydra.launcher.max_requeues=3 "
                  "hydra.sweep.dir=" + str(sweep)):
         assert line in out, out
     assert "the first 4 job(s) on 2 node(s) x 4 GPU(s)" in out

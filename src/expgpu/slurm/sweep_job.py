@@ -59,7 +59,7 @@ def inner_argv(argv: Sequence[str], sweep_dir: Path, pool: Mapping[str, Any]) ->
 
 
 def _value(v: Any) -> str:
-    return json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+    return json.dumps(v) if isinstance(v, (list, dict, bool)) else str(v)
 
 
 def sbatch_script(params: Mapping[str, Any], command: Sequence[str], cwd: Path, state: Path) -> str:
@@ -84,7 +84,7 @@ def sbatch_script(params: Mapping[str, Any], command: Sequence[str], cwd: Path, 
     exit_file = f'{shlex.quote(str(state))}/exit-"$SLURM_JOB_ID"'
     return "\n".join(lines + [
         "", f"rm -f {exit_file}   # a requeued run's: the exit code is this run's",
-        "# the sweep, with hydra/launcher=gpu_pool: each of its jobs an srun step on the GPUs it was given",
+        "# the sweep, with hydra/launcher=gpu_pool: each of its jobs on the GPUs it was given, on its node(s)",
         f"cd {shlex.quote(str(cwd))}", shlex.join(command) + " &", "sweep=$!",
         "# SLURM's warning before the time limit (--signal=B:USR2) reaches this shell only: the sweep saves and",
         "# requeues. SIGTERM (a preemption, scancel, scontrol requeue) reaches the sweep too; this shell waits on.",
