@@ -55,6 +55,24 @@ def _progress(run_dir: Path) -> int:
         return 0
 
 
+def _cut_mid_sweep(args: list[str], cwd: Path, env: dict, sweep: Path, short: tuple, steps: int, cut):
+    """Follow a slurm_pool sweep; once the `short` jobs have finished and job 0 has trained `steps` steps,
+    `cut(job id)` its allocation; (the job id, the follower's output) after it ended with 0."""
+    follower = subprocess.Popen([sys.executable, "-m", "expgpu", "-m", *args], cwd=cwd, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until(f"jobs {short} finished while job 0 trains", lambda: all(
+            (results.read_result(sweep / str(n)) or {}).get("status") == "finished" for n in short)
+            and _progress(sweep / "0") >= steps, timeout=240, every=0.5)
+        job = _job(sweep)["job_id"]
+        cut(job)
+        out, _ = follower.communicate(timeout=400)
+    finally:
+        follower.kill()
+    assert follower.returncode == 0, out[-5000:]
+    return job, out
+
+
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("how", ["USR2 before the time limit", "scontrol requeue"])
 def test_requeued_mid_sweep_it_keeps_finished_jobs_and_resumes_the_cut_one(slurm_cluster_2n, tmp_path, how):
@@ -66,23 +84,14 @@ def test_requeued_mid_sweep_it_keeps_finished_jobs_and_resumes_the_cut_one(slurm
     args = ["hydra/launcher=slurm_pool", "hydra.launcher.nodes=1", "hydra.launcher.gpus_per_node=2",
             "hydra.launcher.timeout_min=10", "task=a", "logger=none", "task.log_every=5", "backend.timeout_s=60",
             PACED, "task.max_steps=5000,20,20", f"hydra.sweep.dir={sweep}"]
-    env = slurm_cluster_2n.env
-    follower = subprocess.Popen([sys.executable, "-m", "expgpu", "-m", *args], cwd=tmp_path, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        wait_until("the short jobs finished and the long one trained a while", lambda: all(
-            (results.read_result(sweep / str(n)) or {}).get("status") == "finished" for n in (1, 2))
-            and _progress(sweep / "0") >= 100, timeout=240, every=0.5)
-        job = _job(sweep)["job_id"]
-        finished_at = {n: (sweep / str(n) / "result.json").stat().st_mtime_ns for n in (1, 2)}
-        if how == "scontrol requeue":
-            slurm_cluster_2n.run(["scontrol", "requeue", job])
-        else:
-            slurm_cluster_2n.run(["scancel", "--signal=USR2", "--batch", job])
-        out, _ = follower.communicate(timeout=400)
-    finally:
-        follower.kill()
-    assert follower.returncode == 0, out[-5000:]
+    finished_at = {}
+
+    def cut(job: str) -> None:
+        finished_at.update({n: (sweep / str(n) / "result.json").stat().st_mtime_ns for n in (1, 2)})
+        slurm_cluster_2n.run(["scontrol", "requeue", job] if how == "scontrol requeue"
+                             else ["scancel", "--signal=USR2", "--batch", job])
+
+    job, out = _cut_mid_sweep(args, tmp_path, slurm_cluster_2n.env, sweep, (1, 2), 100, cut)
     assert f"slurm_pool: job {job} requeued: the sweep goes on in the same sweep dir" in out, out[-5000:]
     if how != "scontrol requeue":
         assert f"gpu_pool: requeued SLURM job {job} (1 of at most 3)" in out, out[-5000:]
@@ -108,18 +117,8 @@ def test_a_study_requeued_mid_way_continues_from_its_journal_to_exactly_n_trials
             "hydra.launcher.nodes=1", "hydra.launcher.gpus_per_node=2", "logger=none", f"hydra.sweep.dir={sweep}"]
     env = {**slurm_cluster_2n.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(HELPERS),
                                                                                slurm_cluster_2n.env.get("PYTHONPATH")]))}
-    follower = subprocess.Popen([sys.executable, "-m", "expgpu", "-m", *args], cwd=tmp_path, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        wait_until("trials 1-3 finished while trial 0 trains", lambda: all(
-            (results.read_result(sweep / str(n)) or {}).get("status") == "finished" for n in (1, 2, 3))
-            and _progress(sweep / "0") >= 20, timeout=240, every=0.5)
-        job = _job(sweep)["job_id"]
-        slurm_cluster_2n.run(["scancel", "--signal=USR2", "--batch", job])
-        out, _ = follower.communicate(timeout=400)
-    finally:
-        follower.kill()
-    assert follower.returncode == 0, out[-5000:]
+    job, out = _cut_mid_sweep(args, tmp_path, env, sweep, (1, 2, 3), 20, lambda job: slurm_cluster_2n.run(
+        ["scancel", "--signal=USR2", "--batch", job]))
     assert f"gpu_pool: requeued SLURM job {job} (1 of at most 3)" in out, out[-5000:]
     assert "3 trial(s) done, 1 to go (1 of them resumed from their job dirs)" in out, out[-5000:]
     study = json.loads((sweep / "study.json").read_text())
