@@ -39,10 +39,11 @@ trials back to back on one slot), the tail apart (from the last trial's start to
 fills a slot there without trials beyond n_trials), and the sweeper's overhead: for each trial after the first
 two, its first step minus the end of the latest training that ended before it (median; result.json's timing:
 the next trial's own start-up, e.g. its dataset, counts too); per seed also the slot-seconds the trials held
-(their jobs' walls) and the part of them spent training (first step to last): the rest is each trial's start
-and end, paid by a pruned trial as by a finished one. Then the ratios the goals are about, medians against
-medians: (4) against (1), (2) and (5); the pruned asynchronous way's median best within 0.5 points of (2)'s at
-<= 0.4x its wall time.
+(their jobs' walls), the CPU seconds of the command and its processes, the steps its trials trained (the work,
+whatever the load), and the part of the held slot-seconds spent training (first step to last): the rest is
+each trial's start and end, paid by a pruned trial as by a finished one. Then the ratios the goals are about,
+medians against medians: (4) against (1), (2) and (5); the pruned asynchronous way's median best within 0.5
+points of (2)'s at <= 0.4x its wall time.
 Hydra's optuna sweeper pins optuna<3: it runs from a directory of its own (tests/helpers/hydra_optuna.py), put
 first on its commands' PYTHONPATH. Runs once (each way is minutes): on a shared machine the figures are
 noisy; say so when quoting them.
@@ -93,7 +94,8 @@ def run_ray(trials: int, steps: int, seed: int, where: Path, python: str) -> dic
     if proc.returncode != 0:
         sys.exit(f"ray_asha failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
     nan = float("nan")
-    return {"wall": wall, "start": nan, "held": nan, "trained": nan, "idle": nan, "tail": nan, "overhead": nan,
+    return {"wall": wall, "cpu": nan, "start": nan, "steps": nan, "held": nan, "trained": nan, "idle": nan,
+            "tail": nan, "overhead": nan,
             **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
@@ -110,12 +112,21 @@ def run_way(name: str, trials: int, steps: int, seed: int, where: Path, hydra_op
         env = with_path(env, hydra_optuna)
     if name.endswith("_1t"):
         env["OMP_NUM_THREADS"] = "1"
-    t0, began = time.monotonic(), time.time()
+    t0, began, cpu0 = time.monotonic(), time.time(), _children_cpu()
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     wall = time.monotonic() - t0
     if proc.returncode != 0:
         sys.exit(f"{name} failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
-    return {"wall": wall, **_read(sweep, began)}
+    return {"wall": wall, "cpu": _children_cpu() - cpu0, **_read(sweep, began)}
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of the ended child processes and theirs, as far as each was waited for:
+    the work a way did, which other processes on a shared machine change far less than its wall time."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _read(sweep: Path, began: float) -> dict:
@@ -129,7 +140,8 @@ def _read(sweep: Path, began: float) -> dict:
             gaps.append(first - max(before))
     best = max((r["metrics"]["accuracy"] for r in jobs if r["status"] == "finished"), default=float("nan"))
     idle, tail, first, held = _idle(sweep, trained)
-    return {"start": first - began, "held": held, "trained": sum(e - s for s, e in trained), "best": best,
+    return {"start": first - began, "steps": sum(r["steps"] for r in jobs), "held": held,
+            "trained": sum(e - s for s, e in trained), "best": best,
             "finished": sum(r["status"] == "finished" for r in jobs),
             "pruned": sum(r["status"] == "pruned" for r in jobs), "idle": idle, "tail": tail,
             "overhead": statistics.median(gaps) if gaps else float("nan")}
@@ -189,7 +201,8 @@ def main() -> None:
             for name in ways:
                 r = run_way(name, a.trials, a.steps, seed, where, hydra_optuna, ray)
                 runs[name].append(r)
-                print(f"  seed {seed} {name:14s} wall {r['wall']:6.1f} s  start {r['start']:4.1f} s  best "
+                print(f"  seed {seed} {name:14s} wall {r['wall']:6.1f} s  cpu {r['cpu']:6.1f} s  start "
+                      f"{r['start']:4.1f} s  steps {r['steps']:6d}  best "
                       f"{r['best']:.4f}  finished {r['finished']:2d}  pruned {r['pruned']:2d}  tail "
                       f"{r['tail']:4.1f} s  slot-s held {r['held']:5.1f} (training {r['trained']:5.1f})", flush=True)
     out = {}
@@ -213,10 +226,11 @@ def _goals(out: dict[str, dict], runs: dict[str, list[dict]]) -> None:
                 b = out[base]
                 points = 100 * (p["best"] - b["best"])
                 per_seed = [x["wall"] / y["wall"] for x, y in zip(runs[pruned], runs[base])]
+                cpu = [x["cpu"] / y["cpu"] for x, y in zip(runs[pruned], runs[base])]
                 print(f"{pruned} / {base}: wall {p['wall'] / b['wall']:.2f}"
                       + (f" (goal <= {wall_goal})" if wall_goal else "")
                       + f" (per seed {' '.join(f'{x:.2f}' for x in per_seed)}, median "
-                        f"{statistics.median(per_seed):.2f})"
+                        f"{statistics.median(per_seed):.2f}; cpu time {' '.join(f'{x:.2f}' for x in cpu)})"
                       + f", median best accuracy {points:+.2f} points" + (" (goal >= -0.5)" if wall_goal else "")
                       + (f": goal {'met' if points >= -0.5 and p['wall'] / b['wall'] <= wall_goal else 'NOT met'}"
                          if wall_goal else ""))
