@@ -197,12 +197,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_tune_") as tmp:
         where = Path(a.keep or tmp)
         where.mkdir(parents=True, exist_ok=True)
+        if a.keep and any((where / f"{name}-{seed}").exists() for name in ways for seed in seeds):
+            sys.exit(f"--keep {a.keep}: holds sweeps of an earlier run, which expgpu_optuna would continue "
+                     "(a rerun into a sweep dir continues its study): give a new dir")
         for seed in seeds:   # seeds outside, ways inside: each seed's ways under about the same load
             for name in ways:
                 r = run_way(name, a.trials, a.steps, seed, where, hydra_optuna, ray)
                 runs[name].append(r)
                 print(f"  seed {seed} {name:14s} wall {r['wall']:6.1f} s  cpu {r['cpu']:6.1f} s  start "
-                      f"{r['start']:4.1f} s  steps {r['steps']:6d}  best "
+                      f"{r['start']:4.1f} s  steps {r['steps']:6.0f}  best "
                       f"{r['best']:.4f}  finished {r['finished']:2d}  pruned {r['pruned']:2d}  tail "
                       f"{r['tail']:4.1f} s  slot-s held {r['held']:5.1f} (training {r['trained']:5.1f})", flush=True)
     out = {}
