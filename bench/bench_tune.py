@@ -13,8 +13,15 @@ a held-out 20 %) on 2 CPU slots, four ways, with fixed seeds:
                    (bench/tune_ray_asha.py), run by --ray-python (a venv with ray[tune]: Ray pins its own
                    dependencies) or this python when it has ray; idle and overhead not measured
 
-    python bench/bench_tune.py [--trials 24] [--steps 3000] [--seeds 0,1,2] [--only expgpu,expgpu_prune]
-                               [--ray-python /path/to/ray-venv/bin/python]
+    python bench/bench_tune.py [--trials 24] [--steps 3000] [--seeds 0,1,2] [--only hydra_pool,expgpu_prune]
+                               [--ray-python /path/to/ray-venv/bin/python] [--keep DIR]
+                               [--way 'sha4=hydra/sweeper/pruner=successive_halving
+                                       hydra.sweeper.pruner.reduction_factor=4']
+
+Seeds are the outer loop and ways the inner one (seed 0: every way, then seed 1: ...), so on a shared
+machine each way of a seed runs under about the same load as the others: the ratios are taken per
+seed, against the baseline of the same seed, and their median is shown beside the ratio of medians.
+--way adds a way of one's own: expgpu_optuna on gpu_pool's 2 slots with these overrides (repeatable).
 
 Search space (3 parameters): task.optimizer.lr in tag(log, interval(1e-4, 3e-1)), task.model.hidden in
 choice(16,32,64,128,256), task.batch_size in choice(8,16,32,64); objective=accuracy (maximize), evaluated
@@ -24,15 +31,19 @@ seed more than on anything compared here).
 3000 steps make a trial ~1.5 s of training on one core: long enough that the search, not each job's
 fixed start-up and Hydra's own start, is what is compared (at 400 steps a trial trains ~0.25 s).
 
-Printed per way: wall time (the whole command), best accuracy, trials finished / pruned, idle slot-time
-before the tail (1 - the time the 2 slots held a trial / (2 x the span from the first trial's start to the
-last trial's start): gpu_pool's jobs from hand-over to exit, pool.json; the basic launcher's trials back to
-back on one slot), the tail apart (from the last trial's start to the sweep's end: no scheduler fills a slot
-there without trials beyond n_trials), and the sweeper's overhead: for each
-trial after the first two, its first step minus the end of the latest training that ended before it
-(median; result.json's timing: the next trial's own start-up, e.g. its dataset, counts too). Then the ratios
-the goals are about, medians against medians: (4) against (1), (2) and (5); the pruned asynchronous way's
-median best within 0.5 points of (2)'s at <= 0.4x its wall time.
+Printed per way and seed as it ends, then per way: wall time (the whole command), its start (the command's
+start to the first trial's; the same pool and Hydra in every way), best accuracy, trials finished / pruned,
+idle slot-time before the tail (1 - the time the 2 slots held a trial / (2 x the span from the first trial's
+start to the last trial's start): gpu_pool's jobs from hand-over to exit, pool.json; the basic launcher's
+trials back to back on one slot), the tail apart (from the last trial's start to the sweep's end: no scheduler
+fills a slot there without trials beyond n_trials), and the sweeper's overhead: for each trial after the first
+two, its first step minus the end of the latest training that ended before it (median; result.json's timing:
+the next trial's own start-up, e.g. its dataset, counts too); per seed also the slot-seconds the trials held
+(their jobs' walls), the CPU seconds of the command and its processes, the steps its trials trained (the work,
+whatever the load), and the part of the held slot-seconds spent training (first step to last): the rest is
+each trial's start and end, paid by a pruned trial as by a finished one. Then the ratios the goals are about,
+medians against medians: (4) against (1), (2) and (5); the pruned asynchronous way's median best within 0.5
+points of (2)'s at <= 0.4x its wall time.
 Hydra's optuna sweeper pins optuna<3: it runs from a directory of its own (tests/helpers/hydra_optuna.py), put
 first on its commands' PYTHONPATH. Runs once (each way is minutes): on a shared machine the figures are
 noisy; say so when quoting them.
@@ -82,7 +93,9 @@ def run_ray(trials: int, steps: int, seed: int, where: Path, python: str) -> dic
     wall = time.monotonic() - t0
     if proc.returncode != 0:
         sys.exit(f"ray_asha failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
-    return {"wall": wall, "idle": float("nan"), "tail": float("nan"), "overhead": float("nan"),
+    nan = float("nan")
+    return {"wall": wall, "cpu": nan, "start": nan, "steps": nan, "held": nan, "trained": nan, "idle": nan,
+            "tail": nan, "overhead": nan,
             **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
@@ -99,15 +112,24 @@ def run_way(name: str, trials: int, steps: int, seed: int, where: Path, hydra_op
         env = with_path(env, hydra_optuna)
     if name.endswith("_1t"):
         env["OMP_NUM_THREADS"] = "1"
-    t0 = time.monotonic()
+    t0, began, cpu0 = time.monotonic(), time.time(), _children_cpu()
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     wall = time.monotonic() - t0
     if proc.returncode != 0:
         sys.exit(f"{name} failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
-    return {"wall": wall, **_read(sweep)}
+    return {"wall": wall, "cpu": _children_cpu() - cpu0, **_read(sweep, began)}
 
 
-def _read(sweep: Path) -> dict:
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of the ended child processes and theirs, as far as each was waited for:
+    the work a way did, which other processes on a shared machine change far less than its wall time."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _read(sweep: Path, began: float) -> dict:
     jobs = [json.loads(p.read_text()) for p in sweep.glob("*/result.json")]
     trained = sorted((r["timing"]["first_step_at"], r["timing"]["first_step_at"] + r["timing"]["train_s"])
                      for r in jobs)
@@ -117,17 +139,20 @@ def _read(sweep: Path) -> dict:
         if before:
             gaps.append(first - max(before))
     best = max((r["metrics"]["accuracy"] for r in jobs if r["status"] == "finished"), default=float("nan"))
-    idle, tail = _idle(sweep, trained)
-    return {"best": best, "finished": sum(r["status"] == "finished" for r in jobs),
+    idle, tail, first, held = _idle(sweep, trained)
+    return {"start": first - began, "steps": sum(r["steps"] for r in jobs), "held": held,
+            "trained": sum(e - s for s, e in trained), "best": best,
+            "finished": sum(r["status"] == "finished" for r in jobs),
             "pruned": sum(r["status"] == "pruned" for r in jobs), "idle": idle, "tail": tail,
             "overhead": statistics.median(gaps) if gaps else float("nan")}
 
 
-def _idle(sweep: Path, trained: list[tuple[float, float]]) -> tuple[float, float]:
-    """(idle slot-time before the tail, the tail in seconds). Idle: 1 - the slots' occupied time / (2 slots x
-    the span from the first trial's start to the last one's). Occupied: gpu_pool's jobs from their hand-over
-    to their process's exit (pool.json); the basic launcher's trials, one after another in its own process,
-    each from the end of the one before. The tail: from the last trial's start to the sweep's end."""
+def _idle(sweep: Path, trained: list[tuple[float, float]]) -> tuple[float, float, float, float]:
+    """(idle slot-time before the tail, the tail in seconds, the first trial's start, the slot-seconds held).
+    Idle: 1 - the slots' occupied time / (2 slots x the span from the first trial's start to the last one's).
+    Occupied: gpu_pool's jobs from their hand-over to their process's exit (pool.json); the basic launcher's
+    trials, one after another in its own process, each from the end of the one before. The tail: from the last
+    trial's start to the sweep's end."""
     try:
         spans = [(j["started"], j["ended"]) for j in json.loads((sweep / "pool.json").read_text())["jobs"]]
     except OSError:
@@ -135,7 +160,7 @@ def _idle(sweep: Path, trained: list[tuple[float, float]]) -> tuple[float, float
         spans[0] = trained[0]
     t0, cut, end = min(s for s, _ in spans), max(s for s, _ in spans), max(e for _, e in spans)
     held = sum(max(0.0, min(e, cut) - s) for s, e in spans)
-    return (1 - held / (2 * (cut - t0)) if cut > t0 else float("nan")), end - cut
+    return (1 - held / (2 * (cut - t0)) if cut > t0 else float("nan")), end - cut, t0, sum(e - s for s, e in spans)
 
 
 def _median(runs: list[dict]) -> dict:
@@ -154,40 +179,65 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--seeds", default="0,1,2", help="the sampler's seeds: each way runs once per seed")
     ap.add_argument("--only", default=",".join([*WAYS, "ray_asha"]))
+    ap.add_argument("--way", action="append", default=[], metavar="NAME=OVERRIDES",
+                    help="one more way: expgpu_optuna on gpu_pool with these space-separated overrides")
+    ap.add_argument("--keep", help="keep the sweep dirs here (default: a temporary dir, removed)")
     ap.add_argument("--ray-python", help="a python with ray[tune] (and torch 2.13, optuna, scikit-learn)")
     a = ap.parse_args()
     ways, seeds, ray = a.only.split(","), [int(x) for x in a.seeds.split(",")], _ray_python(a.ray_python)
+    for spec in a.way:
+        name, _, overrides = spec.partition("=")
+        WAYS[name] = [*WAYS["expgpu"], *overrides.split()]
+        ways.append(name)
     if "ray_asha" in ways and ray is None:
         print("ray_asha: skipped (no ray: give --ray-python, a venv's python with ray[tune])")
         ways.remove("ray_asha")
     hydra_optuna = str(install())
-    out: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {name: [] for name in ways}
     with tempfile.TemporaryDirectory(prefix="bench_tune_") as tmp:
-        for name in ways:
-            runs = [run_way(name, a.trials, a.steps, seed, Path(tmp), hydra_optuna, ray) for seed in seeds]
-            out[name] = r = _median(runs)
-            bests = " ".join(f"{x['best']:.4f}" for x in runs)
-            print(f"{name:14s} wall {r['wall']:6.1f} s  best accuracy {r['best']:.4f} ({bests})  "
-                  f"finished {r['finished']:4.1f}  "
-                  f"pruned {r['pruned']:4.1f}  idle before the tail {100 * r['idle']:5.1f} %  tail {r['tail']:5.1f} s  "
-                  f"overhead {r['overhead']:.3f} s   [medians over seeds {a.seeds}]", flush=True)
-    _goals(out)
+        where = Path(a.keep or tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        if a.keep and any((where / f"{name}-{seed}").exists() for name in ways for seed in seeds):
+            sys.exit(f"--keep {a.keep}: holds sweeps of an earlier run, which expgpu_optuna would continue "
+                     "(a rerun into a sweep dir continues its study): give a new dir")
+        for seed in seeds:   # seeds outside, ways inside: each seed's ways under about the same load
+            for name in ways:
+                r = run_way(name, a.trials, a.steps, seed, where, hydra_optuna, ray)
+                runs[name].append(r)
+                print(f"  seed {seed} {name:14s} wall {r['wall']:6.1f} s  cpu {r['cpu']:6.1f} s  start "
+                      f"{r['start']:4.1f} s  steps {r['steps']:6.0f}  best "
+                      f"{r['best']:.4f}  finished {r['finished']:2d}  pruned {r['pruned']:2d}  tail "
+                      f"{r['tail']:4.1f} s  slot-s held {r['held']:5.1f} (training {r['trained']:5.1f})", flush=True)
+    out = {}
+    for name in ways:
+        out[name] = r = _median(runs[name])
+        bests = " ".join(f"{x['best']:.4f}" for x in runs[name])
+        print(f"{name:14s} wall {r['wall']:6.1f} s  start {r['start']:4.1f} s  best accuracy {r['best']:.4f} "
+              f"({bests})  finished {r['finished']:4.1f}  pruned {r['pruned']:4.1f}  idle before the tail "
+              f"{100 * r['idle']:5.1f} %  tail {r['tail']:5.1f} s  overhead {r['overhead']:.3f} s   "
+              f"[medians over seeds {a.seeds}]", flush=True)
+    _goals(out, runs)
 
 
-def _goals(out: dict[str, dict]) -> None:
-    for pruned in ("expgpu_prune", "expgpu_asha"):
-        p = out.get(pruned)
+def _goals(out: dict[str, dict], runs: dict[str, list[dict]]) -> None:
+    pruned_ways = [n for n in out if n not in ("hydra_basic", "hydra_basic_1t", "hydra_pool", "expgpu", "ray_asha")]
+    for pruned in pruned_ways:
+        p = out[pruned]
         for base, wall_goal in (("hydra_basic", None), ("hydra_basic_1t", None), ("hydra_pool", 0.4),
                                 ("ray_asha", None)):
-            if p and base in out:
+            if base in out:
                 b = out[base]
                 points = 100 * (p["best"] - b["best"])
+                per_seed = [x["wall"] / y["wall"] for x, y in zip(runs[pruned], runs[base])]
+                cpu = [x["cpu"] / y["cpu"] for x, y in zip(runs[pruned], runs[base])]
                 print(f"{pruned} / {base}: wall {p['wall'] / b['wall']:.2f}"
                       + (f" (goal <= {wall_goal})" if wall_goal else "")
+                      + f" (per seed {' '.join(f'{x:.2f}' for x in per_seed)}, median "
+                        f"{statistics.median(per_seed):.2f}; cpu time {' '.join(f'{x:.2f}' for x in cpu)})"
                       + f", median best accuracy {points:+.2f} points" + (" (goal >= -0.5)" if wall_goal else "")
                       + (f": goal {'met' if points >= -0.5 and p['wall'] / b['wall'] <= wall_goal else 'NOT met'}"
                          if wall_goal else ""))
-    for name in ("expgpu", "expgpu_prune", "expgpu_asha"):
+    for name in ("expgpu", *pruned_ways):
         if name in out:
             print(f"{name}: idle before the tail {100 * out[name]['idle']:.1f} % (goal < 5 %), tail "
                   f"{out[name]['tail']:.1f} s, overhead {out[name]['overhead']:.3f} s (goal <= 0.3 s)")

@@ -242,3 +242,27 @@ def test_importing_the_plugin_does_not_import_optuna():
     code = ("import sys, hydra_plugins.expgpu_sweeper.expgpu_optuna, expgpu.loggers.jsonl; "
             "print('optuna' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("max_steps,pruned", [(10, False), (20, True)])
+def test_a_trial_is_not_pruned_at_its_last_step(tmp_path, monkeypatch, max_steps, pruned):
+    """At its last step a trial has paid for its training: pruning it there would only lose its objective."""
+    import json
+
+    import optuna
+
+    from expgpu.tune.bridge import TrialReporter
+
+    journal = str(tmp_path / "optuna.journal")
+    study = optuna.create_study(study_name="s", storage=storage.open_storage(journal))
+    trial = study.ask()
+    pruner = {"_target_": "optuna.pruners.ThresholdPruner", "upper": 0.5}
+    spec = {"storage": journal, "study": "s", "trial_id": trial._trial_id, "number": trial.number,
+            "objective": "loss", "pruner": pruner, "params": {}}
+    (tmp_path / "trial.json").write_text(json.dumps(spec))
+    signals = stop_signals.StopSignals()
+    monkeypatch.setattr(stop_signals, "_current", signals)
+    reporter = TrialReporter.attach(str(tmp_path / "trial.json"))
+    reporter.write([{"step": 10, "loss": 0.9, "max_steps": max_steps}])   # above the threshold
+    assert (signals.received == stop_signals.PRUNED) is pruned
+    assert study.trials[0].intermediate_values == {10: 0.9}   # reported either way

@@ -54,7 +54,7 @@ class TrialReporter(Sink):
                 for step, value in values:
                     if isinstance(value, (int, float)) and math.isfinite(value):
                         trial.report(float(value), int(step))
-            prune = trial.should_prune()
+            prune = not _at_end(rows[-1]) and trial.should_prune()
         except Exception as e:
             self.done = True
             log.warning("expgpu: trial %s: reporting %s to the study failed (%s); it trains on, unpruned",
@@ -77,6 +77,14 @@ class TrialReporter(Sink):
                                   sampler=optuna.samplers.RandomSampler(), pruner=build(self.spec["pruner"], "pruner"))
         self.trial = optuna.trial.Trial(study, self.spec["trial_id"])
         return self.trial
+
+
+def _at_end(row: dict) -> bool:
+    """The run's last step: its training is paid for, and pruning it now would only throw its result away
+    (a median or successive-halving pruner judges the last report as any other: a trial below the bar
+    there would end PRUNED, its objective lost to the study, having saved nothing)."""
+    max_steps = row.get("max_steps")
+    return isinstance(max_steps, int) and row["step"] >= max_steps
 
 
 def attached() -> TrialReporter | None:
