@@ -161,10 +161,11 @@ def main() -> None:
         from hydra.types import RunMode
 
         from expgpu import app
+        from expgpu.config import objective
 
         hc = HydraConfig.get()
         try:
-            return app.objective(cfg, app.run(cfg, Path(hc.runtime.output_dir)))
+            return objective(cfg, app.run(cfg, Path(hc.runtime.output_dir)))
         except Exception as e:
             # A single run ends here, so that Hydra adds no "Error executing job" line of its own
             # (SystemExit passes through its job runner). In a sweep the launcher reports the job.

@@ -364,6 +364,23 @@ def plain(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
 
+def objective(cfg, result: dict | None):
+    """What the Hydra task function returns for an optimizing sweeper: the metric(s) named by
+    `objective`, as a float or a tuple of floats; the whole result when none is named."""
+    names = cfg.get("objective")
+    if names is None or result is None or result.get("status") != "finished":
+        return result
+    wanted = [names] if isinstance(names, str) else list(names)
+    metrics = result.get("metrics") or {}
+    missing = [n for n in wanted if metrics.get(n) is None]
+    if missing:
+        have = ", ".join(k for k, v in metrics.items() if v is not None) or "nothing"
+        raise UserError(f"objective={missing[0]}: the task returned no metric {missing[0]!r}; it returned "
+                        f"{have} (name one of those, or return it from the task function)")
+    values = [float(metrics[n]) for n in wanted]
+    return values[0] if isinstance(names, str) else tuple(values)
+
+
 def schema_keys(path: str) -> list[str] | None:
     """The allowed keys under a dotted path of the schema (for 'unknown key' messages)."""
     import dataclasses

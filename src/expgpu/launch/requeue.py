@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from collections.abc import Mapping
 
 from expgpu.errors import UserError
 from expgpu.procs.stop_signals import StopSignals
+from expgpu.slurm.cluster import scontrol_requeue
 
 REQUEUE_SIGNAL = "SIGUSR2"
-SCONTROL_TIMEOUT_S = 60.0  # submitit waits as long for the same call
 
 
 def slurm_job_id(env: Mapping[str, str]) -> str | None:
@@ -44,21 +43,6 @@ def slurm_job_id(env: Mapping[str, str]) -> str | None:
 
 def under_submitit(env: Mapping[str, str]) -> bool:
     return bool(env.get("SUBMITIT_EXECUTOR"))
-
-
-def scontrol_requeue(job: str, timeout: float = SCONTROL_TIMEOUT_S) -> None:
-    cmd = ["scontrol", "requeue", job]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        raise UserError(f"cannot requeue SLURM job {job}: scontrol is not on PATH") from None
-    except subprocess.TimeoutExpired:
-        raise UserError(f"cannot requeue SLURM job {job}: `{' '.join(cmd)}` did not answer "
-                        f"within {timeout:.0f} s") from None
-    if proc.returncode != 0:
-        why = " ".join((proc.stderr or proc.stdout or f"exit code {proc.returncode}").split())
-        raise UserError(f"cannot requeue SLURM job {job}: `{' '.join(cmd)}` failed: {why} "
-                        "(submit with --requeue)")
 
 
 def after_stop(stopper: StopSignals, rank: int, run_dir, env: Mapping[str, str] | None = None) -> str:

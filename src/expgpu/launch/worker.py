@@ -80,7 +80,7 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
                 "strategy": node.strategy, "run_dir": str(run_dir)}
         dog = watchdog.start(group.store(), info.rank, info.world_size, run_dir, watchdog.settings(cfg),
                              run.progress, lambda verdict, text: _hung(run, base, verdict, text, info),
-                             run.write_out_rows)
+                             lambda: _peer_failed(run))
         try:
             status, metrics = _call(run, spec)
         except BaseException as e:
@@ -131,6 +131,13 @@ def _run(cfg: dict, info: RankInfo, run_dir: Path, spec, agreement, device, node
                wrap=cfg["launch"]["wrap"], n_gpus=len(my_gpus),
                gpu_speed=proportional.gpu_speed(node.scores, my_gpus, ranked=node.strategy == "ranked"),
                sinks=_sinks(cfg, run_dir) if info.rank == 0 else ())
+
+
+def _peer_failed(run) -> None:
+    """Before the watchdog ends this rank for a peer's failure (os._exit, no exception path): its metrics rows
+    to the OS, and its loggers' runs ended as failed (an MLflow run would stay RUNNING for ever)."""
+    run.write_out_rows()
+    run.finish_loggers("failed", {})
 
 
 def _hung(run, base: dict, verdict: dict, text: str, info: RankInfo) -> None:

@@ -22,7 +22,6 @@ def finished_return(job: Job):
     from omegaconf import OmegaConf, open_dict
 
     from expgpu import config as expgpu_config
-    from expgpu.app import objective
     from expgpu.results import finished_earlier
 
     if not expgpu_config.is_expgpu(job.config) or not (job.dir / "result.json").exists():
@@ -44,7 +43,7 @@ def finished_return(job: Job):
         with open_dict(ret.cfg):
             del ret.cfg["hydra"]
         ret.hydra_cfg = OmegaConf.create({"hydra": job.config.hydra})
-        ret.return_value = objective(ret.cfg, result)
+        ret.return_value = expgpu_config.objective(ret.cfg, result)
         return ret
     except Exception:   # anything the pool cannot judge: the job runs, and app.run decides
         return None

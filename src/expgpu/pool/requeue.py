@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from expgpu.errors import UserError
-from expgpu.launch.requeue import scontrol_requeue
+from expgpu.slurm.cluster import scontrol_requeue
 
 log = logging.getLogger("expgpu.pool")
 

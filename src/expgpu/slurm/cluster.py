@@ -85,3 +85,23 @@ def check(partition: str | None, timeout_s: float) -> str:
     check_tools()
     ping(timeout_s)
     return check_partition(partition, timeout_s)
+
+
+REQUEUE_TIMEOUT_S = 60.0  # submitit waits as long for the same call
+
+
+def scontrol_requeue(job: str, timeout: float = REQUEUE_TIMEOUT_S) -> None:
+    """SLURM ends `job` and queues it again (a job's rank 0 before its time limit, a slurm_pool sweep's
+    allocation); a UserError saying why it could not."""
+    cmd = ["scontrol", "requeue", job]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise UserError(f"cannot requeue SLURM job {job}: scontrol is not on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise UserError(f"cannot requeue SLURM job {job}: `{' '.join(cmd)}` did not answer "
+                        f"within {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        why = " ".join((proc.stderr or proc.stdout or f"exit code {proc.returncode}").split())
+        raise UserError(f"cannot requeue SLURM job {job}: `{' '.join(cmd)}` failed: {why} "
+                        "(submit with --requeue)")
