@@ -26,6 +26,18 @@ TESTS = REPO / "tests"
 HELPERS = TESTS / "helpers"   # the probe tasks (run_probe, ...) and the clusters' fixtures
 sys.path.insert(0, str(HELPERS))
 
+@pytest.fixture(autouse=True)
+def _stop_signals_as_they_were():
+    """A test that installs expgpu's stop signals in this process (StopSignals.install(only=...) ignores the
+    others, as a supervisor's worker does) leaves them as they were: an ignored SIGINT is inherited by every
+    process a later test starts, which then never sees a Ctrl-C."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+
+
 # Steps paced by a sleep: every rank sleeps 0.1 ms per example of its batch (6.4 ms a step of task
 # a), a device computing while the CPU waits. For runs that must still be training when a signal,
 # a requeue or a time limit comes, and for sweeps whose jobs must train at the same moment: the

@@ -246,8 +246,11 @@ def test_bad_dir_is_one_line_exit_2(tmp_path, what):
 
 def test_watch_refreshes_until_ctrl_c(tmp_path):
     write_run(tmp_path / "r", [{"step": 1}], result={"status": "finished", "steps": 1})
+    # Ctrl-C as a terminal gives it: SIGINT at its default (a test before may have left it ignored in this
+    # process, and an ignored SIGINT is inherited: Python then never raises KeyboardInterrupt)
     proc = subprocess.Popen([sys.executable, "-m", "expgpu.status", str(tmp_path), "--watch", "0.2"], cwd=REPO,
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = 0
     for line in proc.stdout:   # the Ctrl-C once it has refreshed (a loaded machine may take seconds to start it)
         seen += "STATUS" in line
