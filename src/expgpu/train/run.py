@@ -43,11 +43,11 @@ from expgpu.distributed import group, rng
 from expgpu.distributed.wrap import wrap
 from expgpu.errors import UserError
 from expgpu.loggers.jsonl import ROW_KEYS, MetricsLog, WindowMeanLog
-from expgpu.procs.hang_rules import SETUP
 from expgpu.procs.stop_signals import NEVER
 from expgpu.train.batches import END_OF_EPOCH, Feed
 from expgpu.train.loaders import RankLoaders, check_feed, check_loader_args, global_batch
 from expgpu.train.run_args import check_steps, epochs_range
+from expgpu.train.run_end import RunEnd
 
 log = logging.getLogger("expgpu")
 
@@ -59,7 +59,7 @@ class StopTraining(BaseException):
     swallow it. The user's `finally` blocks run; the function returns no result."""
 
 
-class Run:
+class Run(RunEnd):
     """What a training function gets: where it runs, and the few calls that make a loop resumable."""
 
     def __init__(self, *, info, device, run_dir: Path, cfg: dict, spec, agreement, wrap: str = "ddp",
@@ -344,11 +344,6 @@ class Run:
         if self._metrics is not None:
             self._metrics.log(self.step + 1 if self._in_step else self.step, scalars)
 
-    def write_out_rows(self) -> None:
-        """The metrics.jsonl rows made so far, handed to the OS (before a peer's failure ends this rank)."""
-        if self._metrics is not None:
-            self._metrics.write_out()
-
     def all_reduce(self, value, op: str = "sum"):
         """`value` summed (or "mean", "max", "min") over all ranks, returned on every rank: a
         tensor (a new one, detached), a number, or a dict of them; as it is on one rank.
@@ -372,21 +367,6 @@ class Run:
             yield
         finally:
             self._phase = before
-
-    def progress(self) -> tuple[int, str]:
-        """(steps done, what the rank does now: setup until its run.steps / run.epochs begins; "first
-        step" until this process has finished one (it may compile); train inside run.steps; "outside
-        the steps" in its own code between epochs or after the loop (an evaluation not in a run.phase);
-        checkpoint, or a run.phase name); read by the hang watchdog from a thread of its own."""
-        phase = self._phase
-        if phase == "train":
-            if not self._started:
-                phase = SETUP
-            elif not self._in_steps:
-                phase = "outside the steps"
-            elif self.step == self._start_step:
-                phase = "first step"
-        return self.step, phase
 
     def barrier(self) -> None:
         """Every rank waits here for all the others (e.g. while rank 0 downloads the data)."""
@@ -434,47 +414,3 @@ class Run:
         if self._feed is None:
             raise UserError("run.restart_epoch(): there is no run.steps loop to restart")
         self._feed.restart()
-
-    # -- the end, for whoever called the task function (expgpu.launch.worker) ----------------------
-
-    def close(self, finished: bool) -> None:
-        """After the function: the last rows, and a checkpoint if the loop ended early (a break)."""
-        try:
-            if finished:
-                self._count_broken_step()
-            if finished and self._started and self._saved_at != self.step:
-                self._agreement.settle()
-                group.sync_device(self.device)
-                self._timing["end"] = self._timing["end"] or time.time()
-                self._save("end of training")
-        finally:
-            if finished:
-                self._state.settle()   # an async_save still being written: in place before the run ends
-            if self._metrics is not None:
-                # after a stop, what was logged since the last row is in the checkpoint (written on resume)
-                self._metrics.close(self.epoch, flush=not self._stopped, crashed=not finished and not self._stopped)
-
-    def finish_loggers(self, status: str, metrics: dict) -> None:
-        """rank 0: the loggers' runs end (finished, stopped: resumable, failed) with the returned metrics."""
-        if self._metrics is not None:
-            self._metrics.finish_loggers(status, metrics, self.step)
-
-    def timings(self, t_start: float) -> dict:
-        """startup_s (from `t_start` to the first step), first_step_at, train_s, steps_per_s."""
-        first, t10, end = self._timing["first_step_at"], self._timing["t10"], self._timing["end"]
-        timed = self.step - self._start_step - 10
-        return {"startup_s": round(first - t_start, 3) if first else None, "first_step_at": first,
-                "train_s": round(end - first, 3) if first and end else None,
-                "steps_per_s": round(timed / (end - t10), 2) if t10 and end and timed > 0 else None}
-
-    def checksum(self) -> str | None:
-        """A hash of the tracked state: equal on every rank of a data-parallel run that stayed in step."""
-        return self._state.checksum()
-
-    def result(self, t_start: float, step_means: str) -> dict:
-        """This rank's part of result.json, once closed (expgpu.results has the whole schema)."""
-        extra = dict(self.result_extra)
-        return {"steps": self.step, "max_steps": self.max_steps, "epochs": self._epochs,
-                "length_keys": self.length_keys, "step_means": extra.pop("step_means", step_means),
-                "resumed_from_step": self.resumed_from_step, "stop_signal": self.stop_signal,
-                "timing": self.timings(t_start), "param_checksum": self.checksum(), **extra}
