@@ -93,21 +93,19 @@ def sbatch_script(params: Mapping[str, Any], command: Sequence[str], cwd: Path, 
         f'echo "$code" > {exit_file}', 'exit "$code"', ""])
 
 
+# The allocation's whole-number settings: the least each may be, and what it is
+WHOLE = {"nodes": (1, "the allocation's nodes"), "gpus_per_node": (1, "the allocation's GPUs on each node"),
+         "timeout_min": (1, "the allocation's time limit in minutes"),
+         "max_requeues": (0, "how often the allocation may requeue itself before its time limit"),
+         "signal_delay_s": (1, "seconds before the time limit that SLURM warns the sweep")}
+
+
 def check(params: Mapping[str, Any]) -> None:
     """The allocation's settings, one line each, before anything is submitted."""
-    for key in ("nodes", "gpus_per_node", "timeout_min"):
-        value = params.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: an integer >= 1 (the allocation's "
-                            + {"nodes": "nodes", "gpus_per_node": "GPUs on each node",
-                               "timeout_min": "time limit in minutes"}[key] + ")")
-    for key, low in (("max_requeues", 0), ("signal_delay_s", 1)):
-        value = params.get(key, low)
+    for key, (low, meaning) in WHOLE.items():
+        value = params.get(key, None if low else 0)   # the counts of 1 and more must be given
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: an integer >= {low} ("
-                            + {"max_requeues": "how often the allocation may requeue itself before its time limit",
-                               "signal_delay_s": "seconds before the time limit that SLURM warns the sweep"}[key]
-                            + ")")
+            raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: an integer >= {low} ({meaning})")
     cpus = params.get("cpus_per_node")
     if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, int) or cpus < 1):
         raise UserError(f"hydra.launcher.cpus_per_node={cpus!r} is not allowed: null (whole nodes) or an integer >= 1")
