@@ -27,6 +27,7 @@ from typing import Sequence
 
 import hostlist
 
+from expgpu import procs
 from expgpu.pool.allocation import Allocation, Slot
 
 READY_TIMEOUT_S = 180.0   # a server's srun step and torch's import, on busy nodes
@@ -107,7 +108,7 @@ class NodeServer:
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            procs.kill_group(self.proc.pid)
             self.proc.wait()
 
 
