@@ -37,12 +37,18 @@ from expgpu.errors import UserError, first_line
 SUPERVISED = "expgpu.tasks.supervised.train"
 # What every rank of a function task imports before the task's own code, so that a process forked
 # after importing them (expgpu.launch.warm, the warm server, a gpu_pool job) starts warm: torch, the
-# torch._dynamo the first torch.optim optimizer pulls in (2 s on 2 cores), and expgpu's line.
-RANK_IMPORTS = ["torch", "torch.optim", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "hydra.utils",
-                "expgpu.launch.worker", "expgpu.train.run", "expgpu.distributed.group", "expgpu.task",
-                "expgpu.tasks.supervised"]
+# torch._dynamo the first torch.optim optimizer pulls in (2 s on 2 cores), what torch.save and the run dir's
+# process record (psutil) import at first use, and expgpu's line.
+RANK_IMPORTS = ["torch", "torch.optim", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
+                "torch.utils.serialization", "hydra.utils", "psutil", "expgpu.launch.worker",
+                "expgpu.launch.warm_client", "expgpu.train.run", "expgpu.train.agreement", "expgpu.loggers.csv",
+                "expgpu.distributed.group", "expgpu.task", "expgpu.tasks.supervised"]
 # ... and every rank of a script task: it only supervises the script's own process, which imports torch.
 SCRIPT_RANK_IMPORTS = ["expgpu.launch.worker", "expgpu.script.runner"]
+# ... and rank 0 of a job an optimizing sweeper started as a trial (its environment names the trial's
+# file, expgpu.envvars.TRIAL): it reports to the study at its first evaluation (Optuna and the study's
+# storage, ~40 ms of a pruned trial's few hundred).
+TRIAL_IMPORTS = ["optuna", "expgpu.tune.bridge", "expgpu.tune.settings", "expgpu.tune.storage"]
 # The run's own keys and their defaults. seed_per_rank None: true for a task function (each rank
 # draws its own dropout masks and noise), false for the built-in loop (as before it existed).
 RUN_KEYS: dict[str, Any] = {"name": None, "seed": 0, "seed_per_rank": None, "log_every": 10, "log_reduce": "last",

@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     sock = socket.socket(fileno=int(args[-1]))
     # What every job needs, none of it the job's own code; torch and the task's modules come with
     # the launcher's "warm" message once it knows the app is expgpu's (spares.task_modules).
-    warm_up(["cloudpickle", "hydra.core.utils", "expgpu.app", "expgpu.checkpoint.file", "expgpu.rundir"])
+    warm_up(["cloudpickle", "hydra.core.utils", "hydra._internal.logging_config", "omegaconf._impl", "expgpu.app",
+             "expgpu.checkpoint.file", "expgpu.rundir"])
     # OmegaConf's interpolation grammar (antlr) builds its parser tables at the first ${...} a process
     # resolves: ~40 ms of every job's set-up in Hydra's run_job, paid here once.
     from omegaconf import OmegaConf

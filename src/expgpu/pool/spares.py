@@ -21,7 +21,7 @@ from expgpu.gpus.mask import gpu_env
 from expgpu.procs.forkserver import ForkedProc, ForkServer, start_child
 from expgpu.rundir import SPARES_LOG  # noqa: F401  (the pool's modules name it from here)
 from expgpu.script import is_script
-from expgpu.task import RANK_IMPORTS, SCRIPT_RANK_IMPORTS
+from expgpu.task import RANK_IMPORTS, SCRIPT_RANK_IMPORTS, TRIAL_IMPORTS
 
 
 def spare_env(hide_gpus: bool) -> dict[str, str]:
@@ -133,7 +133,8 @@ def primable(hydra_context, task_function, own_code: bool) -> bool:
 def task_modules(cfg, own_code: bool) -> list[str]:
     """What a job of an expgpu app imports before its first step: torch (most of a job's start-up;
     importing it starts no CUDA), expgpu's line and the modules the job's config names (_target_s
-    under task: its function, or the built-in loop's model, dataset, optimizer). Nothing for another
+    under task: its function, or the built-in loop's model, dataset, optimizer; a trial's reporter when
+    the job is an optimizing sweeper's trial: cfg a job's config). Nothing for another
     Hydra app: its spares stay as light as they were.
 
     own_code=False (a pool of real GPUs): only torch's and expgpu's modules. A user's module may ask
@@ -150,6 +151,8 @@ def task_modules(cfg, own_code: bool) -> list[str]:
     if is_script(task):   # the job only supervises the script's own process, which imports torch itself
         return list(SCRIPT_RANK_IMPORTS)
     found: list[str] = list(RANK_IMPORTS)
+    if OmegaConf.select(cfg, f"hydra.job.env_set.{envvars.TRIAL}", default=None):
+        found += TRIAL_IMPORTS
 
     def walk(node) -> None:
         if isinstance(node, dict):
