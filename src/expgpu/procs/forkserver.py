@@ -174,11 +174,22 @@ def warm_imports(modules: Sequence[str], path: Sequence[str] = ()) -> None:
     """Import what the children need before there is a child: none of it runs their code or starts
     CUDA (checked: a process whose CUDA started has its GPU mask fixed, useless for a GPU job)."""
     sys.path[:0] = [p for p in path if p not in sys.path]
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception:   # not importable ahead: the child imports it again and reports it where users look
-            pass
+    threads = None   # torch's intra-op thread count, pinned to 1 while the rest imports (below)
+    try:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:   # not importable ahead: the child imports it again and reports it where users look
+                pass
+            if threads is None and "torch" in sys.modules:
+                # A module that runs a large torch op at import (a dataset built at module level) would
+                # start torch's OpenMP pool here, and every child given more than one thread would hang
+                # at its first parallel op: on one thread, an op runs inline and starts no pool.
+                threads = sys.modules["torch"].get_num_threads()
+                sys.modules["torch"].set_num_threads(1)
+    finally:
+        if threads is not None:
+            sys.modules["torch"].set_num_threads(threads)   # the children's default, as before
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         print(f"expgpu: fork server {os.getpid()}: CUDA was initialized while importing {', '.join(modules)}; "

@@ -22,8 +22,12 @@ def _bundled_csv() -> Path | None:
 
 
 @functools.cache
-def images() -> tuple[torch.Tensor, torch.Tensor]:
-    """(1797 x 64 pixels scaled to [0, 1], 1797 labels), parsed once per process."""
+def images():
+    """(1797 x 64 pixels scaled to [0, 1], 1797 labels) as numpy arrays, parsed once per process.
+
+    numpy, not torch: a torch op on this many elements starts torch's OpenMP pool, and a process forked
+    from one that started it (a gpu_pool fork server imports this module) hangs at its own first
+    parallel op."""
     import numpy as np
 
     path = _bundled_csv()
@@ -35,7 +39,7 @@ def images() -> tuple[torch.Tensor, torch.Tensor]:
 
         bunch = load_digits()
         pixels, labels = bunch.data, bunch.target
-    return torch.tensor(pixels, dtype=torch.float32) / 16.0, torch.tensor(labels, dtype=torch.long)
+    return (pixels / 16.0).astype(np.float32), labels.astype(np.int64)
 
 
 # At import: a gpu_pool sweep's fork server imports this module once for all its jobs (the task's
@@ -48,7 +52,8 @@ class Digits(_Tensors):
     def __init__(self, split: str = "train", test_fraction: float = 0.2, seed: int = 0):
         if split not in ("train", "test"):
             raise ValueError(f"Digits split={split!r}: use train or test")
-        x, y = images()
+        pixels, labels = images()
+        x, y = torch.from_numpy(pixels), torch.from_numpy(labels)   # shared, not copied: indexed below
         # a fixed permutation (independent of the task seed) keeps the test split held out
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
         n_test = int(len(x) * test_fraction)
