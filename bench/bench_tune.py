@@ -14,7 +14,7 @@ a held-out 20 %) on 2 CPU slots, four ways, with fixed seeds:
                    dependencies) or this python when it has ray; idle and overhead not measured
 
     python bench/bench_tune.py [--trials 24] [--steps 3000] [--seeds 0,1,2] [--only hydra_pool,expgpu_prune]
-                               [--ray-python /path/to/ray-venv/bin/python] [--keep DIR]
+                               [--ray-python /path/to/ray-venv/bin/python] [--keep DIR] [--retrain 5]
                                [--way 'sha4=hydra/sweeper/pruner=successive_halving
                                        hydra.sweeper.pruner.reduction_factor=4']
 
@@ -44,6 +44,11 @@ whatever the load), and the part of the held slot-seconds spent training (first 
 each trial's start and end, paid by a pruned trial as by a finished one. Then the ratios the goals are about,
 medians against medians: (4) against (1), (2) and (5); the pruned asynchronous way's median best within 0.5
 points of (2)'s at <= 0.4x its wall time.
+Then (--retrain N, default 5; after the timed runs) each way's best trial's hyperparameters are trained again
+with task.seed 1..N (its trial ran with 0), and their mean test accuracy is shown beside the best: what the
+search found, apart from the luck of one run. A trial's final accuracy moves by a point or more with the seed
+alone, so the best of 24 finished trials is partly the best of 24 draws, and a pruned search that finishes 4
+has fewer draws; the retrained accuracy compares the hyperparameters the ways chose.
 Hydra's optuna sweeper pins optuna<3: it runs from a directory of its own (tests/helpers/hydra_optuna.py), put
 first on its commands' PYTHONPATH. Runs once (each way is minutes): on a shared machine the figures are
 noisy; say so when quoting them.
@@ -67,6 +72,7 @@ from hydra_optuna import install, with_path  # noqa: E402
 
 SPACE = ["task.optimizer.lr=tag(log, interval(1e-4, 3e-1))", "task.model.hidden=choice(16,32,64,128,256)",
          "task.batch_size=choice(8,16,32,64)"]
+SEARCHED = [entry.split("=")[0] for entry in SPACE]
 WAYS = {
     "hydra_basic": ["hydra/sweeper=optuna", "hydra.sweeper.n_jobs=1"],
     "hydra_basic_1t": ["hydra/sweeper=optuna", "hydra.sweeper.n_jobs=1"],   # with OMP_NUM_THREADS=1
@@ -138,13 +144,39 @@ def _read(sweep: Path, began: float) -> dict:
         before = [e for _, e in trained if e <= first]
         if before:
             gaps.append(first - max(before))
-    best = max((r["metrics"]["accuracy"] for r in jobs if r["status"] == "finished"), default=float("nan"))
+    finished = [r for r in jobs if r["status"] == "finished"]
+    best = max((r["metrics"]["accuracy"] for r in finished), default=float("nan"))
+    winner = max(finished, key=lambda r: r["metrics"]["accuracy"]) if finished else None
     idle, tail, first, held = _idle(sweep, trained)
     return {"start": first - began, "steps": sum(r["steps"] for r in jobs), "held": held,
             "trained": sum(e - s for s, e in trained), "best": best,
+            "params": _params(Path(winner["run_dir"])) if winner else None,
             "finished": sum(r["status"] == "finished" for r in jobs),
             "pruned": sum(r["status"] == "pruned" for r in jobs), "idle": idle, "tail": tail,
             "overhead": statistics.median(gaps) if gaps else float("nan")}
+
+
+def _params(job_dir: Path) -> list[str]:
+    """The searched overrides a trial's job ran with (its .hydra/overrides.yaml, as Hydra saved them)."""
+    from omegaconf import OmegaConf
+
+    return [o for o in OmegaConf.load(job_dir / ".hydra" / "overrides.yaml") if o.split("=")[0] in SEARCHED]
+
+
+def retrain(name: str, seed: int, params: list[str] | None, n: int, steps: int, where: Path) -> list[float]:
+    """The test accuracy of a way's best trial's hyperparameters trained again with task.seed 1..n (the
+    trial ran with 0): what the search found, without the luck of its one run. gpu_pool, 2 slots."""
+    if not params or n < 1:
+        return []
+    sweep = where / f"{name}-{seed}-retrain"
+    args = [sys.executable, "-m", "expgpu", "-m", "hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2", *params,
+            "task=digits", f"task.max_steps={steps}", "task.eval_every=100", f"task.seed=range(1,{n + 1})",
+            f"hydra.sweep.dir={sweep}", "~hydra.callbacks.report"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_"))}
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        sys.exit(f"retraining {name}'s best (seed {seed}) failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    return [json.loads(p.read_text())["metrics"]["accuracy"] for p in sweep.glob("*/result.json")]
 
 
 def _idle(sweep: Path, trained: list[tuple[float, float]]) -> tuple[float, float, float, float]:
@@ -183,6 +215,8 @@ def main() -> None:
                     help="one more way: expgpu_optuna on gpu_pool with these space-separated overrides")
     ap.add_argument("--keep", help="keep the sweep dirs here (default: a temporary dir, removed)")
     ap.add_argument("--ray-python", help="a python with ray[tune] (and torch 2.13, optuna, scikit-learn)")
+    ap.add_argument("--retrain", type=int, default=5, metavar="N",
+                    help="train each way's best hyperparameters again with N other task seeds (0: not)")
     a = ap.parse_args()
     ways, seeds, ray = a.only.split(","), [int(x) for x in a.seeds.split(",")], _ray_python(a.ray_python)
     for spec in a.way:
@@ -208,13 +242,21 @@ def main() -> None:
                       f"{r['start']:4.1f} s  steps {r['steps']:6.0f}  best "
                       f"{r['best']:.4f}  finished {r['finished']:2d}  pruned {r['pruned']:2d}  tail "
                       f"{r['tail']:4.1f} s  slot-s held {r['held']:5.1f} (training {r['trained']:5.1f})", flush=True)
+        for name in ways:   # after the timed runs, so that they do not share the machine with these
+            for seed, r in zip(seeds, runs[name]):
+                accuracy = retrain(name, seed, r.pop("params"), a.retrain, a.steps, where)
+                r["found"] = statistics.mean(accuracy) if accuracy else float("nan")
+                if accuracy:
+                    print(f"  seed {seed} {name:14s} its best's hyperparameters trained with task.seed 1-{a.retrain}: "
+                          f"accuracy {r['found']:.4f} (mean; {min(accuracy):.4f}-{max(accuracy):.4f})", flush=True)
     out = {}
     for name in ways:
         out[name] = r = _median(runs[name])
         bests = " ".join(f"{x['best']:.4f}" for x in runs[name])
         print(f"{name:14s} wall {r['wall']:6.1f} s  start {r['start']:4.1f} s  best accuracy {r['best']:.4f} "
               f"({bests})  finished {r['finished']:4.1f}  pruned {r['pruned']:4.1f}  idle before the tail "
-              f"{100 * r['idle']:5.1f} %  tail {r['tail']:5.1f} s  overhead {r['overhead']:.3f} s   "
+              f"{100 * r['idle']:5.1f} %  tail {r['tail']:5.1f} s  overhead {r['overhead']:.3f} s  best's "
+              f"hyperparameters trained again {r['found']:.4f}   "
               f"[medians over seeds {a.seeds}]", flush=True)
     _goals(out, runs)
 
@@ -235,6 +277,7 @@ def _goals(out: dict[str, dict], runs: dict[str, list[dict]]) -> None:
                       + f" (per seed {' '.join(f'{x:.2f}' for x in per_seed)}, median "
                         f"{statistics.median(per_seed):.2f}; cpu time {' '.join(f'{x:.2f}' for x in cpu)})"
                       + f", median best accuracy {points:+.2f} points" + (" (goal >= -0.5)" if wall_goal else "")
+                      + f" (the best's hyperparameters trained again: {100 * (p['found'] - b['found']):+.2f})"
                       + (f": goal {'met' if points >= -0.5 and p['wall'] / b['wall'] <= wall_goal else 'NOT met'}"
                          if wall_goal else ""))
     for name in ("expgpu", *pruned_ways):

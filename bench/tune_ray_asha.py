@@ -4,7 +4,9 @@ which pulls no torch), for comparison. The same model, data and loop as expgpu's
 budget: 24 trials, 2 at once on 2 CPUs, 3000 steps, the test accuracy every 100 steps reported to Tune;
 TPE through Ray's OptunaSearch (seeded); ASHA as expgpu_asha's: rungs at steps 200, 600, 1800, reduction factor 3.
 
-    python bench/tune_ray_asha.py TRIALS STEPS OUT_DIR [SEED]   (prints one JSON line: best, finished, pruned)
+    python bench/tune_ray_asha.py TRIALS STEPS OUT_DIR [SEED]
+
+It prints one JSON line: the best accuracy, its trial's params (as expgpu overrides), finished, pruned.
 
 Ray pins its own dependencies: run it from a venv of its own (torch==2.13.0, ray[tune], optuna, scikit-learn,
 and this checkout's src on PYTHONPATH); bench_tune.py's --ray-python names that venv's python.
@@ -67,7 +69,11 @@ def main() -> None:
         run_config=tune.RunConfig(storage_path=out, verbose=0))
     results = tuner.fit()
     done = [r for r in results if r.metrics and r.metrics.get("step") == steps]
-    print(json.dumps({"best": max((r.metrics["accuracy"] for r in done), default=float("nan")),
+    best = max(done, key=lambda r: r.metrics["accuracy"], default=None)
+    params = None if best is None else [f"task.optimizer.lr={best.config['lr']}",
+                                        f"task.model.hidden={best.config['hidden']}",
+                                        f"task.batch_size={best.config['batch_size']}"]
+    print(json.dumps({"best": best.metrics["accuracy"] if best else float("nan"), "params": params,
                       "finished": len(done), "pruned": len(results) - len(done)}))
 
 
