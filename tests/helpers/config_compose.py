@@ -13,13 +13,14 @@ from expgpu.errors import UserError
 from expgpu.gpus import placement
 
 
-def composed(*overrides: str):
-    """The config `python -m expgpu OVERRIDES` runs with (Hydra's compose, as hydra.main does)."""
+def composed(*overrides: str, hydra: bool = False):
+    """The config `python -m expgpu OVERRIDES` runs with (Hydra's compose, as hydra.main does); with its
+    `hydra` node (as a launcher's job config has it) when `hydra`."""
     config.register()
     rundir.register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
 
 def refused(*overrides: str) -> str:

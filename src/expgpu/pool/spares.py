@@ -133,9 +133,9 @@ def primable(hydra_context, task_function, own_code: bool) -> bool:
 def task_modules(cfg, own_code: bool) -> list[str]:
     """What a job of an expgpu app imports before its first step: torch (most of a job's start-up;
     importing it starts no CUDA), expgpu's line and the modules the job's config names (_target_s
-    under task: its function, or the built-in loop's model, dataset, optimizer; a trial's reporter when
-    the job is an optimizing sweeper's trial: cfg a job's config). Nothing for another
-    Hydra app: its spares stay as light as they were.
+    under task: its function, or the built-in loop's model, dataset, optimizer), and Optuna with the
+    trial's reporter when `cfg` is the config of a job an optimizing sweeper started as a trial.
+    Nothing for another Hydra app: its spares stay as light as they were.
 
     own_code=False (a pool of real GPUs): only torch's and expgpu's modules. A user's module may ask
     torch.cuda.is_available() at import, which starts CUDA's driver with the spare's mask (no GPU)
