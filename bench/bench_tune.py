@@ -118,7 +118,7 @@ def run_way(name: str, trials: int, steps: int, seed: int, where: Path, hydra_op
             "task.eval_every=100", "objective=accuracy", "hydra.sweeper.direction=maximize",
             f"hydra.sweeper.n_trials={trials}", f"hydra.sweeper.sampler.seed={seed}", f"hydra.sweep.dir={sweep}",
             "~hydra.callbacks.report"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_"))}
+    env = _own_env()
     if name.startswith("hydra"):
         env = with_path(env, hydra_optuna)
     if name.endswith("_1t"):
@@ -129,6 +129,11 @@ def run_way(name: str, trials: int, steps: int, seed: int, where: Path, hydra_op
     if proc.returncode != 0:
         sys.exit(f"{name} failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
     return {"wall": wall, "cpu": _children_cpu() - cpu0, **_read(sweep, began)}
+
+
+def _own_env() -> dict[str, str]:
+    """This environment without SLURM's and expgpu's variables: each command starts as a user's would."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_"))}
 
 
 def _children_cpu() -> float:
@@ -177,8 +182,7 @@ def retrain(name: str, seed: int, params: list[str] | None, n: int, steps: int, 
     args = [sys.executable, "-m", "expgpu", "-m", "hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2", *params,
             "task=digits", f"task.max_steps={steps}", "task.eval_every=100", f"task.seed=range(1,{n + 1})",
             f"hydra.sweep.dir={sweep}", "~hydra.callbacks.report"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_"))}
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(args, cwd=REPO, env=_own_env(), capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         sys.exit(f"retraining {name}'s best (seed {seed}) failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
     return [json.loads(p.read_text())["metrics"]["accuracy"] for p in sweep.glob("*/result.json")]
