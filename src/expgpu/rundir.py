@@ -181,6 +181,11 @@ def script_log_marker(run_dir: Path) -> Path:
     return state_dir(run_dir) / "script-log.json"
 
 
+def script_held_rows(run_dir: Path) -> Path:
+    """The rows a resumed script's attempt holds back until it has logged its first step again (expgpu.script.log)."""
+    return state_dir(run_dir) / "script-held-rows.jsonl"
+
+
 def script_watch(run_dir: Path, rank: int) -> Path:
     return state_dir(run_dir) / f"script-watch-rank{rank}.json"
 

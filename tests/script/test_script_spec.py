@@ -264,6 +264,58 @@ def test_expgpu_log_history_follows_the_script_across_attempts(tmp_path):
     assert [r[0] for r in _rows(tmp_path)] == [0, 1]
 
 
+def _names(run_dir: Path) -> list[tuple]:
+    import json
+
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return sorted((r["step"], name, r[name]) for r in rows for name in ("loss", "val_loss") if name in r)
+
+
+def test_a_script_resumed_at_its_checkpoints_step_keeps_what_it_does_not_log_there_again(tmp_path):
+    from expgpu.script.log import _ScriptLog
+
+    first = _ScriptLog(tmp_path, False)
+    for step in (1, 2, 3):
+        first.log(step, {"loss": float(step)})
+    first.log(3, {"val_loss": 0.5})
+    first.close()
+    # resumed from its checkpoint at step 3, it evaluates again there (at its start, or its end):
+    # its val_loss at 3 replaces the earlier one; the loss at 3, not logged again, stays
+    again = _ScriptLog(tmp_path, True)
+    again.log(3, {"val_loss": 0.25})
+    again.log(4, {"loss": 4.0})
+    again.close()
+    assert _names(tmp_path) == [(1, "loss", 1.0), (2, "loss", 2.0), (3, "loss", 3.0), (3, "val_loss", 0.25),
+                                (4, "loss", 4.0)]
+    last = _ScriptLog(tmp_path, True)   # resumed at its last step: only its final evaluation runs again
+    last.log(4, {"val_loss": 0.125})
+    last.close()
+    assert _names(tmp_path)[-2:] == [(4, "loss", 4.0), (4, "val_loss", 0.125)]
+    assert len(_names(tmp_path)) == 6
+
+
+def test_rows_held_over_by_an_attempt_killed_at_its_first_step_are_not_lost(tmp_path):
+    import subprocess
+    import sys
+
+    from expgpu.script.log import _ScriptLog
+
+    first = _ScriptLog(tmp_path, False)
+    for step in (1, 2):
+        first.log(step, {"loss": float(step)})
+    first.close()
+    # resumed at step 2, it logs val_loss there and is killed before it logs another step or exits
+    killed = ("import os, sys; from pathlib import Path; from expgpu.script.log import _ScriptLog\n"
+              "s = _ScriptLog(Path(sys.argv[1]), True); s.log(2, {'val_loss': 0.5}); s.metrics.write_out()\n"
+              "os._exit(9)")
+    assert subprocess.run([sys.executable, "-c", killed, str(tmp_path)]).returncode == 9
+    assert _names(tmp_path) == [(1, "loss", 1.0), (2, "val_loss", 0.5)]   # the loss at 2 is held, not gone
+    again = _ScriptLog(tmp_path, True)   # resumed at step 2 again
+    again.log(2, {"val_loss": 0.25})
+    again.close()
+    assert _names(tmp_path) == [(1, "loss", 1.0), (2, "loss", 2.0), (2, "val_loss", 0.25)]
+
+
 def test_expgpu_log_refuses_a_rows_own_keys(tmp_path):
     from expgpu.script.log import _ScriptLog
 

@@ -162,6 +162,12 @@ class MetricsLog:
         if self.display is not None:
             self.display.update(last, rows[last], pace, epoch if self.pace.epochs else None, self.first_epoch)
 
+    def append(self, rows: list[dict]) -> None:
+        """Rows as they are (an earlier attempt's, kept), handed to the OS now; not sent to the sinks."""
+        for row in rows:
+            self.file.write(json.dumps(row) + "\n")
+        self.write_out()
+
     def write_out(self) -> None:
         """Hand the rows written so far to the OS (a checkpoint must not come before its rows)."""
         if self.file is not None:

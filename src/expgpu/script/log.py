@@ -15,9 +15,13 @@ watches for hangs (expgpu.script.watch): on other ranks that is all it does. Any
 or torchrun) it does nothing, after one look at the environment.
 
 A rerun that resumed the script (resume_args added) continues the history: without step=, at the
-step after the last row; with step=, the rows from its first step on are dropped first (logged after
-the checkpoint the script resumed from, about to be logged again). A rerun that starts the script
-afresh starts metrics.jsonl afresh.
+step after the last row; with step=, the rows after its first step are dropped first (logged after the
+checkpoint the script resumed from, about to be logged again). Those at its first step are held back
+until it logs another step or exits: what it logs there again replaces them, the rest stays (a script
+resumed at its checkpoint's step that evaluates there again, at its start or its end, keeps the loss
+logged there). They wait in RUN_DIR/.expgpu/script-held-rows.jsonl, so an attempt killed before then
+loses none of them: the next attempt puts them back first. A rerun that starts the script afresh starts
+metrics.jsonl afresh.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ import threading
 from pathlib import Path
 
 from expgpu import envvars
-from expgpu.loggers.jsonl import ROW_KEYS, MetricsLog, trim
+from expgpu.loggers.jsonl import ROW_KEYS, MetricsLog, read_rows, trim
 from expgpu.procs.stop_signals import NEVER
-from expgpu.rundir import METRICS, atomic_write_bytes, script_log_marker
+from expgpu.rundir import METRICS, atomic_write_bytes, script_held_rows, script_log_marker
 from expgpu.script.heartbeat import Beat
 
 # Set by expgpu.script.environ in the script's environment
@@ -66,6 +70,7 @@ class _ScriptLog:
         self.run_dir, self.resumed = run_dir, resumed
         self.metrics = MetricsLog(run_dir, show=False)   # rank 0's supervisor shows the progress (script.loggers)
         self.next_step: int | None = None
+        self.held: list[dict] = []   # an earlier attempt's rows at this attempt's first step, held back
         self.epoch = 0
         self.lock = threading.Lock()
         atexit.register(self.close)
@@ -87,6 +92,8 @@ class _ScriptLog:
             if self.metrics.file is None:
                 self._begin(step)
             step = self.next_step if step is None else step
+            if self.held:
+                self._hold_back(step, values.keys())
             self.metrics.log(step, values)
             self.metrics.flush(self.epoch)
             self.next_step = step + 1
@@ -95,11 +102,16 @@ class _ScriptLog:
     def _begin(self, first: int | None) -> None:
         """Trim what this attempt redoes, open metrics.jsonl, and say where its rows begin (expgpu.script.loggers)."""
         path = self.run_dir / METRICS
+        _put_back(path, script_held_rows(self.run_dir))
         held = trim(path, NEVER)   # the last step an earlier attempt logged; nothing dropped
         if not self.resumed:
             kept = -1
         else:
             kept = held if first is None else first - 1
+        if self.resumed and first is not None:
+            self.held = [row for row in read_rows(path) if row["step"] == first]
+            if self.held:   # kept safe before the trim drops them from metrics.jsonl
+                atomic_write_bytes(script_held_rows(self.run_dir), _lines(self.held))
         self.metrics.open(kept, None, resumed=self.resumed)
         self.next_step = kept + 1
         self.metrics.write_out()
@@ -109,7 +121,43 @@ class _ScriptLog:
         marker.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(marker, json.dumps(begun).encode())
 
+    def _hold_back(self, step: int, names) -> None:
+        """At the held rows' step: drop what is logged again. At another: write the rest, before the new row."""
+        if step == self.held[0]["step"]:
+            self.held = [r for r in ({k: v for k, v in row.items() if k not in names} for row in self.held)
+                         if r.keys() - ROW_KEYS]
+            if self.held:
+                return
+        self.metrics.append(self.held)
+        self.held = []
+        script_held_rows(self.run_dir).unlink(missing_ok=True)   # after the rows reached the OS
+
     def close(self) -> None:
         with self.lock:
             if self.metrics.file is not None:
+                if self.held:
+                    self._hold_back(-1, ())
                 self.metrics.close(self.epoch)
+
+
+def _lines(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
+
+
+def _put_back(path: Path, held_path: Path) -> None:
+    """Rows an attempt killed at its first step held back: appended to metrics.jsonl, but for the names it
+    logged there again (newer), or all of them where it went on past that step (it wrote them then)."""
+    held = read_rows(held_path)
+    if held:
+        step = held[0]["step"]
+        rows = read_rows(path)
+        logged = {name for row in rows if row["step"] == step for name in row}
+        if all(row["step"] <= step for row in rows):
+            back = [r for r in ({k: v for k, v in row.items() if k not in logged or k in ROW_KEYS} for row in held)
+                    if r.keys() - ROW_KEYS]
+            if back:
+                with open(path, "ab") as f:
+                    f.write(_lines(back))
+                    f.flush()
+                    os.fsync(f.fileno())
+    held_path.unlink(missing_ok=True)
