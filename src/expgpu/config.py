@@ -143,7 +143,7 @@ class LaunchConfig:
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)   # wrap=fsdp: FSDP2 (expgpu/distributed/fsdp.py)
     # what the task prints: every rank's on the console, or rank0's only (the others' in logs/rank<N>.out)
     stdout: Stdout = Stdout.all
-    hang: HangConfig = field(default_factory=HangConfig)   # the progress watchdog of a multi-rank run
+    hang: HangConfig = field(default_factory=HangConfig)   # the progress watchdog of a run
     on_hang: OnHang = OnHang.fail                          # restart: needs max_restarts >= 1
     # After a rank crashes (or hangs, with on_hang=restart), every rank is stopped and the world starts
     # again from the last checkpoint, in the same run dir, up to this many times.

@@ -69,11 +69,17 @@ def test_the_line_names_the_rank_at_fault_by_its_own_frame_and_where_the_others_
     assert "rank 1 at train.py:33 in train: dist.barrier() (in torch's barrier)" in watchdog.line(verdict, both)
     # a rank whose watchdog could not say where it is (a C call holding the GIL)
     assert "rank 1 at an unknown place (its watchdog could not run" in watchdog.line(verdict, {0: frames[0]})
+    # a run of one rank: that rank, by name
+    alone = watchdog.judge({0: rec(5, 6.0)}, FIVE)
+    assert watchdog.line(alone, {0: frames[1]}) == \
+        "rank 0 has not finished step 6 for 6 s (limit 5 s); rank 0 at train.py:30 in train: time.sleep(3600)"
 
 
-def _hang(tmp_path, how: str, *extra: str, timeout: float = 120):
-    args = ["--config-dir", str(TESTS / "conf"), "task=probe_hangs", f"task.how={how}", "launch.nproc_per_node=2",
-            "launch.hang.timeout_s=5", *extra]
+def _hang(tmp_path, how: str, *extra: str, timeout: float = 120, nproc: int = 2):
+    args = ["--config-dir", str(TESTS / "conf"), "task=probe_hangs", f"task.how={how}",
+            f"launch.nproc_per_node={nproc}", "launch.hang.timeout_s=5", *extra]
+    if nproc == 1:
+        args.append("task.rank=0")
     t0 = time.monotonic()
     run = expgpu(args, tmp_path / "run", env=clean_env(PYTHONPATH=str(HELPERS)), timeout=timeout)
     return run, time.monotonic() - t0
@@ -117,6 +123,33 @@ def test_a_sleeping_rank_is_named_with_its_line_within_the_timeout_and_nothing_o
     # the timeout (5 s) and the launch's start-up (a few seconds on 2 busy cores), no collective timeout
     assert took < run.result.get("timing", {}).get("startup_s", 0) + 5 + 5 + 20, took
     assert _leftovers(run.run_dir) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_run_of_one_rank_that_stops_making_progress_ends_with_its_line_and_frees_its_gpu(tmp_path):
+    # no process group, no collective's timeout: before the watchdog watched one rank, this ran for ever
+    run, took = _hang(tmp_path, "sleep", nproc=1)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == EXIT_HUNG, run.stderr[-3000:]
+    assert last == (f"expgpu: hung: rank 0 has not finished step 6 for 5 s (limit 5 s); rank 0 at "
+                    f"{_at('time.sleep(3600)')} (every rank's stacks: {run.run_dir / 'hang'})"), last
+    assert "time.sleep(3600)" in (run.run_dir / "hang" / "rank0.txt").read_text()
+    assert run.result["status"] == "hung" and run.result["hang"]["culprits"] == [0]
+    assert took < 5 + 30, took
+    assert _leftovers(run.run_dir) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how,extra", [
+    ("phase", ["task.slow_s=8"]),                          # an evaluation longer than the limit, in run.phase
+    ("after", ["task.slow_s=8"]),                          # an evaluation after run.steps, not in run.phase
+])
+def test_slow_is_not_hung_on_one_rank_either(tmp_path, how, extra):
+    run, _ = _hang(tmp_path, how, "task.max_steps=8", *extra, nproc=1)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.result["status"] == "finished" and not (run.run_dir / "hang").exists()
 
 
 @pytest.mark.slow
@@ -209,3 +242,20 @@ def test_a_sweeps_report_says_which_job_hung_and_why(tmp_path):
     assert rows["0"][2] == "hung" and rows["1"][2] == "finished", report.stdout
     assert f"job 0: rank 1 has not finished step 6 for 5 s (limit 5 s); rank 1 at {_at('time.sleep(3600)')}" \
         in report.stdout and f"(every rank's stacks: {sweep / '0' / 'hang'})" in report.stdout, report.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_pool_sweep_goes_on_past_a_trial_of_one_rank_that_hung_and_its_slot_runs_the_next(tmp_path):
+    from conftest import multirun
+
+    sweep = tmp_path / "sweep"
+    run = multirun(["--config-dir", str(TESTS / "conf"), "hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=1",
+                    "task=probe_hangs", "task.how=sleep,none,none", "task.rank=0", "launch.hang.timeout_s=5"], sweep,
+                   env=clean_env(PYTHONPATH=str(HELPERS)), timeout=150)
+    assert run.returncode == 1 and "expgpu: the sweep failed" in run.stderr, run.stderr[-3000:]
+    output = run.stdout + run.stderr
+    assert "#0 failed after" in output and "exited with code 124 (expgpu: hung: rank 0 has not finished step 6" \
+        in output, output[-3000:]
+    statuses = [json.loads((sweep / str(n) / "result.json").read_text())["status"] for n in range(3)]
+    assert statuses == ["hung", "finished", "finished"]   # on the one slot, after the hung trial

@@ -100,7 +100,7 @@ def line(verdict: dict, frames: dict[int, dict], head: str | None = None) -> str
     who = ", ".join(f"rank {r}" for r in behind)
     if head is None:
         head = (f"{who} {'has' if len(behind) == 1 else 'have'} not finished step {verdict['step']}"
-                if len(behind) < len(ranks) else f"no rank has finished step {verdict['step']}")
+                if len(behind) < len(ranks) or len(ranks) == 1 else f"no rank has finished step {verdict['step']}")
     parts = [f"{head} for {verdict['waited_s']:.0f} s (limit {verdict['limit_s']:.0f} s)"]
     parts += [f"rank {r} at {_frame(frames.get(r))}" for r in behind]
     others = [r for r in ranks if r not in behind]

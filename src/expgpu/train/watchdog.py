@@ -1,4 +1,4 @@
-"""The progress watchdog of a run of several ranks: a hung rank found and named, with its stack.
+"""The progress watchdog of a run: a hung rank found and named, with its stack.
 
 A rank that stops (its data loader stuck, a dead file system, a deadlock, a collective its peers never
 reach) leaves every other rank waiting in a collective until the process group's timeout, and the
@@ -6,7 +6,9 @@ error then names the collective and blames a rank that waited. Here every rank r
 once a second, publishes where its loop is (its step, its phase, how long since the step last
 advanced) in the process group's store, so it works alike under expgpu's spawn, torchrun and srun,
 on one node or many. Two ranks (the first and the last) read everyone's; the loop itself pays nothing
-(the thread reads `run.step`).
+(the thread reads `run.step`). A run of one rank (a sweep's trial, most often) has no process group and
+no collective whose timeout would end it: it keeps its records in a store of its own, by the same rules,
+so a trial that stops making progress frees its GPU and its pool slot instead of holding them for ever.
 
 It is a hang when every rank still training has not finished a step for its limit: `launch.hang.timeout_s`,
 or by default 20 x the slowest rank's recent step time, at least FLOOR_S; a rank in a slow phase (its
@@ -238,9 +240,17 @@ def _exit(code: int = EXIT_HUNG) -> None:
 
 def start(store, rank: int, world_size: int, run_dir: Path, s: HangSettings | None, where, on_verdict,
           before_exit=None):
-    """The rank's watchdog, started; None for one rank or when it is off."""
-    if s is None or world_size < 2 or store is None:
+    """The rank's watchdog, started; None when it is off. One rank has no process group: its records live
+    in a store of this process's own (the same rules: a run of one rank, a sweep's trial, that stops
+    making progress holds its GPU for ever, with no collective's timeout to end it)."""
+    if s is None:
         return None
+    if store is None:
+        if world_size > 1:
+            return None
+        from torch.distributed import HashStore
+
+        store = HashStore()
     return Watchdog(store, rank, world_size, run_dir, s, where, on_verdict, before_exit).start()
 
 
