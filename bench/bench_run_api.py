@@ -11,7 +11,7 @@ one launch, and gives the median of its per-pair ratios and the ratio of its tot
 machine two runs of one command differ by 10-40 %, far more than the cost measured here).
 
 steps/s ratio = run.steps / plain loop     (goal >= 0.99)
-With several ranks the hang watchdog runs in both loops' processes: its thread's CPU share is printed, the
+The hang watchdog (one rank or several) runs in both loops' processes: its thread's CPU share is printed, the
 most it can slow a loop (so a plain loop without it would be at most 1 / (1 - share) as fast).
 """
 
@@ -71,7 +71,7 @@ def interleaved(args) -> None:
               f"of a core (rank 0, median over launches): a plain loop without it is at most "
               f"{1 / (1 - statistics.median(watchdog)):.4f}x as fast")
     else:
-        print("the hang watchdog was off (one rank, or launch.hang.timeout_s=null)")
+        print("the hang watchdog was off (launch.hang.timeout_s=null)")
 
 
 def separate(args) -> None:
