@@ -121,11 +121,11 @@ class _ScriptLog:
         marker.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(marker, json.dumps(begun).encode())
 
-    def _hold_back(self, step: int, names) -> None:
-        """At the held rows' step: drop what is logged again. At another: write the rest, before the new row."""
+    def _hold_back(self, step: int | None, names) -> None:
+        """At the held rows' step: drop what is logged again. At another (None: the end): write the rest,
+        before the new row."""
         if step == self.held[0]["step"]:
-            self.held = [r for r in ({k: v for k, v in row.items() if k not in names} for row in self.held)
-                         if r.keys() - ROW_KEYS]
+            self.held = _without(self.held, names)
             if self.held:
                 return
         self.metrics.append(self.held)
@@ -136,8 +136,14 @@ class _ScriptLog:
         with self.lock:
             if self.metrics.file is not None:
                 if self.held:
-                    self._hold_back(-1, ())
+                    self._hold_back(None, ())
                 self.metrics.close(self.epoch)
+
+
+def _without(rows: list[dict], names) -> list[dict]:
+    """`rows` without the metrics `names` (a row's own keys stay), and without the rows left with none."""
+    cut = [{k: v for k, v in row.items() if k not in names or k in ROW_KEYS} for row in rows]
+    return [row for row in cut if row.keys() - ROW_KEYS]
 
 
 def _lines(rows: list[dict]) -> bytes:
@@ -153,8 +159,7 @@ def _put_back(path: Path, held_path: Path) -> None:
         rows = read_rows(path)
         logged = {name for row in rows if row["step"] == step for name in row}
         if all(row["step"] <= step for row in rows):
-            back = [r for r in ({k: v for k, v in row.items() if k not in logged or k in ROW_KEYS} for row in held)
-                    if r.keys() - ROW_KEYS]
+            back = _without(held, logged)
             if back:
                 with open(path, "ab") as f:
                     f.write(_lines(back))
