@@ -36,6 +36,9 @@ WINDOW_S = 30.0   # the pace is over the rows of about this many seconds: it fol
 # written to the console, the job's log and the rank's log, read by whoever holds the console)
 # costs rank 0, and so every rank waiting for it at the next all-reduce.
 PROGRESS_EVERY_S = 5.0
+# On a terminal, the live bar is redrawn at most this often (rich repaints it 10 times a second anyway); a
+# row in between is put into words only if it is the last (close)
+BAR_EVERY_S = 0.1
 
 
 class Pace:
@@ -79,7 +82,8 @@ class Display:
     def __init__(self, total: int | None, start: int, live: bool | None = None):
         self.bar = None
         self.shown_at: float | None = None   # when the last line was written
-        self.unshown: str | None = None
+        self.unshown: tuple | None = None    # the last row not shown yet: line()'s arguments, formatted if shown
+        self.drawn_at: float | None = None   # when the bar was last drawn
         self.muted: list[logging.Handler] = []
         if sys.stderr.isatty() if live is None else live:
             from rich.progress import Progress
@@ -93,21 +97,28 @@ class Display:
 
     def update(self, step: int, values: dict[str, Any], fields: dict[str, Any], epoch: int | None = None,
                first_epoch: int = 0) -> None:
-        """A row: its step, its logged values, its progress fields; `epoch` under run.epochs."""
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step, total=fields.get("max_steps"),
-                            description=line(step, values, fields, epoch, first_epoch, bar=True))
-        text = line(step, values, fields, epoch, first_epoch)
+        """A row: its step, its logged values, its progress fields; `epoch` under run.epochs. Called at every
+        flush of the training loop (every task.log_every steps): a row is put into words only when shown."""
+        args = (step, values, fields, epoch, first_epoch)
         now = time.monotonic()
+        if self.bar is not None and (self.drawn_at is None or now - self.drawn_at >= BAR_EVERY_S):
+            self._draw(args)
+            self.drawn_at = now
         if self.shown_at is not None and now - self.shown_at < PROGRESS_EVERY_S:
-            self.unshown = text
+            self.unshown = args
             return
         self.shown_at, self.unshown = now, None
-        log.info("%s", text, extra={PROGRESS: True})
+        log.info("%s", line(*args), extra={PROGRESS: True})
+
+    def _draw(self, args: tuple) -> None:
+        step, _, fields, *_ = args
+        self.bar.update(self.task, completed=step, total=fields.get("max_steps"), description=line(*args, bar=True))
 
     def close(self) -> None:
         if self.unshown is not None:
-            log.info("%s", self.unshown, extra={PROGRESS: True})
+            if self.bar is not None:
+                self._draw(self.unshown)
+            log.info("%s", line(*self.unshown), extra={PROGRESS: True})
             self.unshown = None
         if self.bar is not None:
             self.bar.stop()
