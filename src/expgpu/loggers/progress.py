@@ -84,6 +84,7 @@ class Display:
         self.shown_at: float | None = None   # when the last line was written
         self.unshown: tuple | None = None    # the last row not shown yet: line()'s arguments, formatted if shown
         self.drawn_at: float | None = None   # when the bar was last drawn
+        self.undrawn: tuple | None = None    # the last row not drawn on the bar yet
         self.muted: list[logging.Handler] = []
         if sys.stderr.isatty() if live is None else live:
             from rich.progress import Progress
@@ -101,23 +102,27 @@ class Display:
         flush of the training loop (every task.log_every steps): a row is put into words only when shown."""
         args = (step, values, fields, epoch, first_epoch)
         now = time.monotonic()
-        if self.bar is not None and (self.drawn_at is None or now - self.drawn_at >= BAR_EVERY_S):
-            self._draw(args)
-            self.drawn_at = now
+        if self.bar is not None:
+            self.undrawn = args
+            if self.drawn_at is None or now - self.drawn_at >= BAR_EVERY_S:
+                self._draw()
+                self.drawn_at = now
         if self.shown_at is not None and now - self.shown_at < PROGRESS_EVERY_S:
             self.unshown = args
             return
         self.shown_at, self.unshown = now, None
         log.info("%s", line(*args), extra={PROGRESS: True})
 
-    def _draw(self, args: tuple) -> None:
-        step, _, fields, *_ = args
+    def _draw(self) -> None:
+        args = self.undrawn
+        step, fields = args[0], args[2]
         self.bar.update(self.task, completed=step, total=fields.get("max_steps"), description=line(*args, bar=True))
+        self.undrawn = None
 
     def close(self) -> None:
+        if self.bar is not None and self.undrawn is not None:
+            self._draw()
         if self.unshown is not None:
-            if self.bar is not None:
-                self._draw(self.unshown)
             log.info("%s", line(*self.unshown), extra={PROGRESS: True})
             self.unshown = None
         if self.bar is not None:
