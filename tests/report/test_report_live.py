@@ -100,7 +100,8 @@ def _final_page_checks(sweep: Path, jobs: int) -> None:
 @pytest.mark.slow
 def test_a_gpu_pool_sweep_page_lists_a_finished_job_while_another_runs_then_the_final(tmp_path):
     sweep = tmp_path / "sweep"
-    w = Watched(sweep, ["hydra/launcher=gpu_pool", SIM2, "task=a", PACED, "task.max_steps=20,900",
+    # job 1 runs ~16 s: under load a page write may take a few hundred ms, and the next waits 20x that (DUTY)
+    w = Watched(sweep, ["hydra/launcher=gpu_pool", SIM2, "task=a", PACED, "task.max_steps=20,2500",
                         "task.log_every=20"])
     first = w.until(lambda t: True)   # the first page: the planned jobs, before any ended
     assert re.search(r"Sweep running: 0 of 2 jobs done \(\d running(, \d queued)?|2 queued\)", state_line(first))
