@@ -59,6 +59,21 @@ def test_the_line_says_the_step_of_how_many_the_epoch_the_values_the_pace_and_th
     assert line(60, {"loss": 0.5}, fields, bar=True) == "loss 0.5  12.3 steps/s"
 
 
+def test_the_display_shows_a_line_every_5_s_the_bar_every_tenth_and_both_end_on_the_last_row(clock, caplog):
+    caplog.set_level("INFO", logger="expgpu")
+    shown = progress.Display(100, 0, live=True)
+    bar = shown.bar.tasks[0]
+    for step in range(1, 101):          # a row every 10 ms: 1 s in all
+        clock.now += 0.01
+        shown.update(step, {"loss": 1.0 / step}, {"max_steps": 100})
+        if step == 20:
+            assert bar.completed == 11   # drawn at step 1, then 0.1 s later; step 20 not yet
+    assert [r.getMessage() for r in caplog.records] == ["step 1/100 (1 %)  loss 1"]
+    shown.close()   # the last row: on the bar and in a line, though neither was due
+    assert bar.completed == 100 and bar.description == "loss 0.01"
+    assert [r.getMessage() for r in caplog.records][-1] == "step 100/100 (100 %)  loss 0.01"
+
+
 @pytest.mark.slow
 def test_the_built_in_loop_says_its_step_of_how_many_its_pace_and_eta_in_its_lines_and_rows(tmp_path):
     run = expgpu(["task=a", "task.max_steps=120", "task.log_every=1"], tmp_path / "run")

@@ -265,9 +265,10 @@ def test_expgpu_log_history_follows_the_script_across_attempts(tmp_path):
 
 
 def _names(run_dir: Path) -> list[tuple]:
-    import json
+    """(step, name, value) of every loss and val_loss in metrics.jsonl, sorted."""
+    from expgpu.loggers.jsonl import read_rows
 
-    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    rows = read_rows(run_dir / "metrics.jsonl")
     return sorted((r["step"], name, r[name]) for r in rows for name in ("loss", "val_loss") if name in r)
 
 
