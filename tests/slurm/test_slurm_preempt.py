@@ -19,6 +19,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,7 @@ def test_job_that_cannot_be_requeued_says_so_and_how_to_resume(slurm_cluster, tm
 
 JOB_WITH_MOVING_FINISH = """#!/bin/bash
 #SBATCH --ntasks=2 --ntasks-per-node=2 --cpus-per-task=1 --gpus-per-node=0
-#SBATCH --requeue --open-mode=append --time=1 --signal=USR2@20
+#SBATCH --requeue --open-mode=append --time=2 --signal=USR2@20
 # max_steps is read at every start: the test moves the finish line once the job has been
 # requeued (max_steps may change on resume), so the second start ends in seconds.
 echo "restart ${SLURM_RESTART_COUNT:-0}"
@@ -123,15 +124,25 @@ srun --kill-on-bad-exit=1 python -m expgpu task=a task.max_steps=$(cat max_steps
 """.replace("{PACED}", PACED)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_job_warned_before_its_time_limit_requeues_itself_and_finishes(slurm_cluster, tmp_path):
-    # --time=1 --signal=USR2@20: SLURM checks time limits every 30 s and warns at the first check
-    # past end - 20 s - 30 s, i.e. 10 to 40 s after the start. Until then the job trains toward a
-    # finish line it cannot reach in one minute, its steps paced by a sleep (the cores stay free).
+    # --signal=USR2@20: SLURM checks time limits every 30 s and warns at the first check past
+    # end - 20 s - 30 s. With --time=2 that is 70 to 100 s after the start; once the job is
+    # training, a limit of one minute brings the warning to the next check (within 30 s), unless
+    # that could land past the minute itself. A warning during the start-up would stop the job
+    # at step 0 (seen under load), which is not what this test is about. Until the warning the
+    # job trains toward a finish line it cannot reach, its steps paced by a sleep.
     (tmp_path / "job.sbatch").write_text(JOB_WITH_MOVING_FINISH)
     (tmp_path / "max_steps").write_text("10000000")
+    submitted = time.monotonic()
     job = slurm_cluster.sbatch(["job.sbatch"], cwd=tmp_path)
     out = tmp_path / f"slurm-{job}.out"
+    run_dir = tmp_path / "outputs" / "slurm" / job
+    wait_until("training progress",
+              lambda: _progress(run_dir) or slurm_cluster.state(job) in ("FAILED", "COMPLETED", "TIMEOUT"),
+              timeout=100)
+    if time.monotonic() - submitted < 25:   # an upper bound on the time since the job started
+        slurm_cluster.run(["scontrol", "update", f"jobid={job}", "TimeLimit=1"])
     wait_until("the time-limit warning and the requeue",
               lambda: restarts(slurm_cluster, job) >= 1 or slurm_cluster.state(job) in ("FAILED", "TIMEOUT"),
               timeout=120, every=0.05)
