@@ -144,11 +144,13 @@ def test_sigterm_while_starting_up_is_kept(tmp_path, reference):
 
 def test_crashed_rank_resumes_from_the_periodic_checkpoint(tmp_path, reference):
     # 2 ranks x 64 examples per batch: an epoch of task a is 32 steps, so the checkpoint at
-    # step 64 sits exactly on an epoch boundary (position == batches per epoch).
+    # step 64 sits exactly on an epoch boundary (position == batches per epoch). Steps paced to
+    # ~50 ms (32 examples a rank) make the 36 steps past the checkpoint outlast metrics.jsonl's
+    # once-a-second write-out, so rows past it are on disk before the crash however loaded the machine.
     args = ARGS + _nproc(2)
     run_dir = tmp_path / "run"
-    crashed = expgpu(args + ["checkpoint.every_steps=64", "faults.crash_rank=1", "faults.crash_step=100"],
-                     run_dir, env=ENV)
+    crashed = expgpu(args + ["checkpoint.every_steps=64", "faults.crash_rank=1", "faults.crash_step=100",
+                             "faults.device_ms_per_example=1.5"], run_dir, env=ENV)
     assert crashed.returncode == 1, crashed.stderr[-3000:]
     assert "injected crash" in crashed.stderr.strip().splitlines()[-1]
     assert not (run_dir / "result.json").exists()
