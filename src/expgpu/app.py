@@ -228,7 +228,7 @@ def _finished(result: dict | None, info: ranks.RankInfo, run_dir: Path) -> dict 
         # request is spent: a launcher that runs the next trial in this process (basic) starts afresh.
         stopper.received = stopper.agreed = None
         if result is not None:
-            log.info("pruned at step %d by the study's pruner (checkpoint saved): %s", result["steps"],
+            log.info("pruned at step %d by the study's pruner: %s", result["steps"],
                      Path(result["run_dir"]) / rundir.RESULT)
         return result
     if stopper.agreed:  # stopped on a signal, checkpoint saved by all ranks

@@ -104,6 +104,23 @@ def test_a_stop_saves_and_the_rerun_ends_as_the_uninterrupted_run(tmp_path, base
     assert rows(tmp_path / "stopped") == rows(tmp_path / "whole")
 
 
+def prunes_itself(run: Run, at: int = 7):
+    """A trial whose pruner says prune at step `at` (tune.bridge requests it on rank 0 as a row is written)."""
+    model = run.wrap(torch.nn.Linear(1, 1))
+    run.track(model=model)
+    for step, _ in run.steps(None, 30):
+        run.log(loss=float(step + 1))
+        if step + 1 == at:
+            run._agreement.signals.request(stop_signals.PRUNED)
+
+
+def test_a_pruned_run_saves_no_checkpoint_and_writes_what_it_logged(tmp_path, base_cfg):
+    status, _, run = run_task(tmp_path / "run", base_cfg, "prunes_itself", log_every=5)
+    assert (status, run.step, run.stop_signal) == ("stopped", 7, "PRUNED")
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()   # final: a large model's save would hold the GPU
+    assert [(r["step"], r["loss"]) for r in rows(tmp_path / "run")] == [(5, 5.0), (7, 7.0)]
+
+
 def test_rows_keep_the_last_value_of_each_log_every_window(tmp_path, base_cfg):
     run_task(tmp_path / "run", base_cfg, "regress", max_steps=25, log_every=10)
     assert [r["step"] for r in rows(tmp_path / "run")] == [10, 20, 25]

@@ -64,7 +64,9 @@ def test_pruned_trials_stop_on_every_rank_at_one_step_and_free_their_slot(tmp_pa
         assert result["status"] == "pruned" and result["stop_signal"] == "PRUNED", result
         assert result["world_size"] == 2 and 2 <= result["steps"] < 40   # stopped early, after the warm-up
         assert len(set(result["rank_checksums"])) == 1   # both ranks stopped after the same steps
-        assert (sweep / str(n) / "checkpoint.pt").exists()
+        assert not (sweep / str(n) / "checkpoint.pt").exists()   # final: nothing to resume
+        rows = [json.loads(line) for line in (sweep / str(n) / "metrics.jsonl").read_text().splitlines()]
+        assert rows[-1]["step"] == result["steps"], rows   # what it logged up to the prune is written
         assert _study(sweep)[n]["last_step"] is not None
     pool = _pool(sweep)
     # trial 1's slot was free at once: trial 2 started in it while slow trial 0 still ran

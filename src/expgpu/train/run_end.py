@@ -9,6 +9,7 @@ import time
 
 from expgpu.distributed import group
 from expgpu.procs.hang_rules import SETUP
+from expgpu.procs.stop_signals import PRUNED
 
 
 class RunEnd:
@@ -46,8 +47,10 @@ class RunEnd:
             if finished:
                 self._state.settle()   # an async_save still being written: in place before the run ends
             if self._metrics is not None:
-                # after a stop, what was logged since the last row is in the checkpoint (written on resume)
-                self._metrics.close(self.epoch, flush=not self._stopped, crashed=not finished and not self._stopped)
+                # after a stop, what was logged since the last row is in the checkpoint (written on resume);
+                # a pruned trial saves none (it is final): its last row is written now, as at an end
+                in_checkpoint = self._stopped and self.stop_signal != PRUNED
+                self._metrics.close(self.epoch, flush=not in_checkpoint, crashed=not finished and not self._stopped)
 
     def finish_loggers(self, status: str, metrics: dict) -> None:
         """rank 0: the loggers' runs end (finished, stopped: resumable, failed) with the returned metrics."""
