@@ -56,7 +56,10 @@ from expgpu.procs.hang_rules import (
 log = logging.getLogger("expgpu")
 
 PERIOD_S = 1.0         # how often a rank publishes where it is, and a watcher judges
-FRAMES_WAIT_S = 3.0    # the claimer waits this long for every rank's frame before it writes the verdict
+# the claimer waits up to this long for every rank's frame before it writes the verdict: a peer learns of the
+# verdict at its next tick (<= PERIOD_S) and then dumps its stacks, 3.4 s in all seen on a loaded machine; only
+# a rank whose watchdog cannot run (a frame that never comes) makes the wait this long
+FRAMES_WAIT_S = 10.0
 BACKSTOP_S = 60.0      # faulthandler ends a rank whose watchdog could not run this long after its limit
 PREFIX = "expgpu/watchdog"
 
