@@ -56,9 +56,18 @@ def _pool(sweep_dir: Path) -> dict[int, dict]:
 def test_pruned_trials_stop_on_every_rank_at_one_step_and_free_their_slot(tmp_path):
     sweep = tmp_path / "sweep"
     done = _sweep(PROBE + POOL + [THRESHOLD, "hydra.sweeper.n_trials=4", "launch.nproc_per_node=2",
-                                  "task.max_steps=40", "task.slow_step_s=0.15", "task.step_s=0.02"], sweep)
+                                  "task.max_steps=40", "task.slow_step_s=0.15", "task.step_s=0.02",
+                                  "logger=[csv,mlflow]"], sweep)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _states_in_journal(sweep) == {0: "COMPLETE", 1: "PRUNED", 2: "COMPLETE", 3: "PRUNED"}
+    # a logger's run of a pruned trial is over, as a finished one's (not KILLED: nothing resumes it), tagged
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{sweep / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    got = {Path(r.data.tags["expgpu.run_dir"]).name: (r.info.status, r.data.tags.get("expgpu.status")) for r in runs}
+    assert got == {"0": ("FINISHED", None), "1": ("FINISHED", "pruned"), "2": ("FINISHED", None),
+                   "3": ("FINISHED", "pruned")}, got
     for n in (1, 3):
         result = json.loads((sweep / str(n) / "result.json").read_text())
         assert result["status"] == "pruned" and result["stop_signal"] == "PRUNED", result

@@ -93,6 +93,8 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
         finally:
             if dog is not None:
                 dog.done()
+        if status == "stopped" and run.stop_signal == stop_signals.PRUNED:
+            status = "pruned"   # an optimizing sweeper's pruner ended it (expgpu.tune): final, not to resume
         # The run's speed beside what it returned: the loggers' runs compare it across a sweep.
         speed = run.timings(t_start)["steps_per_s"]
         run.finish_loggers(status, {**metrics, **({"steps_per_s": speed} if speed is not None else {})})
@@ -102,8 +104,6 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
         ranks = group.gather_objects(me, info.world_size)
     if info.rank != 0:
         return None
-    if status == "stopped" and run.stop_signal == stop_signals.PRUNED:
-        status = "pruned"   # an optimizing sweeper's pruner ended it (expgpu.tune): final, not to resume
     return results.write_result(run_dir, {
         "status": status, **base, "plan": ranks, "metrics": metrics, **mine,
         "rank_checksums": [r["param_checksum"] for r in ranks]})

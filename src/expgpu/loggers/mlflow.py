@@ -151,4 +151,7 @@ class MlflowLogger:
         try:
             self._send()
         finally:
-            self.client.set_terminated(self.run_id, {"finished": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED"))
+            if status == "pruned":   # final as a finished run (nothing resumes it), told apart by its tag
+                self.client.set_tag(self.run_id, "expgpu.status", "pruned")
+            self.client.set_terminated(self.run_id, {"finished": "FINISHED", "pruned": "FINISHED",
+                                                     "stopped": "KILLED"}.get(status, "FAILED"))

@@ -60,5 +60,5 @@ class WandbLogger:
         self.run.summary.update({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         if status == "stopped":
             self.run.mark_preempting()
-        self.run.finish(exit_code=0 if status == "finished" else 1)
+        self.run.finish(exit_code=0 if status in ("finished", "pruned") else 1)   # pruned: final, not resumed
         self.run = None
