@@ -8,7 +8,7 @@ own 2-rank local spawn, the same math as two srun tasks.
 - `scontrol requeue J`: SLURM sends SIGTERM and requeues; expgpu only saves.
 - `scancel --signal=USR2 J` (what `--signal=USR2@N` sends before a time limit): expgpu saves
   and rank 0 requeues the job itself.
-- a real time limit: `--time=1 --signal=USR2@20`, SLURM's own warning.
+- a real time limit: `--signal=USR2@20` and a one-minute limit set once the job trains, SLURM's own warning.
 - the Hydra launcher (submitit): submitit's `job._interrupt()` (SIGTERM, then SIGUSR2);
   expgpu saves, then hands over to submitit, which requeues.
 """
