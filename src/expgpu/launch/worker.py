@@ -93,8 +93,8 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
         finally:
             if dog is not None:
                 dog.done()
-        if status == "stopped" and run.stop_signal == stop_signals.PRUNED:
-            status = "pruned"   # an optimizing sweeper's pruner ended it (expgpu.tune): final, not to resume
+        if status == "stopped" and run.pruned:
+            status = "pruned"   # final: not to resume
         # The run's speed beside what it returned: the loggers' runs compare it across a sweep.
         speed = run.timings(t_start)["steps_per_s"]
         run.finish_loggers(status, {**metrics, **({"steps_per_s": speed} if speed is not None else {})})

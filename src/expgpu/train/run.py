@@ -43,7 +43,7 @@ from expgpu.distributed import group, rng
 from expgpu.distributed.wrap import wrap
 from expgpu.errors import UserError
 from expgpu.loggers.jsonl import ROW_KEYS, MetricsLog, WindowMeanLog
-from expgpu.procs.stop_signals import NEVER, PRUNED
+from expgpu.procs.stop_signals import NEVER
 from expgpu.train.batches import END_OF_EPOCH, Feed
 from expgpu.train.loaders import RankLoaders, check_feed, check_loader_args, global_batch
 from expgpu.train.run_args import check_steps, epochs_range
@@ -402,10 +402,7 @@ class Run(RunEnd):
         self._agreement.settle()
         self.stop_signal = self._agreement.agreed
         self._timing["end"] = time.time()
-        # A pruned trial is final: the study never runs it again, and a large model's save would hold the
-        # GPU (and the pool's slot) for nothing. A stop on a signal saves, to be resumed; so does a signal
-        # that lands beside a prune (the stronger request wins the agreement).
-        if self._pending is None and self.stop_signal != PRUNED:   # _pending: nothing new since it was read
+        if self._pending is None and not self.pruned:   # _pending: nothing new since the checkpoint was read
             self._save("stop requested")
         self._stopped = True
         raise StopTraining(self.stop_signal)

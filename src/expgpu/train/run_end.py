@@ -13,6 +13,13 @@ from expgpu.procs.stop_signals import PRUNED
 
 
 class RunEnd:
+    @property
+    def pruned(self) -> bool:
+        """An optimizing sweeper's pruner ended the run (expgpu.tune): it is final, and nothing is kept to resume
+        it (no checkpoint: a large model's save would hold the GPU and the pool's slot for nothing). A signal
+        that lands beside a prune wins the ranks' agreement: that stop is resumable, and saves."""
+        return self.stop_signal == PRUNED
+
     def progress(self) -> tuple[int, str]:
         """(steps done, what the rank does now: setup until its run.steps / run.epochs begins; "first
         step" until this process has finished one (it may compile); train inside run.steps; "outside
@@ -48,8 +55,8 @@ class RunEnd:
                 self._state.settle()   # an async_save still being written: in place before the run ends
             if self._metrics is not None:
                 # after a stop, what was logged since the last row is in the checkpoint (written on resume);
-                # a pruned trial saves none (it is final): its last row is written now, as at an end
-                in_checkpoint = self._stopped and self.stop_signal != PRUNED
+                # a pruned run has none: its last row is written now, as at an end
+                in_checkpoint = self._stopped and not self.pruned
                 self._metrics.close(self.epoch, flush=not in_checkpoint, crashed=not finished and not self._stopped)
 
     def finish_loggers(self, status: str, metrics: dict) -> None:
