@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from paths import pythonpath
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -38,7 +40,7 @@ BENCH = REPO / "bench"
 def env() -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_", "TORCHELASTIC_"))}
     e["CUDA_VISIBLE_DEVICES"] = ""   # the CPU benchmark it says it is, on a GPU node too
-    e.update(OMP_NUM_THREADS="1", PYTHONPATH=f"{BENCH}{os.pathsep}{REPO / 'src'}")
+    e.update(OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(BENCH, REPO / "src"))
     return e
 
 

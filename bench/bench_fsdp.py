@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from paths import pythonpath
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 UNITS = "launch.fsdp.units=[TransformerEncoderLayer]"
@@ -32,7 +34,7 @@ def run(task: str, args: list[str], nproc: int, run_dir: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_", "TORCHELASTIC_"))}
     env["CUDA_VISIBLE_DEVICES"] = ""   # the CPU benchmark it says it is, on a GPU node too
     env.update(OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(str(p) for p in (BENCH, REPO / "examples", REPO / "src")))
+               PYTHONPATH=pythonpath(BENCH, REPO / "examples", REPO / "src"))
     done = subprocess.run([sys.executable, "-m", "expgpu", "--config-dir", str(BENCH / "conf"), f"task={task}", *args,
                            f"launch.nproc_per_node={nproc}", "checkpoint.resume=false", f"hydra.run.dir={run_dir}"],
                           env=env, cwd=REPO, capture_output=True, text=True)

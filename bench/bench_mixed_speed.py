@@ -31,6 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from paths import pythonpath
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ["task=a", "task.dataset.size=16384", "task.log_every=10", "checkpoint.resume=false"]
 
@@ -38,7 +40,7 @@ MODEL = ["task=a", "task.dataset.size=16384", "task.log_every=10", "checkpoint.r
 def env() -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_", "TORCHELASTIC_"))}
     e["CUDA_VISIBLE_DEVICES"] = ""   # the CPU benchmark it says it is, on a GPU node too
-    e.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    e.update(OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(REPO / "src"))
     return e
 
 

@@ -41,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from paths import pythonpath
+
 REPO = Path(__file__).resolve().parents[1]
 
 APP = '''
@@ -86,7 +88,7 @@ def env(src: Path = REPO / "src", threads: bool = True) -> dict:
     e = {k: v for k, v in os.environ.items()
          if not k.startswith(("SLURM_", "EXPGPU_", "TORCHELASTIC_")) and k != "CUDA_VISIBLE_DEVICES"
          and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    e["PYTHONPATH"] = str(src)
+    e["PYTHONPATH"] = pythonpath(src)
     if threads:
         e["OMP_NUM_THREADS"] = "1"
     return e

@@ -3,10 +3,14 @@ written plainly against torch (2 ranks, gloo, CPU, task a's model and data).
 
     python bench/bench_run_api.py [--rounds 5] [--steps 6000] [--chunk 50] [--nproc 2] [--control] [OVERRIDE ...]
     python bench/bench_run_api.py --separate [--rounds 7] [--steps 3000]
+    python bench/bench_run_api.py --gpu --nproc 1     # on a GPU node: both loops on the rank's GPU
 
 Default (interleaved): both loops in one expgpu launch, in the same processes, taking turns every
 --chunk steps (user_loops.interleaved), so that a noisy machine slows both alike; each round is
 one launch, and gives the median of its per-pair ratios and the ratio of its totals.
+--gpu: the same on the node's GPUs (gpu_map=ranked, one per rank); the plain loop moves its model and
+pinned batches to the GPU as such a script does, and each chunk's time ends with a synchronize. The
+tiny model leaves the GPU idle most of a step, so any CPU work the Run API adds shows in full.
 --separate: each loop in a launch of its own, alternating (the older form; on a shared 2-core
 machine two runs of one command differ by 10-40 %, far more than the cost measured here).
 
@@ -24,14 +28,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+from paths import pythonpath
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 
 
-def run(task: str, args: list[str], nproc: int, run_dir: Path) -> dict:
+def run(task: str, args: list[str], nproc: int, run_dir: Path, gpu: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_", "TORCHELASTIC_"))}
-    env["CUDA_VISIBLE_DEVICES"] = ""   # the CPU benchmark it says it is, on a GPU node too
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=f"{BENCH}{os.pathsep}{REPO / 'src'}")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""   # the CPU benchmark it says it is, on a GPU node too
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(BENCH, REPO / "src"))
     subprocess.run([sys.executable, "-m", "expgpu", "--config-dir", str(BENCH / "conf"), f"task={task}", *args,
                     f"launch.nproc_per_node={nproc}", "checkpoint.resume=false", f"hydra.run.dir={run_dir}"],
                    check=True, env=env, cwd=REPO, capture_output=True)
@@ -48,7 +55,7 @@ def interleaved(args) -> None:
             for kind in kinds:
                 m = run("loop_both", [f"task.steps={args.steps}", f"task.chunk={args.chunk}",
                                       f"+task.control={kind == 'control'}", *args.overrides],
-                        args.nproc, Path(tmp) / f"{kind}{i}")
+                        args.nproc, Path(tmp) / f"{kind}{i}", args.gpu)
                 pairs[kind].append(m["ratio_median"])
                 if m.get("watchdog_cpu_share") is not None:
                     watchdog.append(m["watchdog_cpu_share"])
@@ -57,7 +64,8 @@ def interleaved(args) -> None:
                 print(f"round {i + 1}/{args.rounds}: plain {m['plain_steps_per_s']:.0f} steps/s, {what} "
                       f"{m['run_steps_per_s']:.0f} steps/s; ratio of totals {totals[kind][-1]:.3f}, median of "
                       f"{args.steps // args.chunk - 1} chunk pairs {pairs[kind][-1]:.3f}", flush=True)
-    print(f"\n{args.nproc} rank(s), gloo, CPU, {args.steps} steps per loop in chunks of {args.chunk}, "
+    where = "one GPU each (gpu_map=ranked)" if args.gpu else "gloo, CPU"
+    print(f"\n{args.nproc} rank(s), {where}, {args.steps} steps per loop in chunks of {args.chunk}, "
           f"{args.rounds} launches")
     if args.control:
         control = statistics.median(totals["control"])
@@ -99,12 +107,15 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=50, help="steps per turn, interleaved")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--control", action="store_true", help="also an A/A launch per round: the noise floor")
+    ap.add_argument("--gpu", action="store_true", help="on this node's GPUs, one per rank")
     ap.add_argument("overrides", nargs="*", help="expgpu overrides for every launch, e.g. checkpoint.poll_every=10")
     args = ap.parse_args()
     if args.separate:
         args.rounds, args.steps = args.rounds or 7, args.steps or 3000
         return separate(args)
     args.rounds, args.steps = args.rounds or 5, args.steps or 6000
+    if args.gpu:
+        args.overrides = ["gpu_map=ranked", *args.overrides]
     interleaved(args)
 
 

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from paths import pythonpath
+
 REPO = Path(__file__).resolve().parents[1]
 GOAL_S = 1.0
 
@@ -100,7 +102,7 @@ def main() -> None:
         t0 = time.perf_counter()
         made = build(top, args.runs, args.sweeps, args.jobs, args.rows)
         print(f"built {made} run dirs ({args.sweeps} sweeps) in {time.perf_counter() - t0:.1f} s: {top}")
-        env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = {**os.environ, "PYTHONPATH": pythonpath(REPO / "src")}
         process = []
         for _ in range(args.rounds):
             t = time.perf_counter()

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from paths import pythonpath
+
 REPO = Path(__file__).resolve().parents[1]
 KILL_WAIT_S = 30.0  # slurm.conf's default: SIGTERM, then SIGKILL this much later
 
@@ -29,7 +31,7 @@ KILL_WAIT_S = 30.0  # slurm.conf's default: SIGTERM, then SIGKILL this much late
 def env() -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_", "TORCHELASTIC_"))}
     e["CUDA_VISIBLE_DEVICES"] = ""   # the CPU benchmark it says it is, on a GPU node too
-    e.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    e.update(OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(REPO / "src"))
     return e
 
 

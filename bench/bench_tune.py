@@ -66,6 +66,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from paths import pythonpath
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
@@ -96,7 +98,7 @@ WAYS = {
 
 def run_ray(trials: int, steps: int, seed: int, where: Path, python: str) -> dict:
     """Ray Tune's ASHA on the same search (bench/tune_ray_asha.py); wall time of the whole command."""
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    env = {**os.environ, "PYTHONPATH": pythonpath(REPO / "src")}
     t0 = time.monotonic()
     proc = subprocess.run([python, str(REPO / "bench" / "tune_ray_asha.py"), str(trials), str(steps),
                            str(where / f"ray-{seed}"), str(seed)], cwd=REPO, env=env, capture_output=True, text=True,

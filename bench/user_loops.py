@@ -70,15 +70,17 @@ def with_run(run: Run, steps: int = 3000):
 
 def _plain_half(run: Run, data, seed: int, precision: str = "32"):
     """A plainly written DDP loop over `data` (bench/plain_ddp.py's), run `chunk` steps at a time:
-    (step(chunk)). precision bf16: the forward pass under torch.autocast, as such a script does."""
+    (step(chunk)), on the run's device. precision bf16: the forward pass under torch.autocast, as such a
+    script does."""
     import contextlib
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(seed)
-    model = MLP(32, 4, hidden=128)
+    device = run.device   # as a plain script puts its model and batches on its GPU (the CPU in CPU runs)
+    model = MLP(32, 4, hidden=128).to(device)
     if run.world_size > 1:
-        model = DDP(model)
+        model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
     sampler = DistributedSampler(data, num_replicas=run.world_size, rank=run.rank, shuffle=True, seed=seed)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = torch.nn.MSELoss()
@@ -87,7 +89,8 @@ def _plain_half(run: Run, data, seed: int, precision: str = "32"):
         epoch = 0
         while True:
             sampler.set_epoch(epoch)
-            yield from DataLoader(data, batch_size=64, sampler=sampler, drop_last=True)
+            yield from DataLoader(data, batch_size=64, sampler=sampler, drop_last=True,
+                                  pin_memory=device.type == "cuda")
             epoch += 1
 
     it = batches()
@@ -95,8 +98,11 @@ def _plain_half(run: Run, data, seed: int, precision: str = "32"):
     def steps(chunk: int) -> None:
         for i in range(chunk):
             x, y = next(it)
+            if device.type != "cpu":
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
+            with torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else \
+                    contextlib.nullcontext():
                 loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
@@ -151,14 +157,22 @@ def interleaved(run: Run, steps: int = 3000, chunk: int = 100, control: bool = F
     wall0, watchdog0 = time.perf_counter(), _watchdog_cpu_s()
     for _ in range(steps // chunk):
         for half, spent in ((first, times[0]), (second, times[1])):
+            _sync(run.device)
             t0 = time.perf_counter()
             half(chunk)
+            _sync(run.device)
             spent.append(time.perf_counter() - t0)
     for _ in getattr(second, "rest", ()):
         pass
     watchdog = _watchdog_cpu_s()
     share = None if watchdog is None else (watchdog - watchdog0) / (time.perf_counter() - wall0)
     return {**_ratios(times, chunk), "watchdog_cpu_share": share}
+
+
+def _sync(device) -> None:
+    """On a GPU, each chunk's time ends when its queued kernels have run, not when they were queued."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _watchdog_cpu_s() -> float | None:
@@ -191,11 +205,14 @@ def builtin_interleaved(run: Run, precision: str, steps: int = 3000, chunk: int 
         t = None
         for i, item in enumerate(builtin_steps(loader, max_steps, **kw)):
             if i and i % chunk == 0:
+                _sync(run.device)
                 times[1].append(time.perf_counter() - t)
                 t0 = time.perf_counter()
                 plain(chunk)
+                _sync(run.device)
                 times[0].append(time.perf_counter() - t0)
             if i % chunk == 0:
+                _sync(run.device)
                 t = time.perf_counter()
             yield item
 

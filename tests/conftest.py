@@ -55,14 +55,23 @@ LAUNCHER_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment of a process a test starts. Its launches fork their ranks from this test
     process's warm server (expgpu.launch.warm_server): most of the suite's CPU was torch's import in
-    each launch. EXPGPU_WARM_SERVER="" in `extra`: this launch starts its ranks as without one."""
+    each launch. EXPGPU_WARM_SERVER="" in `extra`: this launch starts its ranks as without one.
+    PYTHONPATH in `extra` goes before the test run's own (where expgpu or its dependencies may come
+    from, as on a GPU node with the packages unpacked to a folder: bench/gpu_session.sh)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if "EXPGPU_WARM_SERVER" not in extra:
         env["EXPGPU_WARM_SERVER"] = warm_server()
+    if "PYTHONPATH" in extra:
+        extra = {**extra, "PYTHONPATH": pythonpath(extra["PYTHONPATH"])}
     env.update(extra)
     return env
+
+
+def pythonpath(*first) -> str:
+    """`first` (paths), then the test run's own PYTHONPATH, as one PYTHONPATH."""
+    return os.pathsep.join([*map(str, first), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 _warm: dict[str, str] = {}   # "path": the socket of this process's warm server, once started

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, pythonpath
 from expgpu.errors import UserError
 from expgpu.gpus import STRATEGIES, NodePlan, apply, inventory, plan, set_device_ordinal
 from expgpu.gpus.mask import gpu_env
@@ -386,7 +386,7 @@ def test_apply_set_device_picks_the_ordinal_and_trusts_uuids(monkeypatch):
 
 def test_importing_expgpu_gpus_does_not_import_torch():
     code = "import expgpu.gpus, sys; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": SRC})
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": pythonpath(SRC)})
 
 
 # --- on a real GPU node -------------------------------------------------------------------------------
@@ -398,7 +398,7 @@ def _on_gpu_node(code: str) -> str:
                "if torch.version.cuda is None or not inventory(): sys.exit(77)\n")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     run = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
-                         env={**env, "PYTHONPATH": SRC, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, timeout=240)
+                         env={**env, "PYTHONPATH": pythonpath(SRC), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, timeout=240)
     if run.returncode == 77:
         pytest.skip("no CUDA device")
     assert run.returncode == 0, run.stdout + run.stderr

@@ -147,8 +147,7 @@ def test_an_optimizing_sweep_page_counts_trials_as_they_end(tmp_path):
             "hydra/sweeper=expgpu_optuna", "hydra.sweeper.sampler.seed=0", "task.x=interval(0,1)",
             "hydra.sweeper.n_trials=3", "hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2",
             "task.max_steps=30", "task.slow_step_s=0.4", "task.step_s=0.01"]
-    w = Watched(sweep, args, clean_env(PYTHONPATH=os.pathsep.join(filter(None, [str(HELPERS),
-                                                                                os.environ.get("PYTHONPATH")]))))
+    w = Watched(sweep, args, clean_env(PYTHONPATH=str(HELPERS)))
     w.until(lambda t: w.proc.poll() is not None, timeout=150)   # every page, to the sweep's end
     w.wait()
     seen = [state_line(p) for p in w.pages]

@@ -18,7 +18,7 @@ import re
 import pytest
 from slurm_cluster import restarts, slurm_cluster_2n  # noqa: F401
 
-from conftest import HELPERS, REPO, TESTS
+from conftest import HELPERS, REPO, TESTS, pythonpath
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -42,7 +42,7 @@ def _fields(cluster, job: str) -> dict:
 
 def _run(cluster, tmp_path, sbatch: list[str], args: list[str], timeout: float = 200, **env) -> tuple[str, str]:
     job = cluster.sbatch([*sbatch, *SBATCH, *args], cwd=tmp_path,
-                         env={**cluster.env, "PYTHONPATH": str(HELPERS), **env})
+                         env={**cluster.env, "PYTHONPATH": pythonpath(HELPERS), **env})
     out = tmp_path / f"slurm-{job}.out"
     state = cluster.wait_job(job, timeout=timeout)
     return job, f"{state}\n{out.read_text() if out.exists() else ''}"

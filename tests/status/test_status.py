@@ -43,7 +43,8 @@ def by_dir(rows: list[dict]) -> dict[str, dict]:
 def outputs(tmp_path_factory) -> Path:
     """outputs/ as a user's: one finished run, and a gpu_pool sweep of two jobs on CPU slots."""
     top = tmp_path_factory.mktemp("status") / "outputs"
-    run = expgpu(["task=a", "task.max_steps=20"], top / "2025-01-01" / "10-00-00")
+    run = expgpu(["task=a", "task.max_steps=20"], top / "2025-01-01" / "10-00-00",
+                 env=clean_env(CUDA_VISIBLE_DEVICES=""))   # on the CPU on a GPU node too
     assert run.returncode == 0, run.stderr
     sweep = top / "multirun" / "2025-01-01" / "11-00-00"
     done = multirun(["hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2", "task=a", "task.max_steps=20",

@@ -10,7 +10,7 @@ import pytest
 from slurm_cluster import slurm_cluster  # noqa: F401
 from test_tune import PROBE, THRESHOLD, _states_in_journal
 
-from conftest import HELPERS, multirun
+from conftest import HELPERS, multirun, pythonpath
 
 pytestmark = pytest.mark.slurm
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slurm
 @pytest.mark.timeout(300)
 def test_trials_are_slurm_jobs_that_report_to_the_journal_and_are_pruned(slurm_cluster, tmp_path):
     sweep = tmp_path / "sweep"
-    env = {**slurm_cluster.env, "PYTHONPATH": str(HELPERS)}
+    env = {**slurm_cluster.env, "PYTHONPATH": pythonpath(HELPERS)}
     proc = multirun(PROBE + [THRESHOLD, "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0",
                              "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=5", "hydra.sweeper.n_jobs=2",
                              "hydra.sweeper.n_trials=3", "task.max_steps=30", "task.step_s=0.05"],

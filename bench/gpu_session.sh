@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, as one script for a GPU node that has PyTorch (with CUDA) but not
+# expgpu's other dependencies (a lent machine with no network: they travel as wheels in .whl/).
+#
+#     bash bench/gpu_session.sh [OUT_DIR]
+#     PARTS="tests bench" bash bench/gpu_session.sh      # some of: main tests bench fast
+#
+# Each part has its own time limit and its own log under OUT_DIR (default /tmp/expgpu-gpu); the
+# summary at the end says which passed. Parts: the machine; the main job on the GPU (fp32, bf16,
+# and FSDP2 on one rank over nccl); the tests marked gpu; bench_run_api on the GPU (the Run API's
+# cost against a plain loop on the same GPU); the fast tier with a GPU visible.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-${OUT:-/tmp/expgpu-gpu}}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "installing .whl/ failed"; exit 1; }
+  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PARTS=" ${PARTS:-main tests bench fast} "
+summary=()
+
+part() {   # part GROUP NAME SECONDS CMD...: its output in OUT/NAME.log, its outcome in the summary
+  [[ $PARTS == *" $1 "* ]] || return 0
+  local name=$2 limit=$3; shift 3
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s): $*"
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 15 "$OUT/$name.log"
+  summary+=("$name: rc=$rc in $((SECONDS - t0)) s")
+}
+
+{ nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,power.draw --format=csv
+  $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
+torch.cuda.is_available())"; nproc; } 2>&1 | tee "$OUT/machine.log"
+
+run_dir=$(mktemp -d)
+part main main_fp32 120 $PY -m expgpu task=a gpu_map=ranked task.max_steps=300 hydra.run.dir="$run_dir/fp32"
+cp "$run_dir/fp32/result.json" "$OUT/main_fp32.result.json" 2>/dev/null
+part main main_bf16 120 $PY -m expgpu task=a gpu_map=ranked task.max_steps=300 task.precision=bf16 \
+  hydra.run.dir="$run_dir/bf16"
+part main main_fsdp 120 $PY -m expgpu task=a gpu_map=ranked task.max_steps=100 launch.wrap=fsdp backend=nccl \
+  hydra.run.dir="$run_dir/fsdp"
+part tests tests_gpu 300 $PY -m pytest -q -rs -m gpu -p no:cacheprovider --timeout 280 tests/e2e/test_gpu.py tests/gpus \
+  tests/pool/test_gpu_pool.py tests/script/test_script_examples.py tests/slurm/test_slurm_submit.py
+part bench bench_run_api_gpu 240 $PY bench/bench_run_api.py --gpu --nproc 1 --rounds 3 --steps 3000 --control
+part fast fast_tier 150 $PY -m pytest -q --maxfail=40 -n 8 -p no:cacheprovider -m "not slow and not slurm and not gpu" --timeout 200
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.log"
