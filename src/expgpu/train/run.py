@@ -34,10 +34,9 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from expgpu import faults
-from expgpu.checkpoint import file as checkpoint
 from expgpu.checkpoint import world_change
 from expgpu.checkpoint.keep import names_of
-from expgpu.checkpoint.state import KEPT, CheckpointState
+from expgpu.checkpoint.state import CheckpointState
 from expgpu.config import checkpoint_format
 from expgpu.distributed import group, rng
 from expgpu.distributed.wrap import wrap
@@ -45,21 +44,17 @@ from expgpu.errors import UserError
 from expgpu.loggers.jsonl import ROW_KEYS, MetricsLog, WindowMeanLog
 from expgpu.procs.stop_signals import NEVER
 from expgpu.train.batches import END_OF_EPOCH, Feed
-from expgpu.train.loaders import RankLoaders, check_feed, check_loader_args, global_batch
+from expgpu.train.loaders import RankLoaders, check_loader_args
 from expgpu.train.run_args import check_steps, epochs_range
+from expgpu.train.run_checkpoint import RunCheckpoint, StopTraining
 from expgpu.train.run_end import RunEnd
+
+__all__ = ["Run", "StopTraining"]   # StopTraining lives with the saves (run_checkpoint); `expgpu` exports both
 
 log = logging.getLogger("expgpu")
 
 
-class StopTraining(BaseException):
-    """Raised out of run.steps once every rank has saved on a stop signal.
-
-    A BaseException, like KeyboardInterrupt: a training loop's `except Exception` must not
-    swallow it. The user's `finally` blocks run; the function returns no result."""
-
-
-class Run(RunEnd):
+class Run(RunCheckpoint, RunEnd):
     """What a training function gets: where it runs, and the few calls that make a loop resumable."""
 
     def __init__(self, *, info, device, run_dir: Path, cfg: dict, spec, agreement, wrap: str = "ddp",
@@ -250,44 +245,6 @@ class Run(RunEnd):
         # like enumerate(loader): the batch's index in the epoch (from where a resumed epoch stood)
         yield from self._run_steps(feed, NEVER, index=feed.position // feed.accumulate)
 
-    def _begin(self, length: int, last_poll: int | None = None) -> None:
-        """Before the first step: tracked state checked, the checkpoint read (restored by
-        _resume_into), rows after it trimmed, and a stop requested while starting up acted on."""
-        self._state.check_loadable()
-        lengths = checkpoint.length_keys(self._spec.params, length)
-        self.length_keys, self._state.length = sorted(lengths), length
-        if self.cfg.checkpoint.resume:
-            self._pending = self._state.load(lengths)
-        if self._pending is not None:
-            self.step = self.resumed_from_step = self._saved_at = self._pending["step"]
-            if self._metrics is not None:
-                self._metrics.load_state_dict(self._pending.get("metrics", []))
-        if self._metrics is not None:
-            self._metrics.open(self.step, self.max_steps, resumed=self._pending is not None)
-        self._start_step = self.step
-        if self._agreement.begin(self.step, NEVER if last_poll is None else last_poll):
-            self._stop()   # a signal while starting up: no steps (the checkpoint, if any, stays as it is)
-        self._timing["first_step_at"] = time.time()
-
-    def _resume_into(self, feed: Feed | None) -> None:
-        """The checkpoint read by _begin restored where the loop reaches the point it was saved at.
-        Under run.epochs: a save between epochs before the epoch's own code, a save mid-epoch when
-        run.steps begins (after the epoch's start reset what the checkpoint holds as it was then)."""
-        if self._pending is None:
-            return
-        epoch, position = self._state.where(self._pending)
-        if self._epochs is not None and self._epoch < self._epoch_end and (epoch != self._epoch or
-                                                                           (feed is None) != (position == 0)):
-            if feed is None and epoch == self._epoch:   # saved mid-epoch: the rest when its run.steps begins,
-                self._state.restore_one(KEPT + "run.epochs", self._pending)   # the epochs' variables now
-            return
-        self._state.restore(self._pending)
-        if feed is not None:
-            if world_change.changed(self._pending, self.world_size):
-                check_feed(self._pending, feed.loader, self.world_size, self._state.path)
-            feed.resume(epoch, position)
-        self._pending = None
-
     def _run_steps(self, feed: Feed, max_steps: int, index: int | None = None) -> Iterator[tuple[int, Any]]:
         """(the step, or with `index` the batch's index in its epoch counted from it, batch)."""
         every, log_every = self.cfg.checkpoint.every_steps, self._spec.log_every
@@ -379,33 +336,6 @@ class Run(RunEnd):
         import torch
 
         return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
-
-    # -- checkpoints (expgpu.checkpoint.state) ----------------------------------------------------------------
-
-    def _where(self) -> tuple[int, int]:
-        """(epoch, batch position) of this rank, as a resume needs it."""
-        if self._feed is None:
-            return self._epoch, 0
-        return self._feed.epoch, self._feed.position
-
-    def _save(self, reason: str) -> None:
-        """Collective: every rank calls it at the same step."""
-        before, self._phase = self._phase, "checkpoint"
-        try:
-            self._state.save(self.step, self._where(), self._metrics, reason,
-                             global_batch(self._feed.loader if self._feed is not None else None))
-        finally:
-            self._phase = before
-        self._saved_at = self.step
-
-    def _stop(self) -> None:
-        self._agreement.settle()
-        self.stop_signal = self._agreement.agreed
-        self._timing["end"] = time.time()
-        if self._pending is None and not self.pruned:   # _pending: nothing new since the checkpoint was read
-            self._save("stop requested")
-        self._stopped = True
-        raise StopTraining(self.stop_signal)
 
     def restart_epoch(self) -> None:
         """Draw the rest of this epoch's batches afresh from the loop's place: after a change of how
