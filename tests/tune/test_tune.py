@@ -48,6 +48,21 @@ def _states_in_journal(sweep_dir: Path) -> dict[int, str]:
     return {t.number: t.state.name for t in study.trials}
 
 
+def _tensorboard_hparams(job_dir: Path) -> tuple[dict, list[str]]:
+    """The HPARAMS tab's entry of a job's TensorBoard run: its hyperparameters, the metrics named against them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+
+    [log_dir] = (job_dir / "tensorboard").iterdir()   # named by the job's overrides
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    content = events.PluginTagToContent(metadata.PLUGIN_NAME)
+    start = plugin_data_pb2.HParamsPluginData.FromString(content[metadata.SESSION_START_INFO_TAG])
+    hparams = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.session_start_info.hparams.items()}
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content[metadata.EXPERIMENT_TAG]).experiment
+    return hparams, [m.name.tag for m in experiment.metric_infos]
+
+
 def _pool(sweep_dir: Path) -> dict[int, dict]:
     return {j["num"]: j for j in json.loads((sweep_dir / "pool.json").read_text())["jobs"]}
 
@@ -57,7 +72,7 @@ def test_pruned_trials_stop_on_every_rank_at_one_step_and_free_their_slot(tmp_pa
     sweep = tmp_path / "sweep"
     done = _sweep(PROBE + POOL + [THRESHOLD, "hydra.sweeper.n_trials=4", "launch.nproc_per_node=2",
                                   "task.max_steps=40", "task.slow_step_s=0.15", "task.step_s=0.02",
-                                  "logger=[csv,mlflow]"], sweep)
+                                  "logger=[csv,mlflow,tensorboard]"], sweep)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _states_in_journal(sweep) == {0: "COMPLETE", 1: "PRUNED", 2: "COMPLETE", 3: "PRUNED"}
     # a logger's run of a pruned trial is over, as a finished one's (not KILLED: nothing resumes it), tagged
@@ -68,6 +83,11 @@ def test_pruned_trials_stop_on_every_rank_at_one_step_and_free_their_slot(tmp_pa
     got = {Path(r.data.tags["expgpu.run_dir"]).name: (r.info.status, r.data.tags.get("expgpu.status")) for r in runs}
     assert got == {"0": ("FINISHED", None), "1": ("FINISHED", "pruned"), "2": ("FINISHED", None),
                    "3": ("FINISHED", "pruned")}, got
+    # TensorBoard's HPARAMS tab has every trial, a pruned one against the metrics of its last row
+    hp = {n: _tensorboard_hparams(sweep / str(n)) for n in range(4)}
+    assert {n: h["expgpu.status"] for n, (h, _) in hp.items()} == {0: "finished", 1: "pruned", 2: "finished",
+                                                                     3: "pruned"}, hp
+    assert all(0 <= h["task.x"] <= 1 and "score" in names for h, names in hp.values()), hp
     for n in (1, 3):
         result = json.loads((sweep / str(n) / "result.json").read_text())
         assert result["status"] == "pruned" and result["stop_signal"] == "PRUNED", result

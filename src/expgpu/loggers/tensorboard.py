@@ -5,7 +5,8 @@
 A single run writes RUN_DIR/tensorboard/; a sweep's job writes JOB_DIR/tensorboard/<its overrides>/,
 so that TensorBoard, pointed at the sweep dir, names each job's run by what it changed. Scalars at
 metrics.jsonl's steps and wall times; at the end the flat resolved config as hyperparameters (the
-HPARAMS tab) against the returned metrics, and the overrides as text.
+HPARAMS tab) against the returned metrics, and the overrides as text. A trial pruned by an optimizing
+sweeper is in the HPARAMS tab too, against its last row's metrics; `expgpu.status` tells them apart.
 
 A resume writes a new event file into the same dir that starts with a purge at the resumed step:
 TensorBoard drops what the old files hold from that step on (rows logged after the checkpoint,
@@ -63,14 +64,17 @@ class TensorBoardLogger:
             final = base.final_metrics(metrics, last_row)
             for name, value in final.items():
                 self.writer.add_scalar(name, value, step)
-            if status == "finished":
+            if status in ("finished", "pruned"):   # final: a stopped run adds its row when it is resumed
                 # The HPARAMS tab: every hyperparameter against the metrics the task returned, read
-                # from the scalars of those names (their last values).
-                names = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+                # from the scalars of those names (their last values). A pruned trial returns none:
+                # against what its last row holds (what its pruner judged), beside the finished ones.
+                shown = metrics if status == "finished" else base.values(last_row or {})
+                names = {k: v for k, v in shown.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
                 # bool is an int to torch's hparams(), which would show true as 1.0: spell it out.
                 values = {k: str(v).lower() if isinstance(v, bool) else v
                           for k, v in base.hyperparameters(self.cfg).items()}
-                exp, ssi, sei = hparams(values | {"overrides": " ".join(self.state.job.overrides)}, names)
+                values |= {"overrides": " ".join(self.state.job.overrides), "expgpu.status": status}
+                exp, ssi, sei = hparams(values, names)
                 fw = self.writer._get_file_writer()
                 for summary in (exp, ssi, sei):
                     fw.add_summary(summary, step)
