@@ -58,3 +58,26 @@ def test_changed_task_settings_or_resume_false_run_the_jobs_again(tmp_path):
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert _jobs(tmp_path) == [(0, "finished", False), (1, "finished", False)]
     assert _stamps(tmp_path, (0, 1)) != before
+
+
+def test_a_job_past_its_time_limit_fails_saved_and_a_rerun_resumes_it(tmp_path):
+    # job 1's steps take 64 ms (paced as a GPU's would): 400 of them outlast the 15 s limit on any machine
+    args = ["task.max_steps=20,400", "faults.device_ms_per_example=1.0", "hydra.launcher.cpu_slots=2"]
+    first = _sweep(tmp_path, *args, "hydra.launcher.timeout_min=0.25")
+    assert first.returncode == 1, first.stderr[-3000:]
+    out = first.stdout + first.stderr
+    [line] = [ln for ln in out.splitlines() if "job #1 (" in ln and " failed: " in ln]   # the summary's line
+    assert "failed: ran past hydra.launcher.timeout_min=0.25 (15 s)" in line and "checkpoint saved" in line, out
+    assert "Traceback" not in first.stderr
+    pool = {j["num"]: j for j in json.loads((tmp_path / "sweep" / "pool.json").read_text())["jobs"]}
+    assert pool[0]["state"] == "finished" and pool[1]["state"] == "failed"
+    assert 15 <= pool[1]["wall_s"] < 15 + 10, pool[1]   # SIGTERM at the limit: it saved and ended at once
+    cut = json.loads((tmp_path / "sweep" / "1" / "result.json").read_text())
+    assert cut["status"] == "stopped" and 0 < cut["steps"] < 400, cut
+    assert (tmp_path / "sweep" / "1" / "checkpoint.pt").exists()
+
+    again = _sweep(tmp_path, *args)   # no limit now: job 0 is kept, job 1 trains on from its checkpoint
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _jobs(tmp_path) == [(0, "finished", True), (1, "finished", False)]
+    done = json.loads((tmp_path / "sweep" / "1" / "result.json").read_text())
+    assert done["resumed_from_step"] == cut["steps"] and done["steps"] == 400, done

@@ -54,6 +54,8 @@ class Job:
     ret: Any = None              # its hydra.core.utils.JobReturn
     primed: bool = False         # its process did Hydra's set-up of it before its start (Spare.prime)
     kept: bool = False           # finished in an earlier run of this sweep dir: not started (expgpu.pool.kept)
+    timed_out: str | None = None   # why the launcher stopped it (past hydra.launcher.timeout_min), if it did
+    kill_at: float | None = None   # then: when SIGKILL follows (time.monotonic())
 
     @property
     def label(self) -> str:
@@ -130,7 +132,19 @@ def replace(path: Path, data: bytes) -> None:
 
 
 def job_return(job: Job, code: int | None, stop_signal: int | None, spares_log: Path):
-    """The JobReturn the job sent back; one made here when it sent none (killed, crashed)."""
+    """The JobReturn the job sent back; one made here when it sent none (killed, crashed). A job the
+    launcher stopped at its time limit failed, whatever it did on the signal (saved and stopped, died)."""
+    ret = _job_return(job, code, stop_signal, spares_log)
+    if job.timed_out is None or job.state == "finished":   # finished as its limit came: finished
+        return ret
+    from hydra.core.utils import JobStatus
+
+    job.state, job.error = "failed", f"{job.timed_out} ({job.error})" if job.error else job.timed_out
+    ret.status, ret.return_value = JobStatus.FAILED, JobFailed(job.failure())
+    return _quiet(ret)
+
+
+def _job_return(job: Job, code: int | None, stop_signal: int | None, spares_log: Path):
     from hydra.core.utils import JobStatus
 
     ret, outcome = None, None

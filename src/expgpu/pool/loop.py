@@ -109,6 +109,8 @@ class Pool(StepStarter, Starter):
         """One look at the jobs: reap, start what fits, read what the ended ones sent back, keep
         spares warm; the jobs that ended in it (their `ret` set)."""
         ended = self._reap()
+        if self.s.timeout_min is not None:
+            self._time_limits()
         if self.stop_signal is not None:
             self._stopping()
         elif any(j.state == "queued" for j in self.jobs) and self.alloc is not None:
@@ -163,6 +165,26 @@ class Pool(StepStarter, Starter):
                                    signal.SIGKILL)
             for job in self._running():
                 self._kill(job)
+
+    def _time_limits(self) -> None:
+        """A job past hydra.launcher.timeout_min: SIGTERM (an expgpu job saves and ends), SIGKILL grace_s later."""
+        now, limit_s = time.time(), 60 * self.s.timeout_min
+        for job in self._running():
+            if job.timed_out is None and now - job.started > limit_s:
+                job.timed_out = f"ran past hydra.launcher.timeout_min={self.s.timeout_min:g} ({limit_s:.0f} s)"
+                job.kill_at = time.monotonic() + self.s.grace_s
+                self._signal_job(job, signal.SIGTERM)
+                self.board.event(f"#{job.num} {job.timed_out} on {job.where}: SIGTERM, SIGKILL in "
+                                 f"{self.s.grace_s:.0f}s")
+            elif job.timed_out is not None and time.monotonic() > job.kill_at:
+                self._kill(job)
+
+    def _signal_job(self, job: Job, sig: int) -> None:
+        """`sig` to one running job's processes: its own group, its warm node processes' forks, or its srun step."""
+        if self.alloc is None or hasattr(job.proc, "signal_group"):
+            self._kill(job, sig)
+        elif not steps.signal_steps(self.alloc.job_id, {steps.step_name(job.num): job.num}, sig):
+            procs.kill_group(job.proc.pid, signal.SIGTERM)   # not started as a step yet: its srun ends it
 
     def _stop_steps(self) -> None:
         """Inside an allocation: the stop signal to every running step's tasks, through SLURM (their ranks

@@ -23,6 +23,7 @@ class Settings:
     nodes: int | None = None             # inside a SLURM allocation; None: each job's launch.nodes
     max_requeues: int = 0                # inside a batch allocation: its requeues on SIGUSR2 (expgpu.pool.requeue)
     warm_starts: bool = True             # inside an allocation: jobs forked by a warm process per node
+    timeout_min: float | None = None     # a job's time limit from its start (expgpu.pool.loop); None: none
 
 
 def settings(params: Mapping[str, Any]) -> Settings:
@@ -39,7 +40,7 @@ def settings(params: Mapping[str, Any]) -> Settings:
                     grace_s=_seconds(p, "grace_s", False),
                     threads_per_job=_whole(p, "threads_per_job", 1, True), nodes=_whole(p, "nodes", 1, True),
                     max_requeues=_whole({"max_requeues": 0, **p}, "max_requeues", 0, False),
-                    warm_starts=_flag(p, "warm_starts"))
+                    warm_starts=_flag(p, "warm_starts"), timeout_min=_minutes(p, "timeout_min"))
 
 
 def _flag(p: Mapping[str, Any], key: str) -> bool:
@@ -67,6 +68,15 @@ def _seconds(p: Mapping[str, Any], key: str, none_ok: bool) -> float | None:
             or not math.isfinite(value):
         raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: seconds >= 0"
                         + (" or null" if none_ok else ""))
+    return float(value)
+
+
+def _minutes(p: Mapping[str, Any], key: str) -> float | None:
+    value = p.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: minutes > 0 (e.g. 90 or 0.5) or null")
     return float(value)
 
 
