@@ -7,8 +7,9 @@
 #
 # Each part has its own time limit and its own log under OUT_DIR (default /tmp/expgpu-gpu); the
 # summary at the end says which passed. Parts: the machine; the main job on the GPU (fp32, bf16,
-# and FSDP2 on one rank over nccl); the tests marked gpu; bench_run_api on the GPU (the Run API's
-# cost against a plain loop on the same GPU); the fast tier with a GPU visible.
+# and launch.wrap=fsdp: on one rank that is FSDP2 without a process group, so nccl itself needs a
+# 2-GPU node); the tests marked gpu; bench_run_api on the GPU (the Run API's cost against a plain
+# loop on the same GPU); the fast tier with a GPU visible.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-/tmp/expgpu-gpu}}
