@@ -268,7 +268,8 @@ def test_a_job_that_cannot_fit_the_allocation_is_one_line_and_exit_2(slurm_clust
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_ctrl_c_stops_every_step_with_a_checkpoint_and_the_rerun_resumes_them(slurm_cluster_2n, tmp_path):
+@pytest.mark.parametrize("warm", [True, False], ids=["forked by warm node processes", "srun steps"])
+def test_ctrl_c_stops_every_step_with_a_checkpoint_and_the_rerun_resumes_them(slurm_cluster_2n, tmp_path, warm):
     """The stop reaches the ranks of every step on every node through SLURM (scancel --signal), not srun's own
     handling (which would cancel the step on SIGTERM): they save and end stopped; the same sweep again resumes."""
     import psutil
@@ -276,7 +277,7 @@ def test_ctrl_c_stops_every_step_with_a_checkpoint_and_the_rerun_resumes_them(sl
     sweep = tmp_path / "sweep"
     cmd = [*SALLOC, sys.executable, "-m", "expgpu", "-m", "hydra/launcher=gpu_pool", f"hydra.sweep.dir={sweep}",
            "task=a", "task.max_steps=4000", "task.log_every=5", "faults.device_ms_per_example=0.2",
-           "launch.nodes=1,2", "logger=none"]
+           "launch.nodes=1,2", "logger=none", f"hydra.launcher.warm_starts={str(warm).lower()}"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=slurm_cluster_2n.env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -303,3 +304,26 @@ def test_ctrl_c_stops_every_step_with_a_checkpoint_and_the_rerun_resumes_them(sl
     for n, step in zip((0, 1), stopped):
         result = json.loads((sweep / str(n) / "result.json").read_text())
         assert (result["status"], result["resumed_from_step"]) == ("finished", step), result
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("warm", [True, False], ids=["forked by warm node processes", "srun steps"])
+def test_a_job_past_its_time_limit_is_stopped_through_slurm_saves_and_fails(slurm_cluster_2n, tmp_path, warm):
+    # job 1's 2000 steps of 64 ms (paced) outlast the 30 s limit; SIGTERM reaches its ranks as a Ctrl-C's would
+    sweep = tmp_path / "sweep"
+    cmd = [*SALLOC, sys.executable, "-m", "expgpu", "-m", "hydra/launcher=gpu_pool", f"hydra.sweep.dir={sweep}",
+           "task=a", "task.max_steps=20,2000", "task.log_every=5", "faults.device_ms_per_example=1.0",
+           "logger=none", "hydra.launcher.timeout_min=0.5", f"hydra.launcher.warm_starts={str(warm).lower()}"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=slurm_cluster_2n.env, capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    pool = {j["num"]: j for j in json.loads((sweep / "pool.json").read_text())["jobs"]}
+    assert (pool[0]["state"], pool[1]["state"]) == ("finished", "failed"), pool
+    assert pool[1]["error"].startswith("ran past hydra.launcher.timeout_min=0.5 (30 s)"), pool[1]
+    assert 30 <= pool[1]["wall_s"] < 30 + 15, pool[1]   # it saved and ended on the SIGTERM, not at the SIGKILL
+    result = json.loads((sweep / "1" / "result.json").read_text())
+    assert (result["status"], result["stop_signal"]) == ("stopped", "SIGTERM") and result["steps"] < 2000, result
+    assert (sweep / "1" / "checkpoint.pt").exists()
+    assert "Traceback" not in done.stderr

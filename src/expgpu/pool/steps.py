@@ -108,8 +108,17 @@ def signal_steps(job_id: str, names: Mapping[str, int], sig: signal.Signals) -> 
     for name, step in steps.items():
         try:
             subprocess.run(["scancel", f"--signal={sig.name.removeprefix('SIG')}", step], capture_output=True,
-                           timeout=SLURM_CALL_S, check=True)
+                           text=True, timeout=SLURM_CALL_S, check=True)
             done.add(names[name])
+        except subprocess.CalledProcessError as e:
+            # SLURM 22.05 with a step on some of the allocation's nodes: its tasks get the signal, then scancel
+            # exits 225, "Kill job error on job step id N: Invalid job id specified" (the nodes without the
+            # step). Taken as sent: falling back to SIGTERM on srun would cancel the step, killing ranks that
+            # are saving. If it did not land, the caller's SIGKILL after grace_s still ends the step.
+            if "Invalid job id specified" in (e.stderr or ""):
+                done.add(names[name])
+            else:
+                log.warning("gpu_pool: could not signal step %s (%s)", step, one_line(e.stderr or e))
         except (OSError, subprocess.SubprocessError) as e:
             log.warning("gpu_pool: could not signal step %s (%s)", step, one_line(e))
     return done
