@@ -61,10 +61,9 @@ def test_a_block_marked_cpu_runs(block, tmp_path):
     for name in LINKED:
         (tmp_path / name).symlink_to(REPO / name)
     script = shortened(block, tmp_path)
-    env = clean_env()
-    # `python` and the console scripts (expgpu-report, expgpu) are this environment's; this checkout's src first
+    env = clean_env(PYTHONPATH=str(REPO / "src"))   # this checkout's src first
+    # `python` and the console scripts (expgpu-report, expgpu) are this environment's
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), *filter(None, [env.get("PYTHONPATH")])])
     # Its own session: whatever the block leaves running in the background is ended with it.
     proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", script], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -716,3 +716,19 @@ def _all_leases_free(sweep: Sweep, n: int) -> None:
     while any(leases.holder(sweep.lease_dir, g) for g in gpus):
         assert time.monotonic() < deadline, [leases.holder(sweep.lease_dir, g) for g in gpus]
         time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_job_stuck_past_its_time_limit_is_killed_after_the_grace_and_named(tmp_path):
+    # job 1 sleeps in its model's constructor, before any step: the SIGTERM at its limit is kept for the loop,
+    # which it never reaches, so the SIGKILL grace_s later ends it
+    sweep = Sweep(tmp_path)
+    done = sweep.run(["task=sleep", "task.model.seconds=0,120", "hydra.launcher.cpu_slots=2",
+                      "hydra.launcher.timeout_min=0.1", "hydra.launcher.grace_s=2"], 100)
+    assert done.returncode == 1, done.stderr[-3000:]
+    jobs = {j["num"]: j for j in sweep.pool()["jobs"]}
+    assert jobs[0]["state"] == "finished" and jobs[1]["state"] == "failed", jobs
+    assert jobs[1]["error"] == "ran past hydra.launcher.timeout_min=0.1 (6 s) (killed by SIGKILL)", jobs[1]
+    assert 6 + 2 <= jobs[1]["wall_s"] < 6 + 2 + 10, jobs[1]
+    assert not _processes_of(sweep.proc.pid) and not _alive(jobs[1]["pid"])

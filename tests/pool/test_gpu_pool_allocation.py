@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from slurm_cluster import slurm_cluster_2n  # noqa: F401
 
+from conftest import pythonpath
 from expgpu.pool.allocation import Allocation, Slot, check_job, fit, node_gpus
 from expgpu.pool.node_servers import rank_env, share
 from expgpu.pool.steps import master_port, srun_command, step_cpus, step_env, step_mem_mb
@@ -81,7 +82,7 @@ def _sweep(cluster, tmp: Path, overrides: list[str], salloc: list[str] = SALLOC,
     (code / "alloc_task.py").write_text(RECORD_TASK)
     (code / "conf" / "task" / "record.yaml").write_text(RECORD_YAML)
     env = {**cluster.env, "POOL_TEST_LOG": str(tmp / "record.jsonl"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(code), cluster.env.get("PYTHONPATH")]))}
+           "PYTHONPATH": pythonpath(code)}
     cmd = [*salloc, sys.executable, "-m", "expgpu", "-m", "--config-dir", str(code / "conf"),
            "hydra/launcher=gpu_pool", f"hydra.sweep.dir={tmp / 'sweep'}", "task=record", "logger=none", *overrides]
     return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
@@ -327,3 +328,36 @@ def test_a_job_past_its_time_limit_is_stopped_through_slurm_saves_and_fails(slur
     assert (result["status"], result["stop_signal"]) == ("stopped", "SIGTERM") and result["steps"] < 2000, result
     assert (sweep / "1" / "checkpoint.pt").exists()
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("warm", [True, False], ids=["forked by warm node processes", "srun steps"])
+def test_a_job_stuck_past_its_time_limit_is_killed_on_its_node_after_the_grace(slurm_cluster_2n, tmp_path, warm):
+    # job 1 sleeps in its model's constructor, before any step: only the SIGKILL grace_s after the limit ends it
+    done = _sweep(slurm_cluster_2n, tmp_path, ["task.model.seconds=0.5,120", "hydra.launcher.timeout_min=0.25",
+                                               "hydra.launcher.grace_s=3",
+                                               f"hydra.launcher.warm_starts={str(warm).lower()}"])
+    assert done.returncode == 1, (done.stdout + done.stderr)[-3000:]
+    pool = {j["num"]: j for j in json.loads((tmp_path / "sweep" / "pool.json").read_text())["jobs"]}
+    assert (pool[0]["state"], pool[1]["state"]) == ("finished", "failed"), pool
+    assert pool[1]["error"].startswith("ran past hydra.launcher.timeout_min=0.25 (15 s)"), pool[1]
+    assert 15 + 3 <= pool[1]["wall_s"] < 15 + 3 + 15, pool[1]
+    assert [r["EXPGPU_POOL_JOB"] for r in _records(tmp_path)] == ["0"], "job 1 never got past its sleep"
+    assert not _processes_of_job(tmp_path, "1"), "job 1's ranks outlived it on their node"
+
+
+def _processes_of_job(tmp: Path, num: str) -> list[int]:
+    """Live processes of this test's sweep (their POOL_TEST_LOG) that ran job `num` (the nodes are this machine)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            env = p.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if env.get("POOL_TEST_LOG") == str(tmp / "record.jsonl") and env.get("EXPGPU_POOL_JOB") == num:
+            found.append(p.pid)
+    return found

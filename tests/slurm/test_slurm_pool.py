@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from slurm_cluster import slurm_cluster_2n  # noqa: F401
 
-from conftest import HELPERS, PACED, REPO, clean_env, wait_until
+from conftest import HELPERS, PACED, REPO, clean_env, pythonpath, wait_until
 from expgpu import results
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -115,8 +115,7 @@ def test_a_study_requeued_mid_way_continues_from_its_journal_to_exactly_n_trials
             "hydra/sweeper=expgpu_optuna", "hydra.sweeper.sampler.seed=0", "task.x=interval(0,1)",
             "hydra.sweeper.n_trials=4", "task.max_steps=400", "task.slow_step_s=0.25", "hydra/launcher=slurm_pool",
             "hydra.launcher.nodes=1", "hydra.launcher.gpus_per_node=2", "logger=none", f"hydra.sweep.dir={sweep}"]
-    env = {**slurm_cluster_2n.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(HELPERS),
-                                                                               slurm_cluster_2n.env.get("PYTHONPATH")]))}
+    env = {**slurm_cluster_2n.env, "PYTHONPATH": pythonpath(HELPERS)}
     job, out = _cut_mid_sweep(args, tmp_path, env, sweep, (1, 2, 3), 20, lambda job: slurm_cluster_2n.run(
         ["scancel", "--signal=USR2", "--batch", job]))
     assert f"gpu_pool: requeued SLURM job {job} (1 of at most 3)" in out, out[-5000:]
@@ -152,8 +151,7 @@ def test_an_optimizing_study_runs_inside_the_allocation_trials_beside_each_other
             "hydra.sweeper.n_trials=8", "hydra.sweeper.pruner={_target_:optuna.pruners.ThresholdPruner,upper:0.5,"
             "n_warmup_steps:2}", "hydra/launcher=slurm_pool", "hydra.launcher.nodes=2",
             "hydra.launcher.gpus_per_node=2", "logger=none"]
-    env = {**slurm_cluster_2n.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(HELPERS),
-                                                                               slurm_cluster_2n.env.get("PYTHONPATH")]))}
+    env = {**slurm_cluster_2n.env, "PYTHONPATH": pythonpath(HELPERS)}
     done = _run(slurm_cluster_2n, args, sweep, env=env)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     pool = json.loads((sweep / "pool.json").read_text())

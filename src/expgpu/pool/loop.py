@@ -149,11 +149,10 @@ class Pool(StepStarter, Starter):
                 if job.state == "queued":
                     job.state = "not_started"
             name = signal.Signals(self.stop_signal).name
-            if self.alloc is not None:
-                self._stop_steps()
-            else:
-                for job in self._running():
-                    self._kill(job, self.stop_signal)
+            # SIGUSR2 (an allocation's warning) goes on as SIGTERM: a job's rank 0 would take it for its own
+            # requeue and requeue the whole allocation
+            self._signal(self._running(), signal.SIGTERM if self.stop_signal == signal.SIGUSR2 else
+                         signal.Signals(self.stop_signal))
             self._kill_at = time.monotonic() + self.s.grace_s
             self.board.event(f"{name}: stopping {len(self._running())} running job(s) "
                              f"(SIGKILL in {self.s.grace_s:.0f}s, again to kill now)")
@@ -161,8 +160,7 @@ class Pool(StepStarter, Starter):
         if self._hard or time.monotonic() > self._kill_at:
             if self.alloc is not None and self._running() and not self._steps_killed:   # their tasks too, everywhere
                 self._steps_killed = True
-                steps.signal_steps(self.alloc.job_id, {steps.step_name(j.num): j.num for j in self._running()},
-                                   signal.SIGKILL)
+                self._signal(self._running(), signal.SIGKILL)
             for job in self._running():
                 self._kill(job)
 
@@ -173,32 +171,27 @@ class Pool(StepStarter, Starter):
             if job.timed_out is None and now - job.started > limit_s:
                 job.timed_out = f"ran past hydra.launcher.timeout_min={self.s.timeout_min:g} ({limit_s:.0f} s)"
                 job.kill_at = time.monotonic() + self.s.grace_s
-                self._signal_job(job, signal.SIGTERM)
+                self._signal([job], signal.SIGTERM)
                 self.board.event(f"#{job.num} {job.timed_out} on {job.where}: SIGTERM, SIGKILL in "
                                  f"{self.s.grace_s:.0f}s")
             elif job.timed_out is not None and time.monotonic() > job.kill_at:
-                self._kill(job)
+                job.kill_at = math.inf   # once (through SLURM, a call per step): it is reaped when it is gone
+                self._signal([job], signal.SIGKILL)
 
-    def _signal_job(self, job: Job, sig: int) -> None:
-        """`sig` to one running job's processes: its own group, its warm node processes' forks, or its srun step."""
-        if self.alloc is None or hasattr(job.proc, "signal_group"):
-            self._kill(job, sig)
-        elif not steps.signal_steps(self.alloc.job_id, {steps.step_name(job.num): job.num}, sig):
-            procs.kill_group(job.proc.pid, signal.SIGTERM)   # not started as a step yet: its srun ends it
-
-    def _stop_steps(self) -> None:
-        """Inside an allocation: the stop signal to every running step's tasks, through SLURM (their ranks
-        save and end); SIGUSR2 goes on as SIGTERM, since a job's rank 0 would take it for its own requeue and
-        requeue the whole allocation. A step not started yet has nothing to save: its srun ends it."""
-        sig = signal.SIGTERM if self.stop_signal == signal.SIGUSR2 else signal.Signals(self.stop_signal)
-        warm = [j for j in self._running() if hasattr(j.proc, "signal_group")]
-        for job in warm:   # forked from a node's warm process, not a step: through that process
-            job.proc.signal_group(sig)
-        running = [j for j in self._running() if j not in warm]
-        told = steps.signal_steps(self.alloc.job_id, {steps.step_name(j.num): j.num for j in running}, sig)
-        for job in running:
-            if job.num not in told:
-                procs.kill_group(job.proc.pid, signal.SIGTERM)
+    def _signal(self, jobs: list[Job], sig: signal.Signals) -> None:
+        """`sig` to the jobs' processes: each one's process group, or inside an allocation, for a job forked by a
+        node's warm process, through that process; for an srun step, to its tasks on every node through SLURM
+        (their ranks save and end; srun itself would end its step on SIGTERM). A step not started yet has
+        nothing to save: its srun ends it."""
+        steps_of = [j for j in jobs if self.alloc is not None and not hasattr(j.proc, "signal_group")]
+        for job in jobs:
+            if job not in steps_of:
+                self._kill(job, sig)
+        if steps_of:
+            told = steps.signal_steps(self.alloc.job_id, {steps.step_name(j.num): j.num for j in steps_of}, sig)
+            for job in steps_of:
+                if job.num not in told:
+                    procs.kill_group(job.proc.pid, signal.SIGKILL if sig == signal.SIGKILL else signal.SIGTERM)
 
     @staticmethod
     def _kill(job: Job, sig: int = signal.SIGKILL) -> None:
