@@ -73,6 +73,9 @@ max_steps: 1
 seed: 0
 '''
 
+# The two ways a job runs in an allocation: forked by a node's warm process, or an srun step of its own
+BOTH_WAYS = pytest.mark.parametrize("warm", [True, False], ids=["forked by warm node processes", "srun steps"])
+
 SALLOC = ["salloc", "-N", "2", "--gres=gpu:4", "--exclusive", "--time=10"]
 
 
@@ -188,7 +191,7 @@ def _gpus(r: dict) -> set[tuple[str, int]]:
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("warm", [True, False], ids=["forked by warm node processes", "srun steps"])
+@BOTH_WAYS
 def test_a_sweep_of_1_and_2_gpu_jobs_shares_no_gpu_and_uses_both_nodes(slurm_cluster_2n, tmp_path, warm):
     # 12 jobs: 1 or 2 GPUs (gpu_map.gpus_per_rank), on 1 node or spread over 2 (launch.nodes)
     done = _sweep(slurm_cluster_2n, tmp_path, ["gpu_map.gpus_per_rank=1,2", "launch.nodes=1,2",
@@ -269,7 +272,7 @@ def test_a_job_that_cannot_fit_the_allocation_is_one_line_and_exit_2(slurm_clust
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("warm", [True, False], ids=["forked by warm node processes", "srun steps"])
+@BOTH_WAYS
 def test_ctrl_c_stops_every_step_with_a_checkpoint_and_the_rerun_resumes_them(slurm_cluster_2n, tmp_path, warm):
     """The stop reaches the ranks of every step on every node through SLURM (scancel --signal), not srun's own
     handling (which would cancel the step on SIGTERM): they save and end stopped; the same sweep again resumes."""
@@ -310,7 +313,7 @@ def test_ctrl_c_stops_every_step_with_a_checkpoint_and_the_rerun_resumes_them(sl
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("warm", [True, False], ids=["forked by warm node processes", "srun steps"])
+@BOTH_WAYS
 def test_a_job_past_its_time_limit_is_stopped_through_slurm_saves_and_fails(slurm_cluster_2n, tmp_path, warm):
     # job 1's 2000 steps of 64 ms (paced) outlast the 30 s limit; SIGTERM reaches its ranks as a Ctrl-C's would
     sweep = tmp_path / "sweep"
@@ -333,7 +336,7 @@ def test_a_job_past_its_time_limit_is_stopped_through_slurm_saves_and_fails(slur
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("warm", [True, False], ids=["forked by warm node processes", "srun steps"])
+@BOTH_WAYS
 def test_a_job_stuck_past_its_time_limit_is_killed_on_its_node_after_the_grace(slurm_cluster_2n, tmp_path, warm):
     # job 1 sleeps in its model's constructor, before any step: only the SIGKILL grace_s after the limit ends it
     done = _sweep(slurm_cluster_2n, tmp_path, ["task.model.seconds=0.5,120", "hydra.launcher.timeout_min=0.25",
