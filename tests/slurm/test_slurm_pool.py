@@ -130,6 +130,29 @@ def test_a_study_requeued_mid_way_continues_from_its_journal_to_exactly_n_trials
 
 
 @pytest.mark.timeout(400)
+def test_a_job_past_the_pools_time_limit_is_stopped_saves_and_fails_while_the_allocation_goes_on(slurm_cluster_2n,
+                                                                                               tmp_path):
+    """hydra.launcher.pool.timeout_min is each job's limit inside the allocation (hydra.launcher.timeout_min is the
+    allocation's): job 1's 2000 paced steps (64 ms each) outlast 30 s; it gets SIGTERM through SLURM, saves, and
+    fails naming the key; job 0 and the allocation finish, and the sweep's exit code says a job failed."""
+    sweep = tmp_path / "sweep"
+    done = _run(slurm_cluster_2n, ["hydra/launcher=slurm_pool", "hydra.launcher.nodes=1",
+                                   "hydra.launcher.gpus_per_node=2", "hydra.launcher.timeout_min=10",
+                                   "hydra.launcher.pool.timeout_min=0.5", "task=a", "logger=none", "task.log_every=5",
+                                   "task.max_steps=20,2000", "faults.device_ms_per_example=1.0"], sweep)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-4000:]
+    assert "failed: ran past hydra.launcher.timeout_min=0.5 (30 s)" in done.stdout, out[-4000:]
+    pool = {j["num"]: j for j in json.loads((sweep / "pool.json").read_text())["jobs"]}
+    assert (pool[0]["state"], pool[1]["state"]) == ("finished", "failed"), pool
+    assert 30 <= pool[1]["wall_s"] < 30 + 15, pool[1]   # it saved and ended on the SIGTERM, not at the SIGKILL
+    result = results.read_result(sweep / "1")
+    assert (result["status"], result["stop_signal"]) == ("stopped", "SIGTERM") and result["steps"] < 2000, result
+    assert (sweep / "1" / "checkpoint.pt").exists()
+    assert (sweep / ".slurm_pool" / f"exit-{_job(sweep)['job_id']}").read_text() == "1\n"
+
+
+@pytest.mark.timeout(400)
 def test_detached_it_says_how_to_follow_and_following_again_ends_with_the_sweeps_code(slurm_cluster_2n, tmp_path):
     sweep = tmp_path / "sweep"
     done = _run(slurm_cluster_2n, [*SWEEP, "task.seed=0,1", "hydra.launcher.detach=true"], sweep, timeout=60)
@@ -190,6 +213,7 @@ def test_its_dry_run_prints_the_allocations_script_and_where_the_first_jobs_go(t
     (["hydra.launcher.pool.gpus=[0]"], "hydra.launcher.pool.gpus: unknown key; allowed under hydra.launcher.pool: "
                                        "gpus_per_job, max_parallel, nodes, grace_s"),
     (["hydra.launcher.pool.max_parallel=0"], "hydra.launcher.pool.max_parallel=0 is not allowed: an integer >= 1"),
+    (["hydra.launcher.pool.timeout_min=0"], "hydra.launcher.pool.timeout_min=0.0 is not allowed: minutes > 0"),
     (["hydra.launcher.max_requeues=-1"], "hydra.launcher.max_requeues=-1 is not allowed: an integer >= 0 (how often "
                                          "the allocation may requeue itself before its time limit)"),
     (["hydra.launcher.signal_delay_s=0"], "hydra.launcher.signal_delay_s=0 is not allowed: an integer >= 1"),

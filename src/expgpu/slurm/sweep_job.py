@@ -129,7 +129,7 @@ def _inside(params: Mapping[str, Any]) -> dict:
 
 # gpu_pool's keys that mean something inside an allocation (its GPUs are the allocation's: no gpus, lease_dir)
 POOL_KEYS = frozenset({"gpus_per_job", "max_parallel", "wait_timeout_s", "grace_s", "threads_per_job", "nodes",
-                       "warm_starts"})
+                       "warm_starts", "timeout_min"})
 
 
 def submit(params: Mapping[str, Any], argv: Sequence[str], sweep_dir: Path) -> dict:
