@@ -93,7 +93,7 @@ class FaultKind(enum.Enum):
 @dataclass
 class GpuMapConfig:
     strategy: Strategy = Strategy.sequential
-    gpus: Optional[List[int]] = None            # custom: NVML index per local rank
+    gpus: Optional[List[int]] = None            # custom: NVML index per local rank; others: GPUs to pick from
     scores: Dict[Any, float] = field(default_factory=dict)  # ranked: by index, name or UUID
     score: ScoreSource = ScoreSource.spec       # ranked: where default scores come from
     measure_dtype: MeasureDtype = MeasureDtype.float32  # score=measured: the dtype the task computes in

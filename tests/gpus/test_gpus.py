@@ -124,6 +124,32 @@ def test_custom_errors_name_gpu_map_gpus(gpus, match):
     fails(match, plan, node(HOMOGENEOUS), 2, {"strategy": "custom", "gpus": gpus})
 
 
+def test_gpu_map_gpus_narrows_every_strategy_to_the_listed_gpus():
+    """gpu_map.gpus=[2,3] means "use GPUs 2 and 3", whatever the strategy: sequential deals them in the listed
+    order, ranked and free_memory rank only them (it was read by custom alone: the others silently used GPU 0)."""
+    assert ranks(node(MIXED), 2, strategy="sequential", gpus=[3, 1]) == [[3], [1]]
+    assert ranks(node(MIXED), 1, gpus=[2]) == [[2]]   # sequential, the default
+    assert ranks(node(EIGHT), 2, strategy="ranked", gpus=[0, 1, 3, 4]) == [[3], [1]]   # the A100, then the V100
+    assert ranks(node(BUSY), 1, strategy="free_memory", gpus=[0, 1]) == [[1]]
+    assert ranks(node(HOMOGENEOUS), 2, strategy="sequential", gpus_per_rank=2, gpus=[3, 2, 1, 0]) == [[3, 2], [1, 0]]
+    assert ranks(node(HOMOGENEOUS), 2, strategy="sequential", gpus=[2], share=True) == [[2], [2]]
+    # gpu_map.scores may still name a GPU of the node that the list leaves out
+    assert ranks(node(MIXED), 1, strategy="ranked", gpus=[1, 3], scores={0: 9e9, 3: 9e8}) == [[3]]
+    # indices are NVML's, also where an inherited mask narrowed the node
+    assert ranks(node(HOMOGENEOUS, mask="2,3"), 1, gpus=[3]) == [[3]]
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "ranked", "free_memory"])
+@pytest.mark.parametrize("spec, params, match", [
+    (HOMOGENEOUS, {"gpus": [0, 7]}, r"gpu_map\.gpus=\[0, 7\]: asks for GPU 7 but this node has 0\.\.3 only"),
+    (HOMOGENEOUS, {"gpus": [1, 1]}, r"gpu_map\.gpus=\[1, 1\]: GPU 1 listed twice"),
+    (HOMOGENEOUS, {"gpus": [1]}, r"need 2 GPUs but gpu_map\.gpus=\[1\] lists 1; set gpu_map\.share=true"),
+    ([], {"gpus": [0]}, r"gpu_map\.gpus=\[0\]: asks for GPU 0 but this node has no GPUs"),
+])
+def test_gpu_map_gpus_errors_for_every_strategy(strategy, spec, params, match):
+    fails(match, plan, node(spec), 2, {"strategy": strategy, **params})
+
+
 def test_custom_duplicate_is_allowed_when_sharing_is_asked_for():
     assert ranks(node(HOMOGENEOUS), 2, strategy="custom", gpus=[1, 1], share=True) == [[1], [1]]
 

@@ -142,6 +142,10 @@ def test_tasks_per_node_must_fit_the_gpus_without_a_cluster(tmp_path):
     line = error_line(multirun(["hydra/launcher=slurm", "task=a", "hydra.launcher.tasks_per_node=3",
                                 "hydra.launcher.gpus_per_node=2"], tmp_path / "sweep", env))
     assert "hydra.launcher.tasks_per_node=3" in line and "need 3 GPU(s) per node" in line
+    # gpu_map.gpus narrows any strategy to the GPUs it lists: too few for the ranks is refused before submitting
+    line = error_line(multirun(["hydra/launcher=slurm", "task=a", "gpu_map=ranked", "gpu_map.gpus=[0]",
+                                "hydra.launcher.gpus_per_node=2"], tmp_path / "sweep1", env))
+    assert "gpu_map.gpus=[0] lists 1 GPU(s), but 2 rank(s) per node x gpu_map.gpus_per_rank=1 need 2" in line
     line = error_line(multirun(["hydra/launcher=slurm", "task=a"], tmp_path / "sweep2", env))
     assert "sbatch" in line and "not found on PATH" in line
 

@@ -60,15 +60,18 @@ def plan(gpus: list[Gpu], local_world_size: int, params: Mapping) -> NodePlan:
 
 
 def _strategy(fn):
-    """Register `fn` under its name, validate params, and give every rank the CPU on a GPU-less node."""
+    """Register `fn` under its name, validate params, and give every rank the CPU on a GPU-less node.
+    gpu_map.gpus, set, narrows every other strategy to the GPUs it lists (custom deals them out itself)."""
     @functools.wraps(fn)
     def run(gpus, local_world_size, params):
         p = _settings(params)
         if not isinstance(local_world_size, int) or local_world_size < 1:
             raise UserError(f"local world size {local_world_size!r}: expected an integer >= 1")
-        if not gpus and not (fn.__name__ == "custom" and p["gpus"]):
+        if not gpus and p["gpus"] is None:
             return NodePlan(fn.__name__, ((),) * local_world_size)
-        return replace(fn(list(gpus), local_world_size, p), visible=tuple(gpus))
+        candidates = list(gpus) if fn.__name__ == "custom" or p["gpus"] is None else _listed(gpus, p["gpus"])
+        p["_node"] = list(gpus)   # the whole node: gpu_map.scores may name a GPU left out of gpu_map.gpus
+        return replace(fn(candidates, local_world_size, p), visible=tuple(gpus))
     STRATEGIES[fn.__name__] = run
     return run
 
@@ -88,10 +91,7 @@ def custom(gpus, lws, p):
     if wanted is None:
         raise UserError(f"gpu_map.gpus is not set: strategy=custom needs {need} GPU indices ({k} per local rank), "
                         f"e.g. gpu_map.gpus=[{','.join(map(str, sorted(by_index)[:need]))}]")
-    for i in wanted:
-        if i not in by_index:
-            where = f"this node has {allowed} only" if gpus else "this node has no GPUs (NVML or the mask)"
-            raise UserError(f"gpu_map.gpus={wanted}: asks for GPU {i} but {where}")
+    _check_present(gpus, wanted)
     twice = next((i for n, i in enumerate(wanted) if i in wanted[:n]), None)
     if twice is not None and not (p["share"] and k == 1):
         raise UserError(f"gpu_map.gpus={wanted}: GPU {twice} listed twice; give each local rank a different "
@@ -107,7 +107,7 @@ def custom(gpus, lws, p):
 def ranked(gpus, lws, p):
     """Best GPU to local rank 0, next to 1, ...: gpu_map.scores, else the simulated score, else
     SM count x max SM clock; ties go to more memory, then the lower index."""
-    scores = _scores(gpus, p["scores"])
+    scores = _scores(p["_node"], p["scores"])
     ordered = sorted(gpus, key=lambda g: (-scores[g.index], -g.memory_total_mb, g.index))
     return _deal("ranked", ordered, lws, p, scores)
 
@@ -126,14 +126,34 @@ def free_memory(gpus, lws, p):
     return _deal("free_memory", ordered, lws, p, {g.index: float(g.memory_free_mb) for g in gpus})
 
 
+def _listed(gpus, wanted) -> list[Gpu]:
+    """The GPUs gpu_map.gpus names, in its order (sequential deals them so; the others rank them)."""
+    _check_present(gpus, wanted)
+    twice = next((i for n, i in enumerate(wanted) if i in wanted[:n]), None)
+    if twice is not None:
+        raise UserError(f"gpu_map.gpus={wanted}: GPU {twice} listed twice; list the GPUs to choose from once "
+                        "each (gpu_map.share=true lets ranks share them)")
+    by_index = {g.index: g for g in gpus}
+    return [by_index[i] for i in wanted]
+
+
+def _check_present(gpus, wanted) -> None:
+    allowed = _span(sorted(g.index for g in gpus))
+    for i in wanted:
+        if i not in {g.index for g in gpus}:
+            where = f"this node has {allowed} only" if gpus else "this node has no GPUs (NVML or the mask)"
+            raise UserError(f"gpu_map.gpus={wanted}: asks for GPU {i} but {where}")
+
+
 def _deal(name, ordered, lws, p, scores=None) -> NodePlan:
     """Hand out `ordered` GPUs k per rank; with share=true, round-robin when there are too few."""
     k, n = p["gpus_per_rank"], len(ordered)
     if lws * k <= n:
         return NodePlan(name, tuple(tuple(ordered[r * k:(r + 1) * k]) for r in range(lws)), scores or {})
     if not p["share"]:
+        have = f"gpu_map.gpus={p['gpus']} lists {n}" if p["gpus"] is not None else f"this node has {n} usable"
         raise UserError(f"gpu_map.strategy={name}: {lws} local ranks x {k} GPU(s) per rank need {lws * k} "
-                        f"GPUs but this node has {n} usable; set gpu_map.share=true or start fewer ranks")
+                        f"GPUs but {have}; set gpu_map.share=true or start fewer ranks")
     if k > 1:
         raise UserError(f"gpu_map.share=true with gpu_map.gpus_per_rank={k}: ranks can share only with one GPU "
                         "per rank; set gpu_map.gpus_per_rank=1 or start fewer ranks")

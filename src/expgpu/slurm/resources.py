@@ -110,8 +110,10 @@ def derive(params: Mapping, cfg: Mapping, launcher: str = "slurm", visible_gpus:
         gpus = need
     if gpus == 0:
         return Resources(nodes, tasks, 0, ranks)   # CPU ranks
-    if strategy == "custom" and gpu_map.get("gpus") is not None and len(gpu_map["gpus"]) < need:
-        raise UserError(f"gpu_map.gpus={list(gpu_map['gpus'])} lists {len(gpu_map['gpus'])} GPU(s), but "
+    listed = gpu_map.get("gpus")
+    # custom: one entry per rank; the other strategies choose among the listed GPUs (ranks may share them)
+    if listed is not None and len(listed) < need and (strategy == "custom" or not (share and k == 1)):
+        raise UserError(f"gpu_map.gpus={list(listed)} lists {len(listed)} GPU(s), but "
                         f"{ranks} rank(s) per node x gpu_map.gpus_per_rank={k} need {need}")
     if need > gpus and not (share and k == 1):
         how = "launch.nproc_per_node" if nproc > 1 else "hydra.launcher.tasks_per_node"
