@@ -150,6 +150,18 @@ def test_gpu_map_gpus_errors_for_every_strategy(strategy, spec, params, match):
     fails(match, plan, node(spec), 2, {"strategy": strategy, **params})
 
 
+@pytest.mark.parametrize("strategy, params, match", [
+    ("sequential", {"scores": {0: 2.0}}, r"gpu_map\.scores=\{0: 2\.0\} is read by gpu_map=ranked only, and this "
+                                         r"run's strategy is sequential: choose gpu_map=ranked or drop the key"),
+    ("ranked", {"min_free_mb": 20000}, r"gpu_map\.min_free_mb=20000 is read by gpu_map=free_memory only"),
+    ("custom", {"gpus": [0, 1], "max_util": 50}, r"gpu_map\.max_util=50 is read by gpu_map=free_memory only"),
+])
+def test_a_key_the_strategy_does_not_read_is_an_error_not_ignored(strategy, params, match):
+    fails(match, plan, node(HOMOGENEOUS), 2, {"strategy": strategy, **params})
+    # at their defaults (as every gpu_map file sets them) they are no error
+    assert ranks(node(HOMOGENEOUS), 1, strategy=strategy, gpus=[0], scores={}, min_free_mb=0, max_util=100) == [[0]]
+
+
 def test_custom_duplicate_is_allowed_when_sharing_is_asked_for():
     assert ranks(node(HOMOGENEOUS), 2, strategy="custom", gpus=[1, 1], share=True) == [[1], [1]]
 
@@ -171,9 +183,10 @@ def test_gpus_per_rank_gives_consecutive_gpus():
     fails(r"gpu_map\.gpus_per_rank=0: expected an integer >= 1", plan, node(HOMOGENEOUS), 1, {"gpus_per_rank": 0})
 
 
-def test_no_gpus_means_cpu_for_every_strategy_but_an_explicit_custom_list():
+def test_no_gpus_means_cpu_for_every_strategy_but_an_explicit_gpu_list():
+    own = {"ranked": {"scores": {"A100": 2.0}}, "free_memory": {"min_free_mb": 10**6}}
     for name in STRATEGIES:
-        result = plan([], 3, {"strategy": name, "scores": {"A100": 2.0}, "min_free_mb": 10**6})
+        result = plan([], 3, {"strategy": name, **own.get(name, {})})
         assert result.assignments == ((), (), ()) and result.gpus_of(2) == ()
     fails(r"gpu_map\.gpus=\[0\]: asks for GPU 0 but this node has no GPUs", plan, [], 1,
           {"strategy": "custom", "gpus": [0]})

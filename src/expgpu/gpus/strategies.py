@@ -56,7 +56,21 @@ def plan(gpus: list[Gpu], local_world_size: int, params: Mapping) -> NodePlan:
     name = params.get("strategy") or "sequential"
     if name not in STRATEGIES:
         raise UserError(f"gpu_map.strategy={name!r}: unknown; allowed: {', '.join(STRATEGIES)}")
+    _only_where_read(name, params)
     return STRATEGIES[name](gpus, local_world_size, params)
+
+
+# Keys that one strategy reads: set away from their defaults under another, they would change nothing
+READ_BY = {"scores": "ranked", "min_free_mb": "free_memory", "max_util": "free_memory"}
+
+
+def _only_where_read(name: str, params: Mapping) -> None:
+    for key, reader in READ_BY.items():
+        value = params.get(key)
+        if reader != name and value is not None and value != _DEFAULTS[key]:
+            raise UserError(f"gpu_map.{key}={value!r} is read by gpu_map={reader} only, and this run's strategy is "
+                            f"{name}: choose gpu_map={reader} or drop the key"
+                            + (" (data.weights=[...] sizes proportional batches)" if key == "scores" else ""))
 
 
 def _strategy(fn):
