@@ -14,6 +14,11 @@ hits both alike; separate launches of the two differ by 10-40 % on a shared 2-co
 
 Startup, separate launches: expgpu, torchrun + the plain script, mp.spawn + the plain script,
 alternating, --launches times each; medians are compared (their steps/s are printed too).
+--nproc 1: expgpu against the plain script run alone (one process, no process group, no DDP).
+--gpu: on a GPU node, both on the GPUs (expgpu's default gpu_map, backend auto; the plain script on
+cuda:LOCAL_RANK over nccl): what CUDA's start costs each. For the start-up only: use --rounds 0.
+
+    python bench/bench_ddp_overhead.py --gpu --nproc 1 --rounds 0 --launches 5
 
 steps/s ratio  = built-in loop / plain loop, interleaved     (goal >= 0.98)
 startup extra  = expgpu - plain, seconds from launch to the first training step (goal <= 0.3 s)
@@ -37,9 +42,10 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 
 
-def env() -> dict:
+def env(gpu: bool = False) -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EXPGPU_", "TORCHELASTIC_"))}
-    e["CUDA_VISIBLE_DEVICES"] = ""   # the CPU benchmark it says it is, on a GPU node too
+    if not gpu:
+        e["CUDA_VISIBLE_DEVICES"] = ""   # the CPU benchmark it says it is, on a GPU node too
     e.update(OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(BENCH, REPO / "src"))
     return e
 
@@ -51,23 +57,27 @@ def run_interleaved(task: str, args: list[str], run_dir: Path) -> dict:
     return json.loads((run_dir / "result.json").read_text())["metrics"]
 
 
-def run_expgpu(steps: int, tmp: Path, n: int, precision: str) -> tuple[float, float]:
+def run_expgpu(steps: int, tmp: Path, n: int, args) -> tuple[float, float]:
     run_dir = tmp / f"expgpu{n}"
     t0 = time.time()
-    subprocess.run([sys.executable, "-m", "expgpu", "task=a", f"task.max_steps={steps}", "launch.nproc_per_node=2",
-                    f"task.precision={precision}", f"hydra.run.dir={run_dir}", "checkpoint.resume=false"],
-                   check=True, env=env(), cwd=REPO, capture_output=True)
+    subprocess.run([sys.executable, "-m", "expgpu", "task=a", f"task.max_steps={steps}",
+                    f"launch.nproc_per_node={args.nproc}", f"task.precision={args.precision}",
+                    f"hydra.run.dir={run_dir}", "checkpoint.resume=false"],
+                   check=True, env=env(args.gpu), cwd=REPO, capture_output=True)
     timing = json.loads((run_dir / "result.json").read_text())["timing"]
     return timing["first_step_at"] - t0, timing["steps_per_s"]
 
 
-def run_plain(steps: int, launcher: str, port: int, precision: str) -> tuple[float, float]:
-    script = [str(REPO / "bench" / "plain_ddp.py"), str(steps), "--precision", precision]
+def run_plain(steps: int, launcher: str, port: int, args) -> tuple[float, float]:
+    script = [str(REPO / "bench" / "plain_ddp.py"), str(steps), "--precision", args.precision,
+              "--device", "cuda" if args.gpu else "cpu"]
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *script]
-    else:
-        cmd = [sys.executable, *script, "--spawn", "2"]
-    e = env()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", *script]
+    elif launcher == "mp.spawn":
+        cmd = [sys.executable, *script, "--spawn", str(args.nproc)]
+    else:   # python: one process on its own
+        cmd = [sys.executable, *script]
+    e = env(args.gpu)
     e["MASTER_PORT"] = str(port)
     for attempt in (1, 2):  # a rendezvous port taken by another program fails a run now and then
         t0 = time.time()
@@ -109,16 +119,19 @@ def interleaved(args, tmp: Path) -> None:
 
 
 def launches(args, tmp: Path) -> None:
-    results = {"expgpu": [], "torchrun": [], "mp.spawn": []}
+    bases = ["python"] if args.nproc == 1 else ["torchrun", "mp.spawn"]
+    results: dict[str, list] = {"expgpu": [], **{b: [] for b in bases}}
     for i in range(args.launches):
-        results["expgpu"].append(run_expgpu(args.launch_steps, tmp, i, args.precision))
-        results["torchrun"].append(run_plain(args.launch_steps, "torchrun", 29600 + i, args.precision))
-        results["mp.spawn"].append(run_plain(args.launch_steps, "spawn", 29700 + i, args.precision))
+        results["expgpu"].append(run_expgpu(args.launch_steps, tmp, i, args))
+        for j, base in enumerate(bases):
+            results[base].append(run_plain(args.launch_steps, base, 29600 + 100 * j + i, args))
         print(f"launch round {i + 1}/{args.launches}: " + "  ".join(
             f"{k} start {v[-1][0]:.2f}s {v[-1][1]:.0f} steps/s" for k, v in results.items()), flush=True)
     med = {k: (statistics.median(s for s, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
-    print(f"\nseparate launches, {args.launch_steps} steps, median of {args.launches} alternating rounds")
-    for base in ("torchrun", "mp.spawn"):
+    where = "GPU" if args.gpu else "CPU"
+    print(f"\nseparate launches, {args.nproc} rank(s) on the {where}, {args.launch_steps} steps, median of "
+          f"{args.launches} alternating rounds")
+    for base in bases:
         ratio = med["expgpu"][1] / med[base][1]
         extra = med["expgpu"][0] - med[base][0]
         print(f"vs plain script under {base:8s}: startup {med['expgpu'][0]:.2f}s vs {med[base][0]:.2f}s: "
@@ -133,9 +146,12 @@ def main() -> None:
     ap.add_argument("--control", action="store_true", help="also an A/A launch per round: the noise floor")
     ap.add_argument("--launches", type=int, default=3, help="separate-launch rounds (startup); 0: none")
     ap.add_argument("--launch-steps", type=int, default=1500)
+    ap.add_argument("--nproc", type=int, default=2, help="ranks of the separate launches (1: against plain python)")
+    ap.add_argument("--gpu", action="store_true", help="the separate launches on this node's GPUs")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        interleaved(args, Path(tmp))
+        if args.rounds:
+            interleaved(args, Path(tmp))
         if args.launches:
             launches(args, Path(tmp))
 

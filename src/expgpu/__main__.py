@@ -123,20 +123,7 @@ def main() -> None:
         from expgpu.status import main as status
 
         sys.exit(status(sys.argv[2:]))
-    from expgpu.procs import stop_signals
-
-    # Before Hydra and torch load (seconds): a SIGTERM/SIGUSR2 from SLURM or a Ctrl-C in that
-    # time is kept and stops the run at its first step, instead of killing it unsaved.
-    stop_signals.install()
-    faulthandler.enable(all_threads=True)  # a rank killed in C++ still says where Python was
-    os.environ.setdefault(envvars.START_TIME, str(_T0))
-    import warnings
-
-    # conf/hydra/launcher/submitit_local.yaml has the name of hydra-submitit-launcher's schema, so
-    # Hydra checks it against that schema and warns, three times, that such matching is deprecated.
-    warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_local' is validated against")
-    # Let Hydra's errors reach us instead of its multi-line report with exit code 1.
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    _before_hydra()
     import hydra
 
     from expgpu import config, rundir
@@ -184,6 +171,24 @@ def main() -> None:
         if code is None:
             raise
         sys.exit(code)
+
+
+def _before_hydra() -> None:
+    """What must hold before Hydra and torch load (seconds)."""
+    from expgpu.procs import stop_signals
+
+    # A SIGTERM/SIGUSR2 from SLURM or a Ctrl-C in that time is kept and stops the run at its first
+    # step, instead of killing it unsaved.
+    stop_signals.install()
+    faulthandler.enable(all_threads=True)  # a rank killed in C++ still says where Python was
+    os.environ.setdefault(envvars.START_TIME, str(_T0))
+    import warnings
+
+    # conf/hydra/launcher/submitit_local.yaml has the name of hydra-submitit-launcher's schema, so
+    # Hydra checks it against that schema and warns, three times, that such matching is deprecated.
+    warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_local' is validated against")
+    # Let Hydra's errors reach us instead of its multi-line report with exit code 1.
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
 
 
 def _report(e: BaseException) -> int | None:

@@ -49,19 +49,7 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
         from expgpu.script import runner as script_runner
 
         return script_runner.run_rank(cfg, info, run_dir, node, t_start)
-    simulated = cfg["inventory"]["simulate"] is not None
-    my_gpus = node.gpus_of(info.local_rank)
-    # Before anything imports torch.cuda: this process must only ever see its GPU(s).
-    # Simulated GPUs are planned and masked (what the pool tests observe), never used.
-    isolation = "visible_devices" if simulated or cfg["launch"]["isolation"] == "auto" else cfg["launch"]["isolation"]
-    device = apply(node, info.local_rank, isolation)
-    import torch
-
-    if simulated:
-        device = torch.device("cpu")
-    host = socket.gethostname()
-    log.info("rank %d/%d on %s -> %s%s", info.rank, info.world_size, host, device,
-             f" (GPU {','.join(str(g.index) for g in my_gpus)}: {my_gpus[0].name})" if my_gpus else "")
+    device, my_gpus, host = _own_gpus(cfg, info, node)
 
     from expgpu import task as tasks
     from expgpu.distributed import group
@@ -81,23 +69,7 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
         dog = watchdog.start(group.store(), info.rank, info.world_size, run_dir, watchdog.settings(cfg),
                              run.progress, lambda verdict, text: _hung(run, base, verdict, text, info),
                              lambda: _peer_failed(run))
-        try:
-            status, metrics = _call(run, spec)
-        except BaseException as e:
-            if on_error is not None:
-                on_error(e, run.step)
-            if dog is not None and not isinstance(e, KeyboardInterrupt):
-                dog.done(failed=True)   # its peers stop now, not at the collective's timeout
-            run.finish_loggers("failed", {})
-            raise
-        finally:
-            if dog is not None:
-                dog.done()
-        if status == "stopped" and run.pruned:
-            status = "pruned"   # final: not to resume
-        # The run's speed beside what it returned: the loggers' runs compare it across a sweep.
-        speed = run.timings(t_start)["steps_per_s"]
-        run.finish_loggers(status, {**metrics, **({"steps_per_s": speed} if speed is not None else {})})
+        status, metrics = _outcome(run, spec, dog, on_error, t_start)
         mine = run.result(t_start, STEP_MEANS)
         me = {"rank": info.rank, "host": host, "device": str(device), "gpus": [g.index for g in my_gpus],
               "names": [g.name for g in my_gpus], "param_checksum": mine["param_checksum"]}
@@ -107,6 +79,46 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
     return results.write_result(run_dir, {
         "status": status, **base, "plan": ranks, "metrics": metrics, **mine,
         "rank_checksums": [r["param_checksum"] for r in ranks]})
+
+
+def _own_gpus(cfg: dict, info: RankInfo, node: NodePlan):
+    """This process's device, GPUs and host name, after masking it to its GPU(s)."""
+    simulated = cfg["inventory"]["simulate"] is not None
+    my_gpus = node.gpus_of(info.local_rank)
+    # Before anything imports torch.cuda: this process must only ever see its GPU(s).
+    # Simulated GPUs are planned and masked (what the pool tests observe), never used.
+    isolation = "visible_devices" if simulated or cfg["launch"]["isolation"] == "auto" else cfg["launch"]["isolation"]
+    device = apply(node, info.local_rank, isolation)
+    import torch
+
+    if simulated:
+        device = torch.device("cpu")
+    host = socket.gethostname()
+    log.info("rank %d/%d on %s -> %s%s", info.rank, info.world_size, host, device,
+             f" (GPU {','.join(str(g.index) for g in my_gpus)}: {my_gpus[0].name})" if my_gpus else "")
+    return device, my_gpus, host
+
+
+def _outcome(run, spec, dog, on_error, t_start: float) -> tuple[str, dict]:
+    """The task function called, its status and metrics; the loggers' runs ended either way."""
+    try:
+        status, metrics = _call(run, spec)
+    except BaseException as e:
+        if on_error is not None:
+            on_error(e, run.step)
+        if dog is not None and not isinstance(e, KeyboardInterrupt):
+            dog.done(failed=True)   # its peers stop now, not at the collective's timeout
+        run.finish_loggers("failed", {})
+        raise
+    finally:
+        if dog is not None:
+            dog.done()
+    if status == "stopped" and run.pruned:
+        status = "pruned"   # final: not to resume
+    # The run's speed beside what it returned: the loggers' runs compare it across a sweep.
+    speed = run.timings(t_start)["steps_per_s"]
+    run.finish_loggers(status, {**metrics, **({"steps_per_s": speed} if speed is not None else {})})
+    return status, metrics
 
 
 def _agreement(cfg: dict, info: RankInfo):

@@ -84,27 +84,7 @@ def plot(rows: list[Row], ranking: Ranking, path: Path, title: str) -> list[str]
     entry: dict[int, object] = {}
     try:
         for ax, name in zip(axes.flat, names):
-            for r in reversed(drawn):   # the best last: on top
-                points = r.series.get(name)
-                if not points:
-                    continue
-                steps, values = zip(*points)
-                best, labelled = r is ranking.best, id(r) in named
-                label = (f"#{r.job} " + " ".join(ranking.differs.get(r.job) or []))[:60]
-                label += " *" if r.status != "finished" else ""
-                style = dict(linewidth=2.6 if best else 1.3, zorder=3 if best else 2, color=colour.get(id(r)))
-                if not labelled:
-                    style.update(color="0.7", linewidth=0.8, zorder=1)
-                [line] = ax.plot(steps, values, marker="o" if len(steps) <= 3 else None, markersize=3, label=label,
-                                 **style)
-                if labelled:
-                    entry.setdefault(id(r), line)
-            series = [v for r in drawn for _, v in r.series.get(name, [])]
-            if kind(name) == "loss" and series and all(v > 0 for v in series):
-                ax.set_yscale("log")
-            ax.set_xlabel("step")
-            ax.set_title(name + (f"  ({ranking.direction})" if _ranks(name, ranking) else ""), fontsize=9)
-            ax.grid(True, alpha=0.3)
+            _panel(ax, name, drawn, ranking, colour, entry)
         for ax in list(axes.flat)[len(names):]:
             ax.set_visible(False)
         handles = [entry[id(r)] for r in drawn if id(r) in entry]   # best first
@@ -128,6 +108,31 @@ def plot(rows: list[Row], ranking: Ranking, path: Path, title: str) -> list[str]
     finally:
         plt.close(fig)
     return labels
+
+
+def _panel(ax, name: str, drawn: list[Row], ranking: Ranking, colour: dict, entry: dict) -> None:
+    """One metric's curves, a line per job: the named jobs (`colour`'s) in their colours, the best one
+    thick and on top, the others thin and grey; each named job's first line goes into `entry`."""
+    for r in reversed(drawn):   # the best last: on top
+        points = r.series.get(name)
+        if not points:
+            continue
+        steps, values = zip(*points)
+        best, labelled = r is ranking.best, id(r) in colour
+        label = (f"#{r.job} " + " ".join(ranking.differs.get(r.job) or []))[:60]
+        label += " *" if r.status != "finished" else ""
+        style = dict(linewidth=2.6 if best else 1.3, zorder=3 if best else 2, color=colour.get(id(r)))
+        if not labelled:
+            style.update(color="0.7", linewidth=0.8, zorder=1)
+        [line] = ax.plot(steps, values, marker="o" if len(steps) <= 3 else None, markersize=3, label=label, **style)
+        if labelled:
+            entry.setdefault(id(r), line)
+    series = [v for r in drawn for _, v in r.series.get(name, [])]
+    if kind(name) == "loss" and series and all(v > 0 for v in series):
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_title(name + (f"  ({ranking.direction})" if _ranks(name, ranking) else ""), fontsize=9)
+    ax.grid(True, alpha=0.3)
 
 
 def save(fig, path: Path) -> None:
