@@ -313,6 +313,8 @@ def check(cfg: DictConfig) -> None:
     if cfg.data.weights is not None:
         need(len(cfg.data.weights) >= 1 and all(math.isfinite(w) and w > 0 for w in cfg.data.weights),
              "data.weights", "a list of numbers > 0, one per rank, e.g. [3, 1]")
+        need(cfg.data.shard is not Shard.uniform, "data.weights", "null under data.shard=uniform, where every rank "
+             "takes task.batch_size: set data.shard=proportional to size the ranks' batches by these weights")
     need(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "0 (off) or a step count")
     poll = cfg.checkpoint.poll_every
     need(poll == "auto" or (type(poll) is int and poll >= 1), "checkpoint.poll_every", "auto or an integer >= 1")

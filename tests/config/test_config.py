@@ -81,6 +81,10 @@ BAD = {
     "custom gpus twice": (["gpu_map=custom", "gpu_map.gpus=[0,0]", "launch.nproc_per_node=2", SIM2], "gpu_map.gpus"),
     "custom gpu missing": (["gpu_map=custom", "gpu_map.gpus=[5]", SIM2], "gpu_map.gpus"),
     "simulated gpu without memory": (["inventory.simulate=[{name:A100}]"], "inventory.simulate[0].memory_mb"),
+    "weights under uniform batches": (["data.weights=[3,1]"], "data.weights=[3.0, 1.0] is not allowed: null under "
+                                                            "data.shard=uniform"),
+    "a strategy's key under another": (["gpu_map.min_free_mb=2000"], "gpu_map.min_free_mb=2000 is read by "
+                                                                     "gpu_map=free_memory only"),
 }
 
 
