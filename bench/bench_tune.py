@@ -233,7 +233,8 @@ def main() -> None:
     for spec in a.way:
         name, _, overrides = spec.partition("=")
         WAYS[name] = [*WAYS["expgpu"], *overrides.split()]
-        ways.append(name)
+        if name not in ways:   # named in --only too: still once
+            ways.append(name)
     if "ray_asha" in ways and ray is None:
         print("ray_asha: skipped (no ray: give --ray-python, a venv's python with ray[tune])")
         ways.remove("ray_asha")
