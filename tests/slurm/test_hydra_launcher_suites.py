@@ -5,7 +5,9 @@ slots, slurm on the real local cluster.
 
 LauncherTestSuite runs its sweeps in this process (hydra_sweep_runner); IntegrationTestSuite writes a
 small @hydra.main app and runs it as a child process, which inherits this process's environment.
-No test of either suite is skipped."""
+No test of either suite is skipped. slurm_pool runs IntegrationTestSuite only: it runs the sweep's command
+line again inside its allocation, and the in-process suite has none (it is refused in one line there,
+tests/slurm/test_launchers_any_app.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from slurm_cluster import slurm_cluster  # noqa: F401
 GPU_POOL = ["hydra.launcher.gpus_per_job=0", "hydra.launcher.cpu_slots=2"]
 # A job that hangs is cut by SLURM, not waited for until the test's timeout.
 SLURM = ["hydra.launcher.timeout_min=5", "hydra.launcher.cpus_per_task=1"]
+SLURM_POOL = ["hydra.launcher.timeout_min=5", "hydra.launcher.gpus_per_node=2"]
 QUIET = ["hydra/hydra_logging=disabled", "hydra/job_logging=disabled"]
 
 
@@ -65,4 +68,12 @@ class TestSlurmLauncher(OnTheCluster, LauncherTestSuite):
 @pytest.mark.slow
 @pytest.mark.parametrize("task_launcher_cfg, extra_flags", [({}, ["-m", *QUIET, "hydra/launcher=slurm", *SLURM])])
 class TestSlurmLauncherIntegration(OnTheCluster, IntegrationTestSuite):
+    pass
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.parametrize("task_launcher_cfg, extra_flags", [({}, ["-m", *QUIET, "hydra/launcher=slurm_pool",
+                                                                 *SLURM_POOL])])
+class TestSlurmPoolLauncherIntegration(OnTheCluster, IntegrationTestSuite):
     pass

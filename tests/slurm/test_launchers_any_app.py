@@ -6,6 +6,7 @@ and a bad one is one line, exit code 2, as in expgpu's CLI."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import uuid
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from slurm_cluster import slurm_cluster  # noqa: F401
+from slurm_cluster import slurm_cluster, slurm_cluster_2n  # noqa: F401
 
 from conftest import clean_env
 
@@ -80,6 +81,7 @@ def test_every_expgpu_launcher_is_a_choice_of_any_app(app):
     assert launcher_cfg(app, "submitit_local")["_target_"] == \
         "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
     assert launcher_cfg(app, "gpu_pool")["_target_"] == "hydra_plugins.expgpu_launchers.gpu_pool.GpuPoolLauncher"
+    assert launcher_cfg(app, "slurm_pool")["_target_"] == "hydra_plugins.expgpu_launchers.slurm_pool.SlurmPoolLauncher"
 
 
 @pytest.mark.usefixtures("hydra_restore_singletons")
@@ -146,3 +148,28 @@ def test_a_cancelled_job_of_another_app_fails_the_sweep(app, slurm_cluster):  # 
                                                app, name)
     # expgpu's one line: the job left the queue without a result (submitit alone would wait on)
     assert proc.returncode != 0 and f"job {jobs[0]}" in proc.stderr and "without a result" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_slurm_pool_runs_another_apps_sweep_in_one_allocation(app, slurm_cluster_2n):  # noqa: F811
+    proc = sweep(app, ["x=1,2,3", "hydra/launcher=slurm_pool", "hydra.launcher.gpus_per_node=2",
+                       "hydra.launcher.timeout_min=5"], slurm_cluster_2n.env, timeout=280)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert values(app, 3) == [10, 20, 30]
+    pool = json.loads((app / "sweep" / "pool.json").read_text())
+    assert [j["state"] for j in pool["jobs"]] == ["finished"] * 3 and pool["allocation"]["job_id"]
+
+
+def test_slurm_pool_from_a_process_not_started_by_the_sweeps_command_line_is_one_line(app):
+    """slurm_pool runs the command line again inside the allocation: a sweep started another way (here the app run
+    by runpy with its own sys.argv, as a test runner or a notebook would call it) has none to run there."""
+    code = ("import runpy, sys; sys.argv = ['my_app.py', '-m', 'x=1,2', 'hydra/launcher=slurm_pool', "
+            f"'hydra.sweep.dir={app / 'sweep'}']; runpy.run_path('my_app.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=app, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    line = error_line(proc)
+    assert "hydra/launcher=slurm_pool runs the sweep's command line again inside its allocation" in line
+    assert "does not hold the sweep's override x=1,2" in line and "or use hydra/launcher=slurm" in line
+    assert not (app / "sweep" / ".slurm_pool").exists()

@@ -166,6 +166,7 @@ def take_over(params: Mapping[str, Any], config, hydra_context, job_overrides: S
 
     params = {k: (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v) for k, v in params.items()}
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
+    rerunnable(config, sys.orig_argv[1:])
     check(params)
     alloc, rows = planned(params, config, hydra_context, job_overrides)
     if OmegaConf.select(config, "dry_run", default=False) is True:
@@ -184,6 +185,20 @@ def take_over(params: Mapping[str, Any], config, hydra_context, job_overrides: S
               f"scancel {record['job_id']}", flush=True)
         raise SystemExit(0)
     raise SystemExit(follow(record))
+
+
+def rerunnable(config, argv: Sequence[str]) -> None:
+    """The allocation runs this process's command line again (inner_argv): a sweep started another way (Hydra's
+    compose API, a test runner calling the launcher) has none, and would run something else there."""
+    from omegaconf import OmegaConf
+
+    given = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task", default=None) or []]
+    missing = [o for o in given if o not in argv]
+    if missing:
+        raise UserError(f"hydra/launcher=slurm_pool runs the sweep's command line again inside its allocation, but "
+                        f"this process's command line ({' '.join(argv[:3])} ...) does not hold the sweep's override "
+                        f"{missing[0]}: start the sweep from its own command line (python my_app.py -m ...), or use "
+                        "hydra/launcher=slurm, which sends the jobs themselves")
 
 
 def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Sequence[Sequence[str]]):
