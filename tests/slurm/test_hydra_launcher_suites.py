@@ -5,9 +5,8 @@ slots, slurm on the real local cluster.
 
 LauncherTestSuite runs its sweeps in this process (hydra_sweep_runner); IntegrationTestSuite writes a
 small @hydra.main app and runs it as a child process, which inherits this process's environment.
-No test of either suite is skipped. slurm_pool runs IntegrationTestSuite only: it runs the sweep's command
-line again inside its allocation, and the in-process suite has none (it is refused in one line there,
-tests/slurm/test_launchers_any_app.py)."""
+No test of either suite is skipped. slurm_pool runs both ways: from a command line (IntegrationTestSuite) the
+allocation runs it again; in-process (LauncherTestSuite) each launch() sends its jobs to an allocation."""
 
 from __future__ import annotations
 
@@ -76,4 +75,11 @@ class TestSlurmLauncherIntegration(OnTheCluster, IntegrationTestSuite):
 @pytest.mark.parametrize("task_launcher_cfg, extra_flags", [({}, ["-m", *QUIET, "hydra/launcher=slurm_pool",
                                                                  *SLURM_POOL])])
 class TestSlurmPoolLauncherIntegration(OnTheCluster, IntegrationTestSuite):
+    pass
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher_name, overrides", [("slurm_pool", SLURM_POOL)])
+class TestSlurmPoolLauncher(OnTheCluster, LauncherTestSuite):
     pass

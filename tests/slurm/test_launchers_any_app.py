@@ -162,14 +162,37 @@ def test_slurm_pool_runs_another_apps_sweep_in_one_allocation(app, slurm_cluster
     assert [j["state"] for j in pool["jobs"]] == ["finished"] * 3 and pool["allocation"]["job_id"]
 
 
-def test_slurm_pool_from_a_process_not_started_by_the_sweeps_command_line_is_one_line(app):
-    """slurm_pool runs the command line again inside the allocation: a sweep started another way (here the app run
-    by runpy with its own sys.argv, as a test runner or a notebook would call it) has none to run there."""
-    code = ("import runpy, sys; sys.argv = ['my_app.py', '-m', 'x=1,2', 'hydra/launcher=slurm_pool', "
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_slurm_pool_called_in_process_sends_the_jobs_themselves(app, slurm_cluster_2n):  # noqa: F811
+    """A sweep whose process was not started by its command line (here the app run by runpy with a sys.argv of
+    its own, as a notebook or a test runner calls it) has none for the allocation to run again: its jobs go
+    there themselves, and launch() returns their results."""
+    code = ("import runpy, sys; sys.argv = ['my_app.py', '-m', 'x=1,2,3', 'hydra/launcher=slurm_pool', "
+            "'hydra.launcher.gpus_per_node=2', 'hydra.launcher.timeout_min=5', "
             f"'hydra.sweep.dir={app / 'sweep'}']; runpy.run_path('my_app.py', run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=app, env=clean_env(), capture_output=True, text=True,
-                          timeout=120)
-    line = error_line(proc)
-    assert "hydra/launcher=slurm_pool runs the sweep's command line again inside its allocation" in line
-    assert "does not hold the sweep's override x=1,2" in line and "or use hydra/launcher=slurm" in line
-    assert not (app / "sweep" / ".slurm_pool").exists()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=app, env=slurm_cluster_2n.env, capture_output=True,
+                          text=True, timeout=280)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert values(app, 3) == [10, 20, 30]
+    assert "slurm_pool: jobs #0..#2 are SLURM job" in proc.stdout, proc.stdout[-3000:]
+    assert (app / "sweep" / ".slurm_pool" / "batch-0" / "returns.pkl").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_in_process_study_on_slurm_pool_sends_its_trials_a_batch_at_a_time(app, slurm_cluster_2n):  # noqa: F811
+    """expgpu_optuna from a process not started by its command line: the study stays here, and each batch of
+    trials goes to an allocation of its own (from a command line the whole study would run in one)."""
+    code = ("import runpy, sys; sys.argv = ['my_app.py', '-m', 'hydra/sweeper=expgpu_optuna', "
+            "'hydra.sweeper.n_trials=2', 'hydra.sweeper.sampler.seed=0', 'x=range(1,9)', "
+            "'hydra/launcher=slurm_pool', 'hydra.launcher.gpus_per_node=2', 'hydra.launcher.timeout_min=5', "
+            f"'hydra.sweep.dir={app / 'sweep'}']; runpy.run_path('my_app.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=app, env=slurm_cluster_2n.env, capture_output=True,
+                          text=True, timeout=280)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.stdout.count("are SLURM job") == 2, proc.stdout[-3000:]   # one allocation per trial
+    returned = [int((app / "sweep" / str(n) / "value.txt").read_text()) for n in (0, 1)]
+    assert f"best_value: {min(returned)}" in (app / "sweep" / "optimization_results.yaml").read_text()

@@ -117,12 +117,17 @@ def check(params: Mapping[str, Any]) -> None:
     from expgpu.pool.settings import settings
 
     try:   # gpu_pool's own checks, now rather than in the allocation after the queue
-        settings({"gpus": "all", "cpu_slots": 1, "grace_s": 15.0, **pool})
+        settings(pool_params(pool))
     except UserError as e:
         raise UserError(str(e).replace("hydra.launcher.", "hydra.launcher.pool.", 1)) from None
 
 
-def _inside(params: Mapping[str, Any]) -> dict:
+def pool_params(pool: Mapping[str, Any]) -> dict:
+    """gpu_pool's hydra.launcher inside the allocation: its GPUs are the allocation's, its CPU slots unused."""
+    return {"gpus": "all", "cpu_slots": 1, "grace_s": 15.0, **pool}
+
+
+def inside(params: Mapping[str, Any]) -> dict:
     """gpu_pool's settings inside the allocation: hydra.launcher.pool.*, and how often it may requeue itself."""
     return {**(params.get("pool") or {}), "max_requeues": params.get("max_requeues") or 0}
 
@@ -133,14 +138,19 @@ POOL_KEYS = frozenset({"gpus_per_job", "max_parallel", "wait_timeout_s", "grace_
 
 
 def submit(params: Mapping[str, Any], argv: Sequence[str], sweep_dir: Path) -> dict:
-    """Write the script, check the cluster, sbatch it; the job's record (also SWEEP_DIR/.slurm_pool/job.json)."""
+    """The sweep's command line again, with gpu_pool, as one SLURM job (submit_command)."""
+    return submit_command(params, [sys.executable, *inner_argv(argv, sweep_dir, inside(params))], sweep_dir,
+                          sweep_dir / STATE)
+
+
+def submit_command(params: Mapping[str, Any], command: Sequence[str], sweep_dir: Path, state: Path) -> dict:
+    """Write the script that runs `command`, check the cluster, sbatch it; the job's record (also
+    STATE/job.json)."""
     check(params)
     cluster.check_tools("hydra/launcher=slurm_pool", "hydra/launcher=gpu_pool")
     partition = cluster.check(params.get("partition"), float(params.get("ping_timeout_s") or 15.0))
-    state = sweep_dir / STATE
     state.mkdir(parents=True, exist_ok=True)
     script = state / "allocation.sbatch"
-    command = [sys.executable, *inner_argv(argv, sweep_dir, _inside(params))]
     atomic_write_bytes(script, sbatch_script({**params, "partition": partition}, command, Path.cwd(),
                                              state).encode())
     try:
@@ -161,17 +171,17 @@ def submit(params: Mapping[str, Any], argv: Sequence[str], sweep_dir: Path) -> d
 def take_over(params: Mapping[str, Any], config, hydra_context, job_overrides: Sequence[Sequence[str]]) -> None:
     """The launcher's first launch() (or an optimizing sweeper's start): the whole sweep as one SLURM job, then
     this process ends with the sweep's exit code (SystemExit: Hydra's multirun does not go on here). Under
-    expgpu's dry_run=true: the script and where the first jobs would run, nothing submitted."""
+    expgpu's dry_run=true: the script and where the first jobs would run, nothing submitted. Only for a sweep
+    started by its command line (started_by_command_line): the allocation runs it again."""
     from omegaconf import OmegaConf
 
-    params = {k: (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v) for k, v in params.items()}
+    params = plain(params)
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
-    rerunnable(config, sys.orig_argv[1:])
     check(params)
     alloc, rows = planned(params, config, hydra_context, job_overrides)
     if OmegaConf.select(config, "dry_run", default=False) is True:
         state = sweep_dir / STATE
-        command = [sys.executable, *inner_argv(sys.orig_argv[1:], sweep_dir, _inside(params))]
+        command = [sys.executable, *inner_argv(sys.orig_argv[1:], sweep_dir, inside(params))]
         print(f"--- sbatch script of the sweep's allocation (dry run: nothing submitted) ---\n"
               f"{sbatch_script(params, command, Path.cwd(), state).rstrip()}\n---", flush=True)
         if job_overrides:
@@ -187,18 +197,23 @@ def take_over(params: Mapping[str, Any], config, hydra_context, job_overrides: S
     raise SystemExit(follow(record))
 
 
-def rerunnable(config, argv: Sequence[str]) -> None:
-    """The allocation runs this process's command line again (inner_argv): a sweep started another way (Hydra's
-    compose API, a test runner calling the launcher) has none, and would run something else there."""
+def plain(params: Mapping[str, Any]) -> dict:
     from omegaconf import OmegaConf
 
-    given = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task", default=None) or []]
-    missing = [o for o in given if o not in argv]
-    if missing:
-        raise UserError(f"hydra/launcher=slurm_pool runs the sweep's command line again inside its allocation, but "
-                        f"this process's command line ({' '.join(argv[:3])} ...) does not hold the sweep's override "
-                        f"{missing[0]}: start the sweep from its own command line (python my_app.py -m ...), or use "
-                        "hydra/launcher=slurm, which sends the jobs themselves")
+    return {k: (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v) for k, v in params.items()}
+
+
+def started_by_command_line(config, argv: Sequence[str]) -> bool:
+    """Whether this process's command line is the sweep's, for the allocation to run again (inner_argv). A sweep
+    started another way (Hydra's compose API, a test runner or a notebook calling the launcher) has none: its
+    jobs are sent themselves instead (expgpu.slurm.sweep_batch)."""
+    from omegaconf import OmegaConf
+
+    # as given: an override may hold an interpolation (hydra.sweep.subdir=d_${hydra.job.num}), not to resolve here
+    nodes = [OmegaConf.select(config, key, default=None) for key in ("hydra.overrides.hydra", "hydra.overrides.task")]
+    given = [str(o) for node in nodes if node is not None for o in OmegaConf.to_container(node, resolve=False)]
+    # hydra.mode=MULTIRUN: what Hydra adds for -m
+    return all(o in argv for o in given if o != "hydra.mode=MULTIRUN")
 
 
 def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Sequence[Sequence[str]]):
@@ -213,7 +228,7 @@ def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Seq
     gpus = tuple(range(params["gpus_per_node"]))
     alloc = Allocation("(to submit)", nodes, {n: gpus for n in nodes},
                        {n: params.get("cpus_per_node") or 1 for n in nodes}, None)
-    s = settings({"gpus": "all", "cpu_slots": 1, "grace_s": 15.0, **(params.get("pool") or {})})
+    s = settings(pool_params(params.get("pool") or {}))
     size = len(nodes) * len(gpus)
     rows = []
     for num, overrides in enumerate(job_overrides or [()]):
@@ -255,7 +270,7 @@ def follow(record: Mapping[str, Any], out=sys.stdout) -> int:
     offset, said = 0, None
     try:
         while True:
-            state = _state(job)
+            state = state_of(job)
             if state is not None and state != said and not state.startswith("RUNNING"):
                 again = said is not None and said.startswith(("RUNNING", "COMPLETING")) \
                     and state.startswith(("PENDING", "REQUEUED"))
@@ -273,7 +288,7 @@ def follow(record: Mapping[str, Any], out=sys.stdout) -> int:
         return 0
 
 
-def _state(job: str) -> str | None:
+def state_of(job: str) -> str | None:
     """squeue's state of the job (and why it waits), None once it has left the queue."""
     try:
         done = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True, text=True,

@@ -6,7 +6,9 @@ GPUs by gpu_pool (each an srun step), so the queue is paid once, not per trial.
     python -m expgpu -m hydra/launcher=slurm_pool hydra/sweeper=expgpu_optuna ...   # the study inside
 
 The first launch() (an optimizing sweeper: its start) submits the same command with hydra/launcher=gpu_pool
-as the allocation's script, follows it and ends with the sweep's exit code (expgpu.slurm.sweep_job).
+as the allocation's script, follows it and ends with the sweep's exit code (expgpu.slurm.sweep_job). Called
+in-process, with no command line to run again, each launch() sends its jobs to an allocation and returns
+their results (expgpu.slurm.sweep_batch).
 Hydra imports this module on every start: nothing heavy here, and no `from __future__ import annotations`
 (Hydra's plugin scan executes modules without registering them in sys.modules).
 """
@@ -66,6 +68,14 @@ ConfigStore.instance().store(group="hydra/launcher", name="slurm_pool", node=Slu
 class SlurmPoolLauncher(GpuPoolLauncher):
     """gpu_pool's launcher (its set-up), whose jobs run in one SLURM allocation rather than here."""
 
+    def can_take_over(self) -> bool:
+        """Whether this process was started by the sweep's command line, which the allocation can run again."""
+        import sys
+
+        from expgpu.slurm import sweep_job
+
+        return sweep_job.started_by_command_line(self.config, sys.orig_argv[1:])
+
     def take_over(self, job_overrides: Sequence[Sequence[str]] = ()) -> None:
         """The whole sweep as one SLURM job; ends this process (SystemExit) with the sweep's exit code."""
         from expgpu.errors import exit_on_user_error
@@ -75,4 +85,11 @@ class SlurmPoolLauncher(GpuPoolLauncher):
             sweep_job.take_over(self.params, self.config, self.hydra_context, job_overrides)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
-        self.take_over(job_overrides)
+        if self.can_take_over():
+            self.take_over(job_overrides)
+        from expgpu.errors import exit_on_user_error
+        from expgpu.slurm import sweep_batch
+
+        with exit_on_user_error():   # called in-process: these jobs themselves, in an allocation of their own
+            return sweep_batch.launch(self.params, self.config, self.hydra_context, self.task_function,
+                                      job_overrides, initial_job_idx)

@@ -83,7 +83,9 @@ class ExpgpuOptunaSweeper(Sweeper):
 
         # Any Hydra app, not only `python -m expgpu`: what ends the sweep is one line, never Hydra's
         # report with a traceback (SystemExit passes through Hydra's run_and_report).
-        if hasattr(self.launcher, "take_over"):   # slurm_pool: the study runs inside the allocation, not here
+        # slurm_pool from a command line: the study runs inside the allocation, not here (in-process, the
+        # trials go to it a batch at a time)
+        if hasattr(self.launcher, "take_over") and self.launcher.can_take_over():
             self.launcher.take_over()
         with exit_on_user_error():
             try:
