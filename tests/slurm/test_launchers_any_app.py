@@ -54,6 +54,16 @@ def sweep(app: Path, args: list[str], env: dict | None = None, timeout: float = 
                           env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
+IN_ALLOCATION = ["hydra/launcher=slurm_pool", "hydra.launcher.gpus_per_node=2", "hydra.launcher.timeout_min=5"]
+
+
+def in_process(app: Path, args: list[str], env: dict) -> subprocess.CompletedProcess:
+    """The app's sweep from a process its command line did not start: run by runpy with a sys.argv of its own."""
+    argv = ["my_app.py", "-m", *args, f"hydra.sweep.dir={app / 'sweep'}"]
+    code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path('my_app.py', run_name='__main__')"
+    return subprocess.run([sys.executable, "-c", code], cwd=app, env=env, capture_output=True, text=True, timeout=280)
+
+
 def values(app: Path, jobs: int) -> list[int]:
     return [int((app / "sweep" / str(n) / "value.txt").read_text()) for n in range(jobs)]
 
@@ -154,8 +164,7 @@ def test_a_cancelled_job_of_another_app_fails_the_sweep(app, slurm_cluster):  # 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_slurm_pool_runs_another_apps_sweep_in_one_allocation(app, slurm_cluster_2n):  # noqa: F811
-    proc = sweep(app, ["x=1,2,3", "hydra/launcher=slurm_pool", "hydra.launcher.gpus_per_node=2",
-                       "hydra.launcher.timeout_min=5"], slurm_cluster_2n.env, timeout=280)
+    proc = sweep(app, ["x=1,2,3", *IN_ALLOCATION], slurm_cluster_2n.env, timeout=280)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert values(app, 3) == [10, 20, 30]
     pool = json.loads((app / "sweep" / "pool.json").read_text())
@@ -169,11 +178,7 @@ def test_slurm_pool_called_in_process_sends_the_jobs_themselves(app, slurm_clust
     """A sweep whose process was not started by its command line (here the app run by runpy with a sys.argv of
     its own, as a notebook or a test runner calls it) has none for the allocation to run again: its jobs go
     there themselves, and launch() returns their results."""
-    code = ("import runpy, sys; sys.argv = ['my_app.py', '-m', 'x=1,2,3', 'hydra/launcher=slurm_pool', "
-            "'hydra.launcher.gpus_per_node=2', 'hydra.launcher.timeout_min=5', "
-            f"'hydra.sweep.dir={app / 'sweep'}']; runpy.run_path('my_app.py', run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=app, env=slurm_cluster_2n.env, capture_output=True,
-                          text=True, timeout=280)
+    proc = in_process(app, ["x=1,2,3", *IN_ALLOCATION], slurm_cluster_2n.env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert values(app, 3) == [10, 20, 30]
     assert "slurm_pool: jobs #0..#2 are SLURM job" in proc.stdout, proc.stdout[-3000:]
@@ -186,12 +191,8 @@ def test_slurm_pool_called_in_process_sends_the_jobs_themselves(app, slurm_clust
 def test_an_in_process_study_on_slurm_pool_sends_its_trials_a_batch_at_a_time(app, slurm_cluster_2n):  # noqa: F811
     """expgpu_optuna from a process not started by its command line: the study stays here, and each batch of
     trials goes to an allocation of its own (from a command line the whole study would run in one)."""
-    code = ("import runpy, sys; sys.argv = ['my_app.py', '-m', 'hydra/sweeper=expgpu_optuna', "
-            "'hydra.sweeper.n_trials=2', 'hydra.sweeper.sampler.seed=0', 'x=range(1,9)', "
-            "'hydra/launcher=slurm_pool', 'hydra.launcher.gpus_per_node=2', 'hydra.launcher.timeout_min=5', "
-            f"'hydra.sweep.dir={app / 'sweep'}']; runpy.run_path('my_app.py', run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=app, env=slurm_cluster_2n.env, capture_output=True,
-                          text=True, timeout=280)
+    proc = in_process(app, ["hydra/sweeper=expgpu_optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=0",
+                            "x=range(1,9)", *IN_ALLOCATION], slurm_cluster_2n.env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert proc.stdout.count("are SLURM job") == 2, proc.stdout[-3000:]   # one allocation per trial
     returned = [int((app / "sweep" / str(n) / "value.txt").read_text()) for n in (0, 1)]
