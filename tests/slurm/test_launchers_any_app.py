@@ -106,6 +106,8 @@ def test_slurm_site_defaults_come_from_the_apps_own_config_dir(app):
 
 def test_a_bad_launcher_setting_of_another_app_is_one_line(app):
     no_slurm = clean_env(PATH=str(Path(sys.executable).parent))
+    line = error_line(in_process(app, ["x=1", *IN_ALLOCATION, "hydra.launcher.detach=true"], no_slurm))
+    assert "hydra.launcher.detach=true is not allowed here: this sweep was not started by its command line" in line
     line = error_line(sweep(app, ["x=1,2", "hydra/launcher=slurm"], no_slurm))
     assert "needs SLURM's sbatch" in line and "not found on PATH" in line
     line = error_line(sweep(app, ["x=1", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=0"], no_slurm))

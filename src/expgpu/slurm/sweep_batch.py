@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from expgpu.errors import UserError
 from expgpu.rundir import atomic_write_bytes
 from expgpu.slurm import sweep_job
 
@@ -28,6 +29,9 @@ def launch(params: Mapping[str, Any], config, hydra_context, task_function, job_
 
     params = sweep_job.plain(params)
     sweep_job.check(params)
+    if params.get("detach"):
+        raise UserError("hydra.launcher.detach=true is not allowed here: this sweep was not started by its command "
+                        "line, so each launch() waits for its jobs' results (false), to hand them to the sweeper")
     sweep_job.planned(params, config, hydra_context, job_overrides)   # each job fits the allocation, or one line
     if not job_overrides:
         return []
