@@ -76,6 +76,12 @@ seed: 0
 # The two ways a job runs in an allocation: forked by a node's warm process, or an srun step of its own
 BOTH_WAYS = pytest.mark.parametrize("warm", [True, False], ids=["forked by warm node processes", "srun steps"])
 
+
+def way(warm: bool) -> str:
+    """The override that picks the way (BOTH_WAYS' `warm`)."""
+    return f"hydra.launcher.warm_starts={str(warm).lower()}"
+
+
 SALLOC = ["salloc", "-N", "2", "--gres=gpu:4", "--exclusive", "--time=10"]
 
 
@@ -196,7 +202,7 @@ def test_a_sweep_of_1_and_2_gpu_jobs_shares_no_gpu_and_uses_both_nodes(slurm_clu
     # 12 jobs: 1 or 2 GPUs (gpu_map.gpus_per_rank), on 1 node or spread over 2 (launch.nodes)
     done = _sweep(slurm_cluster_2n, tmp_path, ["gpu_map.gpus_per_rank=1,2", "launch.nodes=1,2",
                                                "task.model.seconds=3", "task.model.tag=range(3)",
-                                               f"hydra.launcher.warm_starts={str(warm).lower()}"])
+                                               way(warm)])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     pool = json.loads((tmp_path / "sweep" / "pool.json").read_text())
     assert [j["state"] for j in pool["jobs"]] == ["finished"] * 12
@@ -281,7 +287,7 @@ def test_ctrl_c_stops_every_step_with_a_checkpoint_and_the_rerun_resumes_them(sl
     sweep = tmp_path / "sweep"
     cmd = [*SALLOC, sys.executable, "-m", "expgpu", "-m", "hydra/launcher=gpu_pool", f"hydra.sweep.dir={sweep}",
            "task=a", "task.max_steps=4000", "task.log_every=5", "faults.device_ms_per_example=0.2",
-           "launch.nodes=1,2", "logger=none", f"hydra.launcher.warm_starts={str(warm).lower()}"]
+           "launch.nodes=1,2", "logger=none", way(warm)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=slurm_cluster_2n.env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -319,7 +325,7 @@ def test_a_job_past_its_time_limit_is_stopped_through_slurm_saves_and_fails(slur
     sweep = tmp_path / "sweep"
     cmd = [*SALLOC, sys.executable, "-m", "expgpu", "-m", "hydra/launcher=gpu_pool", f"hydra.sweep.dir={sweep}",
            "task=a", "task.max_steps=20,2000", "task.log_every=5", "faults.device_ms_per_example=1.0",
-           "logger=none", "hydra.launcher.timeout_min=0.5", f"hydra.launcher.warm_starts={str(warm).lower()}"]
+           "logger=none", "hydra.launcher.timeout_min=0.5", way(warm)]
     done = subprocess.run(cmd, cwd=tmp_path, env=slurm_cluster_2n.env, capture_output=True, text=True, timeout=240)
     out = done.stdout + done.stderr
     assert done.returncode == 1, out[-3000:]
@@ -341,7 +347,7 @@ def test_a_job_stuck_past_its_time_limit_is_killed_on_its_node_after_the_grace(s
     # job 1 sleeps in its model's constructor, before any step: only the SIGKILL grace_s after the limit ends it
     done = _sweep(slurm_cluster_2n, tmp_path, ["task.model.seconds=0.5,120", "hydra.launcher.timeout_min=0.25",
                                                "hydra.launcher.grace_s=3",
-                                               f"hydra.launcher.warm_starts={str(warm).lower()}"])
+                                               way(warm)])
     assert done.returncode == 1, (done.stdout + done.stderr)[-3000:]
     pool = {j["num"]: j for j in json.loads((tmp_path / "sweep" / "pool.json").read_text())["jobs"]}
     assert (pool[0]["state"], pool[1]["state"]) == ("finished", "failed"), pool
