@@ -46,7 +46,7 @@ def _one_line(e: BaseException) -> str | None:
     while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
         cause = cause.__cause__
     if isinstance(cause, OmegaConfBaseException):
-        from expgpu.config import schema_keys
+        from expgpu.schema import schema_keys
 
         key = getattr(cause, "full_key", None) or ""
         msg = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
@@ -126,9 +126,9 @@ def main() -> None:
     _before_hydra()
     import hydra
 
-    from expgpu import config, rundir
+    from expgpu import rundir, schema
 
-    config.register()
+    schema.register()
     rundir.register()
     args = sys.argv[1:]
     if any(a in _PRINT_ONLY or a.split("=")[0] in _PRINT_ONLY for a in args):

@@ -1,5 +1,5 @@
 """faults.*: what tests and bench/ set to make a rank crash, or compute slower, on purpose
-(their config and checks: expgpu.config's Faults)."""
+(their config: expgpu.schema's FaultsConfig; their checks: expgpu.config.check)."""
 
 from __future__ import annotations
 

@@ -264,10 +264,10 @@ def composed(overrides: list[str], config_dir: Path | None):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from expgpu import config, rundir
+    from expgpu import rundir, schema
     from expgpu.__main__ import conf_dir
 
-    config.register()
+    schema.register()
     rundir.register()
     GlobalHydra.instance().clear()
     search = [f"hydra.searchpath=[file://{config_dir}]"] if config_dir else []

@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from expgpu import config, rundir, task
+from expgpu import config, rundir, schema, task
 from expgpu.__main__ import _one_line, conf_dir
 from expgpu.errors import UserError
 from expgpu.gpus import placement
@@ -16,7 +16,7 @@ from expgpu.gpus import placement
 def composed(*overrides: str, hydra: bool = False):
     """The config `python -m expgpu OVERRIDES` runs with (Hydra's compose, as hydra.main does); with its
     `hydra` node (as a launcher's job config has it) when `hydra`."""
-    config.register()
+    schema.register()
     rundir.register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):

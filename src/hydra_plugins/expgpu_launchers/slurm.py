@@ -68,9 +68,9 @@ class ExpgpuSlurmConf(SlurmQueueConf):
 
 def _register_expgpu() -> None:
     # In the job: the unpickled config uses expgpu's resolvers, which live in the submitting process only.
-    from expgpu import config, rundir
+    from expgpu import rundir, schema
 
-    config.register()
+    schema.register()
     rundir.register()
 
 
