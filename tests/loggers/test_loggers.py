@@ -311,7 +311,8 @@ def test_a_joblib_job_whose_rank_fails_is_one_line(tmp_path):
     assert done.returncode == 1 and "BrokenProcessPool" not in done.stderr, done.stderr[-3000:]
     assert ("expgpu: rank 1 failed: RuntimeError: injected crash (faults.crash_rank=1 faults.crash_step=5)"
             in done.stderr.splitlines())
-    assert [r.info.status for r in _mlflow_runs(tmp_path / "sweep")] == ["FAILED"]
+    logs = "".join(p.read_text() for p in sorted((tmp_path / "sweep" / "0").rglob("*.log")))
+    assert [r.info.status for r in _mlflow_runs(tmp_path / "sweep")] == ["FAILED"], done.stderr[-2000:] + logs
 
 
 def _rows(run_dir: Path) -> int:

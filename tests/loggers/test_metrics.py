@@ -5,11 +5,14 @@ trim a resume makes, and values refused in one line."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import torch
 
 from expgpu.errors import UserError
+from expgpu.loggers.base import Sink
 from expgpu.loggers.jsonl import MetricsLog, WindowMeanLog, trim
 from expgpu.loggers.progress import FIELDS
 
@@ -101,3 +104,47 @@ def test_numbers_of_every_kind_are_written_as_json_numbers(tmp_path):
     assert {k: row[k] for k in ("i", "f", "b", "np", "t", "epoch")} == {"i": 3, "f": 0.25, "b": 1, "np": 1.5, "t": 2,
                                                                        "epoch": 2}
     assert row["nan"] != row["nan"]
+
+
+class _SlowSink(Sink):
+    """A sink whose every call takes a while, as a tracking store's does; it records the calls and
+    whether two ever overlapped."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.inside = 0
+        self.overlapped = False
+
+    def _call(self, what: str) -> None:
+        self.inside += 1
+        self.overlapped |= self.inside > 1
+        time.sleep(0.2)
+        self.calls.append(what)
+        self.inside -= 1
+
+    def write(self, rows):
+        self._call("write")
+
+    def finish(self, status, metrics, step, last_row):
+        self._call(status)
+
+
+def test_the_loggers_runs_end_once_when_two_threads_end_them_while_rows_are_sent(tmp_path):
+    # The main thread's exception path and the hang watchdog's thread (a peer failed) may both end the
+    # runs while rows are still being sent, and the watchdog's then ends the process: one call at a time,
+    # the second end waits for the first and adds nothing (an MLflow run would otherwise stay RUNNING).
+    sink = _SlowSink()
+    m = MetricsLog(tmp_path, sinks=[sink], show=False)
+    m.open(0, 10)
+    m.log(1, {"x": 1.0})
+    threads = [threading.Thread(target=m.flush, args=(0,))]
+    threads += [threading.Thread(target=m.finish_loggers, args=("failed", {}, 1)) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(timeout=10)
+    assert sink.calls == ["write", "failed"] and not sink.overlapped
+    m.log(2, {"x": 2.0})
+    m.close(epoch=0)   # a row after the end: metrics.jsonl has it, the ended runs do not
+    assert sink.calls == ["write", "failed"] and [r["step"] for r in rows(tmp_path / "metrics.jsonl")] == [1, 2]

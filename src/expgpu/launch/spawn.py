@@ -47,12 +47,15 @@ def _stop(workers: list[ProcHandle], sig: int = signal.SIGTERM, grace_s: float =
         if p.poll() is None:
             p.send_signal(sig)
     deadline = time.monotonic() + grace_s
-    for p in workers:
+    for local_rank, p in enumerate(workers):
         try:
             code = p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             code = None
         if code is None:
+            if sig != signal.SIGKILL:   # what it had not yet written (its loggers' run's end) is lost: say so
+                log.warning("local rank %d did not end within %.0f s of %s: killed", local_rank, grace_s,
+                            signal.Signals(sig).name)
             p.kill()
             p.wait()
 

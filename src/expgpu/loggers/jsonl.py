@@ -17,6 +17,7 @@ crash, about to be redone) are dropped first, so the file reads like one uninter
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,11 @@ ROW_KEYS = frozenset({"step", "epoch", "time", *FIELDS})
 # resume trims and writes again anyway.
 WRITE_EVERY_S = 1.0
 
+# How long ending the loggers' runs waits for another thread that is sending rows or ending them: the main
+# thread (its exception path) and the hang watchdog's (a peer failed, expgpu.train.watchdog) may both end
+# them, and the watchdog's then ends the process (os._exit), which must not cut the other's end short.
+SINKS_WAIT_S = 10.0
+
 
 class MetricsLog:
     """rank 0's metrics.jsonl and progress display; its sinks (expgpu.loggers.base.Sink: the chosen
@@ -108,6 +114,8 @@ class MetricsLog:
         self.sinks = list(sinks)
         self.last_row: dict[str, Any] | None = None
         self.written_at: float | None = None   # when rows were last handed to the OS
+        self._sinks_lock = threading.Lock()   # the sinks are fed by one thread at a time (SINKS_WAIT_S)
+        self._sinks_ended = False
 
     def open(self, resumed_step: int, total_steps: int | None, resumed: bool = False) -> None:
         """Before the first row: trim what a resume redoes, open for appending, start the sinks."""
@@ -117,8 +125,9 @@ class MetricsLog:
             self.pace = Pace(resumed_step, total_steps, self.pace.epochs)
             if self.show:
                 self.display = Display(total_steps, resumed_step)
-            for sink in self.sinks:
-                sink.start(resumed, resumed_step, flushed_before, self.path)
+            with self._sinks_lock:
+                for sink in self.sinks:
+                    sink.start(resumed, resumed_step, flushed_before, self.path)
 
     def plan(self, max_steps: int | None = None, epochs: int | None = None, first_epoch: int = 0) -> None:
         """What the run's length is, once known (under run.epochs: at each epoch's start)."""
@@ -156,9 +165,11 @@ class MetricsLog:
         if self.written_at is None or time.monotonic() - self.written_at >= WRITE_EVERY_S:
             self.write_out()
         self.last_row = written[-1]
-        if to_sinks:
-            for sink in self.sinks:
-                sink.write(written)
+        if to_sinks and self.sinks:
+            with self._sinks_lock:
+                if not self._sinks_ended:   # else another thread (the watchdog's) has ended their runs
+                    for sink in self.sinks:
+                        sink.write(written)
         if self.display is not None:
             self.display.update(last, rows[last], pace, epoch if self.pace.epochs else None, self.first_epoch)
 
@@ -197,9 +208,18 @@ class MetricsLog:
             self.display.close()
 
     def finish_loggers(self, status: str, metrics: dict, step: int) -> None:
-        """After the function: the sinks get its outcome (finished, stopped, failed) and returned metrics."""
-        for sink in self.sinks:
-            sink.finish(status, metrics, step, self.last_row)
+        """After the function: the sinks get its outcome (finished, stopped, failed) and returned metrics,
+        once: a second caller (another thread) waits for the first one's end and adds nothing."""
+        if not self._sinks_lock.acquire(timeout=SINKS_WAIT_S):
+            return   # another thread is stuck sending (a lost tracking server): this one cannot end the runs
+        try:
+            if self._sinks_ended:
+                return
+            self._sinks_ended = True
+            for sink in self.sinks:
+                sink.finish(status, metrics, step, self.last_row)
+        finally:
+            self._sinks_lock.release()
 
 
 class WindowMeanLog(MetricsLog):
