@@ -1,7 +1,7 @@
 """`python -m expgpu [overrides]`: Hydra composes the config, expgpu.app runs it.
 
 `expgpu status [DIR]` (a first word `status`, which no override is) shows where the runs are instead
-(expgpu.status).
+(expgpu.status); `expgpu report DIR` writes a sweep's report again (expgpu.report, also `expgpu-report`).
 
 User errors (a wrong key, value, group option, environment variable, GPU id) end in
 one line naming what is wrong and what is allowed, and exit code 2; no traceback.
@@ -123,6 +123,10 @@ def main() -> None:
         from expgpu.status import main as status
 
         sys.exit(status(sys.argv[2:]))
+    if sys.argv[1:2] == ["report"]:   # `expgpu report DIR`, as `expgpu-report DIR`
+        from expgpu.report import main as report
+
+        sys.exit(report(sys.argv[2:], prog="expgpu report"))
     _before_hydra()
     import hydra
 

@@ -227,6 +227,17 @@ def test_bad_environment_is_one_line_and_exit_2(tmp_path, var, value):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("value", ["yes", "2"])
+def test_a_bad_warm_ranks_variable_is_one_line_and_exit_2_before_any_rank_starts(tmp_path, value):
+    run = expgpu(["task=a", "launch.nproc_per_node=2"], tmp_path / "run", env=clean_env(EXPGPU_WARM_RANKS=value))
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"expgpu: error: EXPGPU_WARM_RANKS='{value}' is not allowed: 1 (the default: a launch's ranks are forked "
+        "from one process that imported torch) or 0 (each rank starts fresh); unset it or fix it")
+    assert not (run.run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
 def test_ranks_forked_from_the_warm_process_run_as_fresh_ones_do(tmp_path):
     """launch.nproc_per_node=2 forks its ranks from one process that imported torch: each has its own
     environment and argv, and torch's threads follow the OMP_NUM_THREADS spawn gave it (OpenMP read

@@ -288,3 +288,8 @@ def test_a_single_run_dir_and_bad_arguments(basic_sweep, tmp_path):
     same = subprocess.run([str(script), str(run), "--no-plot"], cwd=REPO, env=clean_env(), capture_output=True,
                           text=True, timeout=120)
     assert same.returncode == 0 and same.stdout == done.stdout
+    # `expgpu report DIR`, a command of expgpu's beside `expgpu status`, as the console script calls it
+    command = subprocess.run([sys.executable, "-c", "import sys; from expgpu.__main__ import main; "
+                              "sys.argv[0] = 'expgpu'; main()", "report", str(run), "--no-plot"], cwd=REPO,
+                             env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert command.returncode == 0 and command.stdout == done.stdout, command.stderr

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 from expgpu import envvars, procs
-from expgpu.errors import EXIT_PEER_FAILED
+from expgpu.errors import EXIT_PEER_FAILED, UserError
 from expgpu.procs import stop_signals
 from expgpu.procs.handles import ProcHandle, RankStarter
 from expgpu.results import Failure, read_failure
@@ -146,7 +146,11 @@ def rank_server(warm: bool, nproc: int, shared: bool) -> RankStarter | None:
     (expgpu.launch.warm_server) when it may be `shared`, else one of this launch's own (expgpu.launch.warm)
     when there are several ranks to share its import. A shared server that refuses the launch
     leaves it to the latter, after a warning that says why."""
-    if not warm or os.environ.get(envvars.WARM_RANKS, "1") == "0":
+    chosen = os.environ.get(envvars.WARM_RANKS) or "1"
+    if chosen not in ("0", "1"):
+        raise UserError(f"{envvars.WARM_RANKS}={chosen!r} is not allowed: 1 (the default: a launch's ranks are forked "
+                        "from one process that imported torch) or 0 (each rank starts fresh); unset it or fix it")
+    if not warm or chosen == "0":
         return None
     from expgpu.launch import warm_client
 
