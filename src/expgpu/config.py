@@ -10,7 +10,7 @@ import math
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from expgpu.errors import UserError
-from expgpu.schema import CheckpointFormat, FsdpConfig, OnHang, Shard, Wrap
+from expgpu.schema import CheckpointFormat, FsdpConfig, HangConfig, OnHang, Shard, Wrap
 
 # What makes a composed config expgpu's (this schema, as conf/config.yaml composes it): expgpu's launchers
 # also launch any other Hydra app's jobs, and read a job's task, gpu_map and launch only when it has them.
@@ -39,15 +39,7 @@ def check(cfg: DictConfig) -> None:
     need(cfg.launch.nproc_per_node >= 1, "launch.nproc_per_node", "an integer >= 1")
     need(cfg.launch.nodes >= 1, "launch.nodes", "an integer >= 1")
     need(cfg.backend.timeout_s > 0, "backend.timeout_s", "seconds > 0")
-    hang = cfg.launch.hang.timeout_s
-    need(hang is None or hang == "auto" or (isinstance(hang, (int, float)) and not isinstance(hang, bool)
-                                            and math.isfinite(hang) and hang > 0),
-         "launch.hang.timeout_s", "auto, a number of seconds > 0, or null (no watchdog)")
-    need(math.isfinite(cfg.launch.hang.slow_phase_s) and cfg.launch.hang.slow_phase_s > 0, "launch.hang.slow_phase_s",
-         "a number of seconds > 0")
-    need(cfg.launch.max_restarts >= 0, "launch.max_restarts", "an integer >= 0")
-    need(cfg.launch.on_hang is not OnHang.restart or cfg.launch.max_restarts >= 1, "launch.on_hang",
-         "fail, or restart with launch.max_restarts >= 1 (how many times the world may start again)")
+    _check_hang(cfg, need)
     need(cfg.gpu_map.gpus_per_rank >= 1, "gpu_map.gpus_per_rank", "an integer >= 1")
     need(0 <= cfg.gpu_map.max_util <= 100, "gpu_map.max_util", "a percentage 0..100")
     need(cfg.gpu_map.min_free_mb >= 0, "gpu_map.min_free_mb", "megabytes >= 0")
@@ -77,6 +69,28 @@ def check(cfg: DictConfig) -> None:
     _check_fsdp(cfg, need)
     if cfg.launch.wrap is Wrap.dp and cfg.launch.nproc_per_node > 1:
         need(False, "launch.wrap", "dp (DataParallel) runs in one process; use ddp with several ranks")
+
+
+def _check_hang(cfg: DictConfig, need) -> None:
+    """launch.hang, launch.on_hang and launch.max_restarts, together: a key that only the watchdog reads is
+    an error when the watchdog is off, not a setting that silently changes nothing."""
+    hang = cfg.launch.hang.timeout_s
+    need(hang is None or hang == "auto" or (isinstance(hang, (int, float)) and not isinstance(hang, bool)
+                                            and math.isfinite(hang) and hang > 0),
+         "launch.hang.timeout_s", "auto, a number of seconds > 0, or null (no watchdog)")
+    need(math.isfinite(cfg.launch.hang.slow_phase_s) and cfg.launch.hang.slow_phase_s > 0, "launch.hang.slow_phase_s",
+         "a number of seconds > 0")
+    need(cfg.launch.max_restarts >= 0, "launch.max_restarts", "an integer >= 0")
+    need(cfg.launch.on_hang is not OnHang.restart or cfg.launch.max_restarts >= 1, "launch.on_hang",
+         "fail, or restart with launch.max_restarts >= 1 (how many times the world may start again)")
+    if hang is None:
+        need(cfg.launch.hang.slow_phase_s == HangConfig.slow_phase_s, "launch.hang.slow_phase_s",
+             f"{HangConfig.slow_phase_s:g} (its default) under launch.hang.timeout_s=null, which turns off the "
+             "watchdog that reads it: set launch.hang.timeout_s=auto or seconds, or drop the key")
+        # A script task's output watch (task.output_timeout_s) finds hangs without the watchdog.
+        need(cfg.launch.on_hang is not OnHang.restart or OmegaConf.select(cfg, "task.output_timeout_s") is not None,
+             "launch.on_hang", "fail under launch.hang.timeout_s=null: no watchdog finds a hang to restart after; "
+             "set launch.hang.timeout_s=auto or seconds")
 
 
 def _check_fsdp(cfg: DictConfig, need) -> None:

@@ -70,6 +70,13 @@ BAD = {
     "on_hang unknown": (["launch.on_hang=retry"], "launch.on_hang"),
     "restart without restarts": (["launch.on_hang=restart"], "launch.on_hang=restart is not allowed: fail, or restart "
                                                              "with launch.max_restarts >= 1"),
+    "slow phase without a watchdog": (["launch.hang.timeout_s=null", "launch.hang.slow_phase_s=5"],
+                                      "launch.hang.slow_phase_s=5.0 is not allowed: 600 (its default) under "
+                                      "launch.hang.timeout_s=null"),
+    "restart after a hang without a watchdog": (["launch.on_hang=restart", "launch.max_restarts=1",
+                                                 "launch.hang.timeout_s=null"],
+                                                "launch.on_hang=restart is not allowed: fail under "
+                                                "launch.hang.timeout_s=null"),
     "nodes zero": (["launch.nodes=0"], "launch.nodes=0 is not allowed: an integer >= 1"),
     "max_restarts negative": (["launch.max_restarts=-1"], "launch.max_restarts=-1 is not allowed: an integer >= 0"),
     "dp with ranks": (["launch.wrap=dp", "launch.nproc_per_node=2"], "launch.wrap=dp is not allowed"),
@@ -170,3 +177,9 @@ def test_a_task_key_the_function_cannot_take_is_one_line(keys, needle):
     with pytest.raises(UserError) as caught:
         spec(**keys)
     assert needle in str(caught.value), str(caught.value)
+
+
+def test_a_script_tasks_output_watch_finds_hangs_to_restart_after_without_the_watchdog():
+    # task.output_timeout_s (a script task's) judges hangs on its own: on_hang=restart means something there
+    config.check(composed("+task.output_timeout_s=30", "launch.on_hang=restart", "launch.max_restarts=1",
+                          "launch.hang.timeout_s=null"))
