@@ -732,3 +732,16 @@ def test_a_job_stuck_past_its_time_limit_is_killed_after_the_grace_and_named(tmp
     assert jobs[1]["error"] == "ran past hydra.launcher.timeout_min=0.1 (6 s) (killed by SIGKILL)", jobs[1]
     assert 6 + 2 <= jobs[1]["wall_s"] < 6 + 2 + 10, jobs[1]
     assert not _processes_of(sweep.proc.pid) and not _alive(jobs[1]["pid"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_keys_read_inside_an_allocation_only_say_so_once_on_a_workstation_and_the_sweep_runs(tmp_path):
+    sweep = Sweep(tmp_path)
+    done = sweep.run(["task=sleep", "task.model.tag=0,1", simulate(2), "hydra.launcher.max_requeues=2",
+                      "hydra.launcher.warm_starts=false"], timeout=100)
+    assert done.returncode == 0, done.stderr
+    said = [line for line in (done.stdout + done.stderr).splitlines() if "read inside a SLURM allocation only" in line]
+    assert len(said) == 1 and said[0].endswith(
+        "gpu_pool: hydra.launcher.max_requeues=2, hydra.launcher.warm_starts=false: read inside a SLURM allocation "
+        "only (salloc, sbatch); this sweep runs on this machine, where it changes nothing"), done.stdout

@@ -61,6 +61,7 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
     alloc = allocation.detect(os.environ)
     if alloc is not None:
         return _open_in_allocation(alloc, s, hydra_context, task_function, config, first)
+    _say_what_only_an_allocation_reads(s)
     simulate = OmegaConf.select(config, "inventory.simulate", default=None)
     if OmegaConf.is_config(simulate):
         simulate = OmegaConf.to_container(simulate, resolve=True)
@@ -100,6 +101,21 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
     return _pool(jobs, gpus, s, sweep_dir, lease_dir, desc, spares, (hydra_context, task_function),
                  Record(sweep_dir, gpus, s.cpu_slots, threads_text, simulate is not None and bool(gpus)),
                  job_env, threads, warm, own_code, server)
+
+
+_said_unread: list[str] = []
+
+
+def _say_what_only_an_allocation_reads(s: Settings) -> None:
+    """A warning, not an error: one config may serve a workstation and a cluster, and these keys ask nothing of
+    this machine; but a user who set one for this sweep should know that it changed nothing here."""
+    unread = [f"hydra.launcher.{key}={value}" for key, value, default in
+              (("max_requeues", s.max_requeues, 0), ("warm_starts", str(s.warm_starts).lower(), "true"))
+              if value != default]
+    if unread and unread != _said_unread:
+        _said_unread[:] = unread   # once, not at each launch() of a sweeper that launches batch by batch
+        log.warning("gpu_pool: %s: read inside a SLURM allocation only (salloc, sbatch); this sweep runs on this "
+                    "machine, where it changes nothing", ", ".join(unread))
 
 
 def _open_in_allocation(alloc: Allocation, s: Settings, hydra_context, task_function, config,
