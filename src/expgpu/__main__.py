@@ -42,6 +42,9 @@ def _one_line(e: BaseException) -> str | None:
             text += (" (Hydra's optuna sweeper is not installed: pip install 'expgpu[optuna]'; or expgpu's own, "
                      "with the same keys: hydra/sweeper=expgpu_optuna, pip install 'expgpu[tune]')")
         return text
+    on_null = _override_on_null(e)
+    if on_null is not None:
+        return on_null
     cause = e
     while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
         cause = cause.__cause__
@@ -67,6 +70,31 @@ def _one_line(e: BaseException) -> str | None:
                      "which only SLURM sweeps read")
         return text
     return None
+
+
+def _override_on_null(e: BaseException) -> str | None:
+    """`logger.mlflow.experiment=x` while logger.mlflow is null (that logger not chosen): Hydra ends in a bare
+    AssertionError ("Unexpected type for root: NoneType") that names nothing. The override and the null node,
+    read from the frame of Hydra's that applied it; None for any other error."""
+    from omegaconf import OmegaConf
+
+    if not isinstance(e, AssertionError):
+        return None
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_name != "_apply_overrides_to_config":
+        tb = tb.tb_next
+    override = tb.tb_frame.f_locals.get("override") if tb is not None else None
+    cfg = tb.tb_frame.f_locals.get("cfg") if tb is not None else None
+    if override is None or cfg is None:
+        return None
+    parts = override.key_or_group.split(".")
+    nulls = [".".join(parts[:i]) for i in range(1, len(parts)) if OmegaConf.select(cfg, ".".join(parts[:i])) is None]
+    if not nulls:
+        return None
+    text = f"{override.input_line}: {nulls[0]} is null in this config, so nothing under it can be set"
+    if parts[0] == "logger" and len(nulls[0].split(".")) == 2:
+        return text + f"; choose that logger too, e.g. logger=[csv,{parts[1]}], or drop the key"
+    return text + f"; set {nulls[0]} itself"
 
 
 # Flags with which Hydra only prints (and runs no job)

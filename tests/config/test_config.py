@@ -77,6 +77,12 @@ BAD = {
                                                  "launch.hang.timeout_s=null"],
                                                 "launch.on_hang=restart is not allowed: fail under "
                                                 "launch.hang.timeout_s=null"),
+    "a key of a logger not chosen": (["logger=csv", "logger.mlflow.experiment=x"],
+                                     "logger.mlflow.experiment=x: logger.mlflow is null in this config, so nothing "
+                                     "under it can be set; choose that logger too, e.g. logger=[csv,mlflow], or "
+                                     "drop the key"),
+    "a key under a null list": (["inventory.simulate.0.name=x"], "inventory.simulate.0.name=x: inventory.simulate is "
+                                "null in this config, so nothing under it can be set; set inventory.simulate itself"),
     "nodes zero": (["launch.nodes=0"], "launch.nodes=0 is not allowed: an integer >= 1"),
     "max_restarts negative": (["launch.max_restarts=-1"], "launch.max_restarts=-1 is not allowed: an integer >= 0"),
     "dp with ranks": (["launch.wrap=dp", "launch.nproc_per_node=2"], "launch.wrap=dp is not allowed"),

@@ -205,6 +205,8 @@ def test_user_task_from_own_config_dir(tmp_path):
     (["launch.nodes=2"], "launch.nodes=2 is not allowed here: it spreads a hydra/launcher=gpu_pool job over that "
                          "many nodes of a SLURM allocation, and this run has 1 node(s) (single)"),
     (["faults.crash_attempts=0"], "faults.crash_attempts=0 is not allowed: null (every attempt) or an integer >= 1"),
+    (["logger.wandb.project=x"], "logger.wandb.project=x: logger.wandb is null in this config, so nothing under it "
+                                 "can be set; choose that logger too, e.g. logger=[csv,wandb], or drop the key"),
 ])
 @pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
