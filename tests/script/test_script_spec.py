@@ -159,6 +159,28 @@ def test_launch_settings_a_script_cannot_honour(launch):
         prepare(cfg, launch)
 
 
+@pytest.mark.parametrize("section, key, value, why", [
+    ("launch", "wrap", "fsdp", "the script wraps its own model"),
+    ("launch", "fsdp", {"units": ["Block"], "reshard_after_forward": True, "cpu_offload": False},
+     "the script wraps its own model"),
+    ("checkpoint", "every_steps", 100, "the script keeps its own checkpoints (task.resume_args)"),
+    ("checkpoint", "format", "dcp", "the script keeps its own checkpoints (task.resume_args)"),
+    ("data", "shard", "proportional", "the script loads its own data"),
+    ("faults", "crash_rank", 1, "expgpu injects faults into run.steps, which a script does not call"),
+    ("backend", "name", "nccl", "the script makes its own process group (init_process_group's backend)"),
+])
+def test_settings_only_a_task_function_reads_are_refused_for_a_script(launch, section, key, value, why):
+    cfg = plain({"script": "train.py"})
+    cfg.setdefault(section, {})[key] = value
+    with pytest.raises(UserError) as e:
+        prepare(cfg, launch)
+    assert str(e.value) == f"{section}.{key}={value} is not read by a script task: {why}; drop the key"
+    cfg[section][key] = {"wrap": "ddp", "fsdp": {"units": None, "reshard_after_forward": True, "cpu_offload": False},
+                         "every_steps": 0, "format": "auto", "shard": "uniform", "crash_rank": None,
+                         "name": "auto"}[key]
+    prepare(cfg, launch)   # at its default: no error
+
+
 def test_a_function_task_is_left_alone(launch):
     cfg = plain({"_target_": "my.train", "lr": 1})
     prepare(cfg, launch)

@@ -83,7 +83,37 @@ def prepare(plain: dict, launch_dir: str | Path) -> None:
     if plain["checkpoint"]["verify"]:
         raise UserError("checkpoint.verify=true compares expgpu's own checkpoints; a script task keeps its own "
                         "(see task.resume_args): drop checkpoint.verify")
+    _refuse_unread(plain)
     plain["script"] = build(task, Path(launch_dir).absolute()).to_dict()
+
+
+# What only a task function's Run reads (its model's wrap, its checkpoints, its data loader, injected faults), and
+# why a script has none of it: set for a script task, such a key would change nothing.
+_RUN_ONLY = {"launch": ("wrap", "fsdp"), "checkpoint": ("every_steps", "poll_every", "format", "async_save"),
+             "data": None, "faults": None, "backend": ("name",)}
+_WHY = {"launch": "the script wraps its own model", "checkpoint": "the script keeps its own checkpoints "
+        "(task.resume_args)", "data": "the script loads its own data", "faults": "expgpu injects faults into "
+        "run.steps, which a script does not call", "backend": "the script makes its own process group "
+        "(init_process_group's backend)"}
+
+
+def _refuse_unread(plain: dict) -> None:
+    """One line for the first key under _RUN_ONLY set away from its default (sections the caller left out of
+    `plain` are not checked)."""
+    from omegaconf import OmegaConf
+
+    from expgpu.schema import BackendConfig, CheckpointConfig, DataConfig, FaultsConfig, LaunchConfig
+
+    schemas = {"launch": LaunchConfig, "checkpoint": CheckpointConfig, "data": DataConfig, "faults": FaultsConfig,
+               "backend": BackendConfig}
+    for section, keys in _RUN_ONLY.items():
+        if section not in plain:
+            continue
+        default = OmegaConf.to_container(OmegaConf.structured(schemas[section]), enum_to_str=True)
+        for key in keys or default:
+            if plain[section].get(key, default[key]) != default[key]:
+                raise UserError(f"{section}.{key}={plain[section][key]} is not read by a script task: "
+                                f"{_WHY[section]}; drop the key")
 
 
 def checked(cfg, launch_dir: str | Path) -> dict | None:
@@ -93,7 +123,7 @@ def checked(cfg, launch_dir: str | Path) -> dict | None:
     from omegaconf import OmegaConf
 
     plain = {k: OmegaConf.to_container(cfg[k], resolve=True, enum_to_str=True)
-             for k in ("task", "launch", "checkpoint")}
+             for k in ("task", "launch", "checkpoint", "data", "faults", "backend") if k in cfg}
     prepare(plain, launch_dir)
     return plain.get("script")
 
