@@ -54,12 +54,24 @@ def _probe(store: str, out: str) -> None:
                   in coder.__dict__, "temperature": getattr(coder, "temperature", None),
                   "loaded": type(loaded).__name__, "loaded_equal": same, "copied": type(copied).__name__,
                   "copied_is_new": copied is not coder, "decode": model.decode(torch.ones(1, 2)).shape[-1],
-                  "isinstance": isinstance(model, Coder) and isinstance(model, torch.nn.Module)}
+                  "isinstance": isinstance(model, Coder) and isinstance(model, torch.nn.Module),
+                  "again": [_refused(lambda m=m: wrap(m, torch.device("cpu"), "ddp", world_size=2, n_gpus=1))
+                            for m in (model, ddp)]}
         with open(out, "w") as f:
             json.dump(result, f)
     finally:
         dist.destroy_process_group()
         expgpu_dist._let_gloo_threads_finish()   # or this process may abort at exit (torch 2.13)
+
+
+def _refused(call) -> str | None:
+    from expgpu.errors import UserError
+
+    try:
+        call()
+    except UserError as e:
+        return str(e)
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +93,10 @@ def test_saved_or_copied_it_is_the_users_module(wrapped):
     assert wrapped["loaded"] == "Coder" and wrapped["loaded_equal"]
     assert wrapped["copied"] == "Coder" and wrapped["copied_is_new"]
     assert wrapped["decode"] == 4 and wrapped["isinstance"]
+
+
+def test_a_module_wrapped_already_is_refused_not_wrapped_twice(wrapped):
+    # DDP inside DDP would all-reduce every gradient twice, slower and silent
+    assert wrapped["again"] == [
+        "run.wrap: the module is wrapped already (what run.wrap returned); pass your own module, once",
+        "run.wrap: the module is wrapped already (a DistributedDataParallel); pass your own module, once"]

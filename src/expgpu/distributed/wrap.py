@@ -19,6 +19,7 @@ def wrap(model, device, mode: str, world_size: int, n_gpus: int, fsdp: dict | No
     fsdp: launch.fsdp's settings (expgpu.distributed.fsdp), for mode fsdp."""
     import torch
 
+    _refuse_wrapped(model)
     if mode == "fsdp":
         from expgpu.distributed import fsdp as fsdp_wrap
 
@@ -34,6 +35,25 @@ def wrap(model, device, mode: str, world_size: int, n_gpus: int, fsdp: dict | No
         ids = [device.index or 0] if device.type == "cuda" else None
         return wrapped(DistributedDataParallel(model, device_ids=ids), model)
     return model
+
+
+def _refuse_wrapped(model) -> None:
+    """A module wrapped already (what run.wrap returned, or a DDP of the user's): wrapped again, DDP inside DDP
+    would all-reduce every gradient twice and train on, slower, without a word."""
+    import torch
+
+    kinds = [torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel]
+    try:
+        from torch.distributed.fsdp import FSDPModule  # fully_shard's class, once a module is sharded
+
+        kinds.append(FSDPModule)
+    except ImportError:
+        pass
+    if getattr(model, "_expgpu_wrapped", False) or isinstance(model, tuple(kinds)):
+        from expgpu.errors import UserError
+
+        what = "what run.wrap returned" if getattr(model, "_expgpu_wrapped", False) else f"a {type(model).__name__}"
+        raise UserError(f"run.wrap: the module is wrapped already ({what}); pass your own module, once")
 
 
 def wrapped(forward_module, original) -> Any:
