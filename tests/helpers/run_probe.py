@@ -82,6 +82,14 @@ def track_no_state(run: Run):
     run.track(thing=object())
 
 
+def track_a_name_twice(run: Run):
+    model = torch.nn.Linear(2, 1)
+    best = {"loss": 1.0}
+    run.track(model=model, best=best)
+    run.track(model=model, best=best)   # the same objects again: no change
+    run.track(model=torch.optim.SGD(model.parameters(), lr=0.1))   # the model would be out of the checkpoint
+
+
 def raises(run: Run, rank: int = 1, at: int = 3, max_steps: int = 50):
     for step, _ in run.steps(None, max_steps):
         if run.rank == rank and step == at:

@@ -90,6 +90,8 @@ def test_log_reduce_is_the_runs_key_for_the_built_in_loop_too(tmp_path):
 
 @pytest.mark.parametrize("task,args,says", [
     ("probe_track_no_state", [], "run.track(thing=...): a object has no state_dict() and load_state_dict()"),
+    ("probe_track_a_name_twice", [], "run.track(model=...): 'model' tracks a Linear already; give the SGD a name of "
+                                     "its own"),
     ("probe_returns", [], "run_probe.returns returned a list; return a dict of numbers"),
     ("probe_log_vector", [], "run.log(v=...): a tensor of shape (3,); log numbers or one-element tensors"),
     ("probe_returns", ["task.kind=dict"], "run_probe.returns returned name='text'; metrics are numbers"),

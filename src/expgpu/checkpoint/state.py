@@ -59,7 +59,14 @@ class CheckpointState:
             raise UserError(f"run.track({name}=...): a {type(obj).__name__} has no state_dict() and "
                             "load_state_dict(); track modules, optimizers, schedulers, a GradScaler, "
                             "a dict of numbers, or objects of your own that have both")
-        self.objects[name] = unwrapped(obj)
+        obj = unwrapped(obj)
+        had = self.objects.get(name)
+        if had is not None and _held(had) is not _held(obj):
+            # the first one would be left out of the checkpoint without a word (a model, when its name went to
+            # the optimizer); the same object again is no change
+            raise UserError(f"run.track({name}=...): '{name}' tracks a {type(_held(had)).__name__} already; "
+                            f"give the {type(_held(obj)).__name__} a name of its own")
+        self.objects[name] = obj
 
     def kept(self, where: str, names: tuple[str, ...]) -> KeptLocals:
         """The loop variables run.steps or run.epochs (`where`) keeps: the same names each time (run.steps
@@ -250,6 +257,11 @@ class CheckpointState:
                 raw = tensor.detach().to("cpu").contiguous().view(-1)
                 h.update(raw.view(torch.uint8).numpy().tobytes())   # any dtype, bf16 too
         return h.hexdigest()[:16]
+
+
+def _held(obj: Any) -> Any:
+    """What a tracked entry holds: the user's dict for a dict, else the object itself."""
+    return obj.d if isinstance(obj, _DictState) else obj
 
 
 class _DictState:
