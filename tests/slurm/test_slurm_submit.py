@@ -150,6 +150,21 @@ def test_tasks_per_node_must_fit_the_gpus_without_a_cluster(tmp_path):
     assert "sbatch" in line and "not found on PATH" in line
 
 
+@pytest.mark.parametrize("launcher, key, value, allowed", [
+    ("slurm", "mem_gb", -5, "an integer >= 1 or null (not asked)"),
+    ("slurm", "cpus_per_task", 0, "an integer >= 1 or null (not asked)"),
+    ("slurm", "signal_delay_s", -5, "an integer >= 0"),
+    ("slurm", "max_num_timeout", -1, "an integer >= 0"),
+    ("submitit_local", "timeout_min", -1, "an integer >= 0"),
+])
+def test_a_bad_count_is_one_line_naming_its_key_before_the_cluster_is_asked(tmp_path, launcher, key, value, allowed):
+    # sbatch would refuse it naming its own flag (`Invalid --mem specification`): here no SLURM is even needed
+    env = clean_env(PATH=f"{Path(sys.executable).parent}")
+    line = error_line(multirun([f"hydra/launcher={launcher}", "task=a", f"hydra.launcher.{key}={value}"],
+                               tmp_path / "sweep", env))
+    assert line == f"expgpu: error: hydra.launcher.{key}={value} is not allowed: {allowed} (hydra/launcher={launcher})"
+
+
 @pytest.mark.timeout(180)
 def test_submitit_local_keeps_the_gpus_this_process_sees(tmp_path):
     # hydra#2602: with gpus_per_node unset, submitit's local executor sets CUDA_VISIBLE_DEVICES="" and

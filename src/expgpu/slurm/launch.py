@@ -82,7 +82,9 @@ def plan(launcher) -> Plan:
     params = dict(launcher.params)
     own = {k: params.pop(k) for k in OWN_KEYS if k in params}
     init = {k: params.pop(k) for k in INIT_KEYS if k in params}
-    return Plan(kind, "slurm" if kind == "slurm" else "submitit_local", params, own, init, params.get("partition"))
+    name = "slurm" if kind == "slurm" else "submitit_local"
+    resources.check_counts({**params, **init}, name)
+    return Plan(kind, name, params, own, init, params.get("partition"))
 
 
 def compose(launcher, p: Plan, overrides: Sequence[str], num: int) -> Job:

@@ -42,6 +42,20 @@ def _count(params: Mapping, key: str, low: int, launcher: str, null: str | None 
     return value
 
 
+# hydra.launcher's other counts, checked before anything is submitted: sbatch would refuse them one job at a time,
+# naming its own flag (`Invalid --mem specification`), not the key. key -> (lowest, what null means)
+COUNTS = {"cpus_per_task": (1, "not asked"), "mem_gb": (1, "not asked"), "timeout_min": (0, None),
+          "cpus_per_gpu": (1, "not asked"), "gpus_per_task": (1, "not asked"), "signal_delay_s": (0, None),
+          "max_num_timeout": (0, None), "array_parallelism": (1, None)}
+
+
+def check_counts(params: Mapping, launcher: str) -> None:
+    """Each of COUNTS in `params` (hydra.launcher): an integer >= its lowest, or null where its schema allows it
+    (a key typed int cannot be null there); one line naming the key otherwise."""
+    for key, (low, null) in COUNTS.items():
+        _count(params, key, low, launcher, null)
+
+
 def _local_gpus(gpus: int | None, visible_gpus: int | None) -> int | None:
     """GPUs a job of the local launcher sees: all this process sees unless fewer are asked for."""
     if gpus is None:

@@ -106,9 +106,10 @@ def check(params: Mapping[str, Any]) -> None:
         value = params.get(key, None if low else 0)   # the counts of 1 and more must be given
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: an integer >= {low} ({meaning})")
-    cpus = params.get("cpus_per_node")
-    if cpus is not None and (isinstance(cpus, bool) or not isinstance(cpus, int) or cpus < 1):
-        raise UserError(f"hydra.launcher.cpus_per_node={cpus!r} is not allowed: null (whole nodes) or an integer >= 1")
+    for key, null in (("cpus_per_node", "whole nodes"), ("mem_gb", "SLURM's default")):
+        value = params.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: null ({null}) or an integer >= 1")
     pool = dict(params.get("pool") or {})
     unknown = sorted(set(pool) - POOL_KEYS)
     if unknown:
