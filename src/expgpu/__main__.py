@@ -75,7 +75,8 @@ def _one_line(e: BaseException) -> str | None:
 def _override_on_null(e: BaseException) -> str | None:
     """`logger.mlflow.experiment=x` while logger.mlflow is null (that logger not chosen): Hydra ends in a bare
     AssertionError ("Unexpected type for root: NoneType") that names nothing. The override and the null node,
-    read from the frame of Hydra's that applied it; None for any other error."""
+    read from the frame of Hydra's that applied it; None for any other error (and for a Hydra whose frame
+    differs: the traceback then, as before)."""
     from omegaconf import OmegaConf
 
     if not isinstance(e, AssertionError):
