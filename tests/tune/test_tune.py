@@ -214,3 +214,18 @@ def test_an_objective_the_task_does_not_return_stops_the_pool_sweep_after_one_tr
     for n, state in states.items():
         if state == "RUNNING" and (sweep / str(n) / "result.json").exists():
             assert json.loads((sweep / str(n) / "result.json").read_text())["status"] == "stopped"
+
+
+def test_a_dry_run_plans_the_first_trials_and_stores_no_study(tmp_path):
+    # dry_run=true trains nothing, so no trial has an objective: the trials that would start first (2 slots here)
+    # print their plans, and the search ends there with exit 0, not as failed trials, and leaves no study behind
+    # for a rerun into this sweep dir to continue
+    sweep = tmp_path / "sweep"
+    done = _sweep(PROBE + POOL + ["dry_run=true"], sweep)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dry run: the first 2 of 20 trial(s) planned, nothing trained" in done.stdout + done.stderr
+    assert sorted(p.parent.name for p in sweep.glob("*/plan.json")) == ["0", "1"]
+    sampled = [line for n in "01" for line in (sweep / n / ".hydra" / "overrides.yaml").read_text().splitlines()
+               if "task.x=" in line]
+    assert len(set(sampled)) == 2, sampled   # two points of the space, sampled as a search would
+    assert not (sweep / "optuna.journal").exists() and not (sweep / "study.json").exists()

@@ -282,11 +282,31 @@ def sweep(params, config, launcher, arguments: list[str]) -> None:
             log.info("n_trials %d -> %d: GridSampler's grid has %d point(s)", s.n_trials, size, size)
             s = dataclasses.replace(s, n_trials=size)
     optuna.logging.set_verbosity(optuna.logging.WARNING)   # the sweep's own lines say what a trial did
+    runner = runner_for(launcher, s.n_jobs)
+    if is_expgpu(config) and config.dry_run:
+        return _dry_run(s, space, custom, sampler, config, launcher, runner.capacity)
     sweep_dir = Path(str(config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     study, where = studies.open_study(s, sweep_dir, sampler)
-    runner = runner_for(launcher, s.n_jobs)
     Sweep(s, space, study, where, runner, sweep_dir, config, custom).run()
+
+
+def _dry_run(s: Settings, space: Space, custom, sampler, config, launcher, at_once: int) -> None:
+    """dry_run=true: the trials that would start first (as many as run at once), each job printing its plan
+    through the launcher. Nothing trains, so no trial has an objective: the search stops there, and no study is
+    stored (a rerun into this sweep dir must not continue one of trials that never ran)."""
+    import optuna
+
+    study = optuna.create_study(sampler=sampler, directions=list(s.directions))   # in memory only
+    batch = []
+    for _ in range(min(s.n_trials, at_once)):
+        trial = study.ask(space.distributions)
+        if custom is not None:
+            custom(config, trial)
+        batch.append(space.overrides(trial.params))
+    launcher.launch(batch, initial_job_idx=0)
+    log.info("dry run: the first %d of %d trial(s) planned, nothing trained; the search needs their results to go "
+             "on, so it stops here (no study stored)", len(batch), s.n_trials)
 
 
 def _custom(path: str | None):
