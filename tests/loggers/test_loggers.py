@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PACED, REPO, clean_env, expgpu, finish, start, wait_for_progress
+from conftest import HELPERS, PACED, REPO, TESTS, clean_env, expgpu, finish, start, wait_for_progress
 from expgpu.loggers.progress import FIELDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.xdist_group("test_loggers")]
@@ -313,6 +313,15 @@ def test_a_joblib_job_whose_rank_fails_is_one_line(tmp_path):
             in done.stderr.splitlines())
     logs = "".join(p.read_text() for p in sorted((tmp_path / "sweep" / "0").rglob("*.log")))
     assert [r.info.status for r in _mlflow_runs(tmp_path / "sweep")] == ["FAILED"], done.stderr[-2000:] + logs
+
+
+def test_a_hung_runs_mlflow_run_ends_as_failed_not_running_for_ever(tmp_path):
+    # The watchdog ends every rank with os._exit (no exception path): rank 0 ends its loggers' runs first
+    run = expgpu(["--config-dir", str(TESTS / "conf"), "task=probe_hangs", "task.how=sleep", "launch.nproc_per_node=2",
+                  "launch.hang.timeout_s=5", "logger=mlflow"], tmp_path / "run",
+                 env=clean_env(PYTHONPATH=str(HELPERS)), timeout=150)
+    assert run.returncode == 124 and run.result["status"] == "hung", run.stderr[-3000:]
+    assert [r.info.status for r in _mlflow_runs(tmp_path / "run")] == ["FAILED"]
 
 
 def _rows(run_dir: Path) -> int:

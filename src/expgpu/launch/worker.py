@@ -146,8 +146,8 @@ def _run(cfg: dict, info: RankInfo, run_dir: Path, spec, agreement, device, node
 
 
 def _peer_failed(run) -> None:
-    """Before the watchdog ends this rank for a peer's failure (os._exit, no exception path): its metrics rows
-    to the OS, and its loggers' runs ended as failed (an MLflow run would stay RUNNING for ever)."""
+    """Before the watchdog ends this rank for a peer's failure or a hang (os._exit, no exception path): its
+    metrics rows to the OS, and its loggers' runs ended as failed (an MLflow run would stay RUNNING for ever)."""
     run.write_out_rows()
     run.finish_loggers("failed", {})
 

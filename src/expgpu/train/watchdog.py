@@ -66,8 +66,8 @@ PREFIX = "expgpu/watchdog"
 
 class Watchdog:
     """One rank's thread. `where()`: (the run's step, its phase); `before_exit()`: what this rank keeps before it
-    ends for a peer's failure (its metrics rows written so far); `on_verdict(verdict, line)`: run by the
-    rank that claimed the verdict, before every rank exits."""
+    ends, for a peer's failure or a hang (its metrics rows written so far, its loggers' runs ended as failed);
+    `on_verdict(verdict, line)`: run by the rank that claimed the verdict, before every rank exits."""
 
     def __init__(self, store, rank: int, world_size: int, run_dir: Path, s: HangSettings,
                  where: Callable[[], tuple[int, str]], on_verdict: Callable[[dict, str], None],
@@ -173,11 +173,7 @@ class Watchdog:
         if "failed" in verdict:
             log.error("rank %d: stopping: rank(s) %s failed (their error is their own record)", self.rank,
                       ", ".join(map(str, verdict["failed"])))
-            if self.before_exit is not None:
-                try:
-                    self.before_exit()
-                except Exception:   # what it could not keep is after the last checkpoint: a resume redoes it
-                    pass
+            self._keep()
             _exit(EXIT_PEER_FAILED)
         faulthandler.cancel_dump_traceback_later()
         header = (f"rank {self.rank} (pid {os.getpid()}, {socket.gethostname()}), step {self._step}, "
@@ -194,10 +190,20 @@ class Watchdog:
             self.store.set(f"{PREFIX}/written", "1")
         else:
             self._wait_for([f"{PREFIX}/written"], FRAMES_WAIT_S + 5)
+        self._keep()   # an MLflow run of a hung run would otherwise stay RUNNING (a restart resumes it)
         self.store.set(f"{PREFIX}/leaving/{self.rank}", "1")
         if self.rank == 0:   # the store's host, where it is expgpu's: the others first, or they lose it mid-call
             self._wait_for([f"{PREFIX}/leaving/{r}" for r in range(1, self.world)], 5)
         _exit()
+
+    def _keep(self) -> None:
+        """before_exit(), whatever it raises: what it could not keep is after the last checkpoint (a resume redoes
+        it), and this rank must end all the same."""
+        if self.before_exit is not None:
+            try:
+                self.before_exit()
+            except Exception:
+                pass
 
     def _wait_for(self, keys: list[str], seconds: float) -> None:
         deadline = time.monotonic() + seconds
