@@ -55,6 +55,7 @@ def test_the_line_says_the_step_of_how_many_the_epoch_the_values_the_pace_and_th
         "step 60/200 (30 %)  epoch 3/5  loss 0.5  12.3 steps/s  ETA 0:00:11"
     assert line(7, {"loss": 1.0}, {"steps_per_s": 0.25}) == "step 7  loss 1  0.25 steps/s"   # no length known
     assert line(7, {}, {"max_steps": 10, "eta_s": 7384.0}) == "step 7/10 (70 %)  ETA 2:03:04"
+    assert line(7, {}, {"steps_per_s": 1286.4}) == "step 7  1286 steps/s"   # a fast loop: no 1.29e+03
     # on a terminal, rich's bar shows the step, the share and the time left itself
     assert line(60, {"loss": 0.5}, fields, bar=True) == "loss 0.5  12.3 steps/s"
 

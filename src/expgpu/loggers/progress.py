@@ -169,7 +169,9 @@ def line(step: int, values: dict[str, Any], fields: dict[str, Any], epoch: int |
         parts.append(f"epoch {min(epoch - first_epoch + 1, fields['epochs'])}/{fields['epochs']}")
     parts += [f"{k} {v:.5g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()]
     if fields.get("steps_per_s") is not None:
-        parts.append(f"{fields['steps_per_s']:.3g} steps/s")
+        rate = fields["steps_per_s"]
+        # three digits, and never 1.29e+03: a fast loop's pace reads as 1290
+        parts.append(f"{rate:.0f} steps/s" if rate >= 100 else f"{rate:.3g} steps/s")
     if not bar and fields.get("eta_s") is not None:
         parts.append(f"ETA {_clock(fields['eta_s'])}")
     return "  ".join(parts) if parts else "training"
