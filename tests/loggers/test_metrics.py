@@ -114,8 +114,10 @@ class _SlowSink(Sink):
         self.calls: list[str] = []
         self.inside = 0
         self.overlapped = False
+        self.entered = threading.Event()   # a call has begun
 
     def _call(self, what: str) -> None:
+        self.entered.set()
         self.inside += 1
         self.overlapped |= self.inside > 1
         time.sleep(0.2)
@@ -138,10 +140,11 @@ def test_the_loggers_runs_end_once_when_two_threads_end_them_while_rows_are_sent
     m.open(0, 10)
     m.log(1, {"x": 1.0})
     threads = [threading.Thread(target=m.flush, args=(0,))]
+    threads[0].start()
+    assert sink.entered.wait(10)   # the rows are being sent: the two ends come while they are
     threads += [threading.Thread(target=m.finish_loggers, args=("failed", {}, 1)) for _ in range(2)]
-    for t in threads:
+    for t in threads[1:]:
         t.start()
-        time.sleep(0.05)
     for t in threads:
         t.join(timeout=10)
     assert sink.calls == ["write", "failed"] and not sink.overlapped

@@ -217,8 +217,8 @@ def test_its_dry_run_prints_the_allocations_script_and_where_the_first_jobs_go(t
     (["hydra.launcher.max_requeues=-1"], "hydra.launcher.max_requeues=-1 is not allowed: an integer >= 0 (how often "
                                          "the allocation may requeue itself before its time limit)"),
     (["hydra.launcher.signal_delay_s=0"], "hydra.launcher.signal_delay_s=0 is not allowed: an integer >= 1"),
-    (["hydra.launcher.mem_gb=-1"], "hydra.launcher.mem_gb=-1 is not allowed: null (SLURM's default) or an "
-                                   "integer >= 1"),
+    (["hydra.launcher.mem_gb=-1"], "hydra.launcher.mem_gb=-1 is not allowed: an integer >= 1 or null (SLURM's "
+                                   "default) (hydra/launcher=slurm_pool)"),
     ([], "hydra/launcher=slurm_pool needs SLURM's sbatch"),
     (["gpu_map.gpus_per_rank=1,6"], "job #1 (task=a task.max_steps=20 logger=none gpu_map.gpus_per_rank=6) needs 6 "
                                     "GPUs on each of 1 node(s), but the allocation has at most 4 GPU(s) per node"),

@@ -49,10 +49,11 @@ def _refuse_wrapped(model) -> None:
         kinds.append(FSDPModule)
     except ImportError:
         pass
-    if getattr(model, "_expgpu_wrapped", False) or isinstance(model, tuple(kinds)):
+    ours = getattr(model, "_expgpu_wrapped", False)
+    if ours or isinstance(model, tuple(kinds)):
         from expgpu.errors import UserError
 
-        what = "what run.wrap returned" if getattr(model, "_expgpu_wrapped", False) else f"a {type(model).__name__}"
+        what = "what run.wrap returned" if ours else f"a {type(model).__name__}"
         raise UserError(f"run.wrap: the module is wrapped already ({what}); pass your own module, once")
 
 

@@ -103,7 +103,7 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
                  job_env, threads, warm, own_code, server)
 
 
-_said_unread: list[str] = []
+_SAID: set[str] = set()   # warnings given in this process: once, not at each launch() of a batch-by-batch sweeper
 
 
 def _say_what_only_an_allocation_reads(s: Settings) -> None:
@@ -112,10 +112,11 @@ def _say_what_only_an_allocation_reads(s: Settings) -> None:
     unread = [f"hydra.launcher.{key}={value}" for key, value, default in
               (("max_requeues", s.max_requeues, 0), ("warm_starts", str(s.warm_starts).lower(), "true"))
               if value != default]
-    if unread and unread != _said_unread:
-        _said_unread[:] = unread   # once, not at each launch() of a sweeper that launches batch by batch
-        log.warning("gpu_pool: %s: read inside a SLURM allocation only (salloc, sbatch); this sweep runs on this "
-                    "machine, where it changes nothing", ", ".join(unread))
+    text = (f"gpu_pool: {', '.join(unread)}: read inside a SLURM allocation only (salloc, sbatch); this sweep runs "
+            "on this machine, where it changes nothing")
+    if unread and text not in _SAID:
+        _SAID.add(text)
+        log.warning(text)
 
 
 def _open_in_allocation(alloc: Allocation, s: Settings, hydra_context, task_function, config,

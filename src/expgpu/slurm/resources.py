@@ -31,8 +31,9 @@ class Resources:
         return f"{self.nodes} node(s) x {self.tasks_per_node} task(s), {gpus}"
 
 
-def _count(params: Mapping, key: str, low: int, launcher: str, null: str | None = None) -> int | None:
-    """hydra.launcher.<key>, an integer >= low or None; `null`: what null means, for the message."""
+def count(params: Mapping, key: str, low: int, launcher: str, null: str | None = None) -> int | None:
+    """hydra.launcher.<key>, an integer >= low or None; `null`: what null means, for the message (every SLURM
+    launcher's counts are checked here, slurm_pool's too)."""
     value = params.get(key)
     if value is None:
         return None
@@ -53,7 +54,7 @@ def check_counts(params: Mapping, launcher: str) -> None:
     """Each of COUNTS in `params` (hydra.launcher): an integer >= its lowest, or null where its schema allows it
     (a key typed int cannot be null there); one line naming the key otherwise."""
     for key, (low, null) in COUNTS.items():
-        _count(params, key, low, launcher, null)
+        count(params, key, low, launcher, null)
 
 
 def _local_gpus(gpus: int | None, visible_gpus: int | None) -> int | None:
@@ -70,9 +71,9 @@ def requested(params: Mapping, launcher: str = "slurm", visible_gpus: int | None
     """A job of another Hydra app (no gpu_map, no launch section): what hydra.launcher asks for, read as
     hydra-submitit-launcher reads it: tasks_per_node 1 unless given, gpus_per_node as given (null: no GPU
     request; the local launcher: all this process sees). Each task runs the app's task function once."""
-    nodes = _count(params, "nodes", 1, launcher) or 1
-    tasks = _count(params, "tasks_per_node", 1, launcher, "1") or 1
-    gpus = _count(params, "gpus_per_node", 0, launcher,
+    nodes = count(params, "nodes", 1, launcher) or 1
+    tasks = count(params, "tasks_per_node", 1, launcher, "1") or 1
+    gpus = count(params, "gpus_per_node", 0, launcher,
                   "no GPU request" if launcher == "slurm" else "all the GPUs this process sees")
     if launcher != "slurm":
         if nodes > 1:
@@ -87,9 +88,9 @@ def derive(params: Mapping, cfg: Mapping, launcher: str = "slurm", visible_gpus:
     local launcher, how many GPUs this process sees."""
     gpu_map, nproc = cfg["gpu_map"], cfg["launch"]["nproc_per_node"]
     k, share, strategy = gpu_map["gpus_per_rank"], gpu_map["share"], str(gpu_map["strategy"])
-    nodes = _count(params, "nodes", 1, launcher) or 1
-    tasks = _count(params, "tasks_per_node", 1, launcher, "derived from gpu_map")
-    gpus = _count(params, "gpus_per_node", 0, launcher, "derived from gpu_map")
+    nodes = count(params, "nodes", 1, launcher) or 1
+    tasks = count(params, "tasks_per_node", 1, launcher, "derived from gpu_map")
+    gpus = count(params, "gpus_per_node", 0, launcher, "derived from gpu_map")
     if launcher != "slurm":
         if nodes > 1 or (tasks or 1) > 1:
             raise UserError(f"hydra.launcher.nodes={nodes}, tasks_per_node={tasks}: hydra/launcher={launcher} runs "

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 
 from expgpu.errors import UserError
 from expgpu.rundir import atomic_write_bytes
-from expgpu.slurm import cluster
+from expgpu.slurm import cluster, resources
 
 STATE = ".slurm_pool"
 POLL_S = 1.0
@@ -106,10 +106,8 @@ def check(params: Mapping[str, Any]) -> None:
         value = params.get(key, None if low else 0)   # the counts of 1 and more must be given
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: an integer >= {low} ({meaning})")
-    for key, null in (("cpus_per_node", "whole nodes"), ("mem_gb", "SLURM's default")):
-        value = params.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: null ({null}) or an integer >= 1")
+    resources.count(params, "cpus_per_node", 1, "slurm_pool", "whole nodes")
+    resources.count(params, "mem_gb", 1, "slurm_pool", "SLURM's default")
     pool = dict(params.get("pool") or {})
     unknown = sorted(set(pool) - POOL_KEYS)
     if unknown:
