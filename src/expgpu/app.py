@@ -21,12 +21,13 @@ from omegaconf import DictConfig
 
 from expgpu import config, envvars, loggers, ranks, rundir, script
 from expgpu.checkpoint import verify
-from expgpu.errors import Hung, Stopped, UserError, WorkerFailed, first_line
+from expgpu.errors import Hung, RunDirBusy, Stopped, UserError, WorkerFailed, first_line
 from expgpu.gpus import memory_estimate, placement
 from expgpu.launch import requeue, restarts, spawn, worker
 from expgpu.procs import stop_signals
 from expgpu.results import finished_earlier, is_script, write_job_failure, write_process
 from expgpu.rundir import atomic_write_bytes
+from expgpu.status.busy import refuse_busy
 
 log = logging.getLogger("expgpu")
 
@@ -81,7 +82,7 @@ def _record_failure(run_dir: Path, e: BaseException, step: int | None = None) ->
     """The job's failure, once: the first is the cause (under srun every rank records it; the others echo
     it). A config error before the run dir exists leaves nothing behind. `step`: the steps the failing rank's
     run had done, which a restart compares (expgpu.launch.restarts)."""
-    if isinstance(e, (Stopped, KeyboardInterrupt, SystemExit)) or not run_dir.is_dir() or \
+    if isinstance(e, (Stopped, KeyboardInterrupt, SystemExit, RunDirBusy)) or not run_dir.is_dir() or \
             rundir.job_failure_file(run_dir).exists():
         return
     said = isinstance(e, (UserError, WorkerFailed, Hung))   # their own line already says what happened
@@ -128,6 +129,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
                         "them: launch.nproc_per_node=1 under torchrun/srun/mpirun")
     local_ranks = nproc if nproc > 1 else info.local_world_size
 
+    if info.rank == 0:
+        refuse_busy(run_dir)   # before anything here reads or writes what another live run keeps there
     earlier = None if plain["dry_run"] else finished_earlier(run_dir, plain)
     if earlier is not None:
         if info.rank == 0:

@@ -20,6 +20,11 @@ class UserError(Exception):
         super().__init__(" ".join(message.split()))  # always one line
 
 
+class RunDirBusy(UserError):
+    """Another run is in progress in this run dir (expgpu.status.busy): nothing of this one may be written there,
+    not even its failure record."""
+
+
 EXIT_USER_ERROR = 2
 EXIT_HUNG = 124   # a run the hang watchdog ended (GNU timeout's code for "timed out"); a crash exits 1
 # A rank its watchdog ended because a peer's task raised (expgpu.train.watchdog): an echo of the peer's failure,

@@ -177,6 +177,15 @@ def write_process(run_dir: Path, env=None) -> None:
         "visible": env.get("CUDA_VISIBLE_DEVICES")}).encode())
 
 
+def read_process(run_dir: Path) -> dict | None:
+    """RUN_DIR/.expgpu/process.json, or None (none written, or not readable)."""
+    try:
+        doc = json.loads(rundir.process_file(run_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def read_rank_node(run_dir: Path, rank: int) -> dict | None:
     """RUN_DIR/.expgpu/rank<N>.node.json ({rank, node, host, attempt}), or None."""
     try:

@@ -115,18 +115,27 @@ def _numbers(values: dict) -> dict[str, float]:
 
 
 def alive(record: dict, newest: float | None, now: float) -> bool:
-    """Whether the process in charge of a run still runs: on this host its pid, with the same start time (a pid
-    is reused); on another, whether its files changed in the last STALE_S."""
-    if record.get("host") == _HOST and isinstance(record.get("pid"), int):
-        import psutil
-
-        try:
-            proc = psutil.Process(record["pid"])
-            same = abs(proc.create_time() - float(record.get("created") or 0)) < 1.0
-            return same and proc.status() != psutil.STATUS_ZOMBIE
-        except (psutil.Error, ValueError, TypeError):
-            return False
+    """Whether the process in charge of a run still runs: on this host its pid (lives); on another, whether its
+    files changed in the last STALE_S."""
+    here = lives(record)
+    if here is not None:
+        return here
     return newest is not None and now - newest < STALE_S
+
+
+def lives(record: dict) -> bool | None:
+    """Whether the process a record names still runs: on this host by its pid with the same start time (a pid is
+    reused), a zombie being gone; None on another host, where this process cannot tell."""
+    if record.get("host") != _HOST or not isinstance(record.get("pid"), int):
+        return None
+    import psutil
+
+    try:
+        proc = psutil.Process(record["pid"])
+        same = abs(proc.create_time() - float(record.get("created") or 0)) < 1.0
+        return same and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, ValueError, TypeError):
+        return False
 
 
 def slurm_job_of(run_dir: Path, record: dict | None) -> str | None:

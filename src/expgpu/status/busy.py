@@ -1,0 +1,71 @@
+"""One live run per run dir, one live sweep per sweep dir. A second run started in the dir of a run still in
+progress (a fixed hydra.run.dir given twice, in two terminals) would resume its checkpoint while it trains on,
+and both would overwrite each other's checkpoint, metrics and result; a second sweep in a live sweep's dir
+would do the same to every job, and to the study and pool.json. Either is refused in one line instead, before
+it writes anything there:
+
+- RunDirGuard, a Hydra callback (conf/config.yaml, hydra.callbacks.run_dir): at the start of a single run,
+  before Hydra saves its .hydra/*.yaml and opens its log there; at the start of a sweep, before the sweeper
+  writes in the sweep dir, where it then records the sweep's process as a run's (SWEEP_DIR/.expgpu/process.json);
+- refuse_busy, at the start of every job (expgpu.app), under any launcher.
+
+What tells: the process record (.expgpu/process.json, expgpu.results.write_process) names a process that still
+runs on this host. A record from another host cannot be checked from here (expgpu status calls such a run lost
+once its files are quiet for 10 minutes; a requeued SLURM job must not wait that long): it does not refuse.
+Under slurm_pool the sweep runs inside the allocation, where the same command (on gpu_pool) checks and records it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+_ELSEWHERE = ("hydra_plugins.expgpu_launchers.slurm_pool.SlurmPoolLauncher",)
+
+
+def refuse_busy(where: Path, what: str = "run", key: str = "hydra.run.dir") -> None:
+    """A UserError (RunDirBusy) when another process on this host is in charge of a run (or sweep) in `where`
+    and still runs; this process itself, or one it descends from, is the same run."""
+    from expgpu.results import read_process
+    from expgpu.status.read import lives
+
+    record = read_process(where)
+    if record is None or not lives(record):
+        return
+    import psutil
+
+    from expgpu.errors import RunDirBusy
+
+    me = psutil.Process()
+    if record["pid"] in {me.pid, *(p.pid for p in me.parents())}:
+        return
+    since = datetime.datetime.fromtimestamp(float(record.get("started") or record.get("created") or 0))
+    raise RunDirBusy(f"{where}: a {what} is in progress there (pid {record['pid']} on {record['host']}, since "
+                     f"{since:%Y-%m-%d %H:%M:%S}); two in one dir would overwrite each other's checkpoints and "
+                     f"files: wait for it to end, stop it, or give this {what} another {key}")
+
+
+class RunDirGuard(Callback):
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        from expgpu import ranks
+        from expgpu.errors import exit_on_user_error
+
+        with exit_on_user_error():
+            if ranks.detect().rank == 0:   # the others share its run dir: its record is theirs
+                refuse_busy(Path(str(config.hydra.run.dir)).absolute())
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        from omegaconf import OmegaConf
+
+        from expgpu.errors import exit_on_user_error
+        from expgpu.results import write_process
+
+        if OmegaConf.select(config, "hydra.launcher._target_", default=None) in _ELSEWHERE:
+            return
+        sweep = Path(str(config.hydra.sweep.dir)).absolute()
+        with exit_on_user_error():
+            refuse_busy(sweep, "sweep", "hydra.sweep.dir")
+        write_process(sweep)

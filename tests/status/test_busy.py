@@ -1,0 +1,108 @@
+"""One live run per run dir, one live sweep per sweep dir (expgpu.status.busy): a second run (sweep) started in
+the dir of one still in progress on this host is refused in one line, exit 2, and leaves the live one's files as
+they were; once that one has ended, the same command runs (a rerun resumes, as always). Real runs and sweeps,
+and synthetic process records for what only another host or a reused pid would leave."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env, expgpu, finish, multirun, start, wait_for_progress, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _files(where: Path) -> dict[str, bytes]:
+    """Every file under `where` that the run or sweep in progress keeps (what a second one must not touch)."""
+    return {str(p.relative_to(where)): p.read_bytes() for p in sorted(where.rglob("*"))
+            if p.is_file() and p.suffix in (".yaml", ".json") and "pool" not in p.name}
+
+
+def test_a_second_run_in_a_live_runs_dir_is_refused_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["task=a", "task.max_steps=100000", "task.log_every=5", "faults.device_ms_per_example=0.5"]
+    proc = start(args, run_dir)
+    try:
+        wait_for_progress(proc, run_dir)
+        before = _files(run_dir)
+        second = expgpu([*args, "task.optimizer.lr=0.5"], run_dir)
+        assert second.returncode == 2, second.stderr
+        line = second.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"expgpu: error: {run_dir}: a run is in progress there (pid {proc.pid} on ")
+        assert "another hydra.run.dir" in line and "Traceback" not in second.stderr
+        # its config, the process record, no failure record: the live run's files as they were
+        assert _files(run_dir) == before and not (run_dir / ".expgpu" / "failure.json").exists()
+        dry = expgpu([*args, "dry_run=true"], run_dir)
+        assert dry.returncode == 2 and "a run is in progress there" in dry.stderr
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)   # stops and saves
+    stopped = finish(proc, run_dir)
+    assert stopped.returncode == 130, stopped.stderr
+    again = expgpu([*args, "dry_run=true"], run_dir)   # gone, the same command runs there
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_second_sweep_in_a_live_sweeps_dir_is_refused(tmp_path):
+    sweep = tmp_path / "sweep"
+    env = clean_env()
+    args = ["hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2", "task=a", "task.max_steps=100000",
+            "faults.device_ms_per_example=0.5", "task.seed=0,1"]
+    first = subprocess.Popen([sys.executable, "-m", "expgpu", "-m", *args, f"hydra.sweep.dir={sweep}"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        wait_until("both jobs' progress", lambda: all((sweep / job / "metrics.jsonl").exists() for job in "01"),
+                   timeout=90)
+        before = _files(sweep)
+        second = multirun(args, sweep, env)
+        assert second.returncode == 2, second.stderr
+        assert f"expgpu: error: {sweep}: a sweep is in progress there (pid {first.pid} on " in second.stderr
+        assert "another hydra.sweep.dir" in second.stderr
+        assert _files(sweep) == before
+    finally:
+        os.killpg(first.pid, signal.SIGINT)
+        first.communicate(timeout=120)
+    again = multirun([*args, "dry_run=true"], sweep, env)   # gone, the same command runs there
+    assert again.returncode == 0, again.stderr
+
+
+def _record(run_dir: Path, **record) -> None:
+    (run_dir / ".expgpu").mkdir(parents=True, exist_ok=True)
+    (run_dir / ".expgpu" / "process.json").write_text(json.dumps(record))
+
+
+def test_only_a_live_process_on_this_host_refuses(tmp_path):
+    import psutil
+
+    from expgpu.errors import RunDirBusy
+    from expgpu.status.busy import refuse_busy
+
+    host = socket.gethostname()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        created = psutil.Process(other.pid).create_time()
+        cases = {
+            "live": dict(pid=other.pid, host=host, created=created),
+            "reused pid": dict(pid=other.pid, host=host, created=created - 100),   # another process had it
+            "another host": dict(pid=other.pid, host=host + "-not", created=created),
+            "this process": dict(pid=os.getpid(), host=host, created=psutil.Process().create_time()),
+        }
+        for name, record in cases.items():
+            _record(tmp_path / name, **record)
+        with pytest.raises(RunDirBusy, match=f"a run is in progress there \\(pid {other.pid} on {host},"):
+            refuse_busy(tmp_path / "live")
+        for name in ("reused pid", "another host", "this process"):
+            refuse_busy(tmp_path / name)
+        refuse_busy(tmp_path / "no record")
+    finally:
+        other.kill()
+        other.wait()
+    refuse_busy(tmp_path / "live")   # its process is gone now
