@@ -51,6 +51,11 @@ every file in it goes through (write, fsync, rename: a kill leaves the old file 
         excluded-nodes.json                 the nodes a SLURM job left out after such a failure (launch.
                                             exclude_bad_nodes), one row each, for rank 0's result.json
 
+and, for any sweep:
+
+    SWEEP_DIR/.expgpu/process.json          the sweep's process, as a run's (expgpu.status.busy: one live sweep
+                                            per sweep dir)
+
 and, under hydra/sweeper=expgpu_optuna (expgpu.tune):
 
     SWEEP_DIR/optuna.journal                the study (unless hydra.sweeper.storage names another)

@@ -106,3 +106,23 @@ def test_only_a_live_process_on_this_host_refuses(tmp_path):
         other.kill()
         other.wait()
     refuse_busy(tmp_path / "live")   # its process is gone now
+
+
+def test_a_run_or_sweep_dir_that_cannot_be_made_is_one_line(tmp_path):
+    """Hydra makes the dir and dies in a traceback where it cannot (a file on its path; likewise no permission,
+    a read-only file system): the guard makes it first."""
+    (tmp_path / "file").write_text("")
+    where = tmp_path / "file" / "x"
+    run = expgpu(["task=a", "task.max_steps=5"], where)
+    sweep = multirun(["task=a", "task.max_steps=5,6", "hydra/launcher=gpu_pool"], where, clean_env())
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "outputs").write_text("")   # the default run dir, outputs/DATE/TIME, cannot be claimed
+    default = subprocess.run([sys.executable, "-m", "expgpu", "task=a", "task.max_steps=5"], cwd=cwd,
+                             env=clean_env(), capture_output=True, text=True, timeout=120)
+    for done, key in ((run, "hydra.run.dir"), (sweep, "hydra.sweep.dir"), (default, "hydra.run.dir")):
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr and "Warning" not in done.stderr, done.stderr
+        assert done.stderr.strip().splitlines() == [done.stderr.strip().splitlines()[-1]], done.stderr
+        assert done.stderr.startswith(f"expgpu: error: {key}"), done.stderr
+        assert "Not a directory" in done.stderr, done.stderr

@@ -9,6 +9,8 @@ it writes anything there:
   writes in the sweep dir, where it then records the sweep's process as a run's (SWEEP_DIR/.expgpu/process.json);
 - refuse_busy, at the start of every job (expgpu.app), under any launcher.
 
+The callback also makes the dir first (made): where it cannot be made, Hydra would die in a traceback.
+
 What tells: the process record (.expgpu/process.json, expgpu.results.write_process) names a process that still
 runs on this host. A record from another host cannot be checked from here (expgpu status calls such a run lost
 once its files are quiet for 10 minutes; a requeued SLURM job must not wait that long): it does not refuse.
@@ -18,10 +20,13 @@ Under slurm_pool the sweep runs inside the allocation, where the same command (o
 from __future__ import annotations
 
 import datetime
+import errno
+import os
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
 
 _ELSEWHERE = ("hydra_plugins.expgpu_launchers.slurm_pool.SlurmPoolLauncher",)
 
@@ -54,18 +59,39 @@ class RunDirGuard(Callback):
         from expgpu.errors import exit_on_user_error
 
         with exit_on_user_error():
+            run_dir = made(config, "hydra.run.dir")
             if ranks.detect().rank == 0:   # the others share its run dir: its record is theirs
-                refuse_busy(Path(str(config.hydra.run.dir)).absolute())
+                refuse_busy(run_dir)
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        from omegaconf import OmegaConf
-
         from expgpu.errors import exit_on_user_error
         from expgpu.results import write_process
 
-        if OmegaConf.select(config, "hydra.launcher._target_", default=None) in _ELSEWHERE:
-            return
-        sweep = Path(str(config.hydra.sweep.dir)).absolute()
         with exit_on_user_error():
+            sweep = made(config, "hydra.sweep.dir")
+            if OmegaConf.select(config, "hydra.launcher._target_", default=None) in _ELSEWHERE:
+                return
             refuse_busy(sweep, "sweep", "hydra.sweep.dir")
         write_process(sweep)
+
+
+def made(config: Any, key: str) -> Path:
+    """The dir `key` names, made now, as Hydra would make it next: where it cannot be (a file on its path, no
+    permission, a read-only file system), one line naming the key, not Hydra's traceback. Hydra calls a callback
+    inside a guard of its own that turns an exception into a warning: a UserError leaves it as SystemExit."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from expgpu.errors import UserError, first_line
+
+    try:
+        where = Path(str(OmegaConf.select(config, key))).absolute()
+    except OmegaConfBaseException as e:   # the default dir's resolver could not claim one (expgpu.rundir)
+        raise UserError(f"{key}: {first_line(e)}") from None
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as e:
+        raise UserError(f"{key}={where}: cannot make it or write there ({e.strerror}); give a directory this user "
+                        "can write") from None
+    return where
