@@ -227,7 +227,7 @@ def _before_hydra() -> None:
 def _report(e: BaseException) -> int | None:
     """Print what ended the run as one line; its exit code, or None for a real bug (traceback)."""
     from expgpu.checkpoint.verify import NotExact
-    from expgpu.errors import Hung, Stopped, WorkerFailed
+    from expgpu.errors import Hung, Stopped, WorkerFailed, no_room, no_room_line
 
     if isinstance(e, UserError):
         print(f"expgpu: error: {e}", file=sys.stderr)
@@ -242,6 +242,9 @@ def _report(e: BaseException) -> int | None:
         return e.exit_code
     if isinstance(e, NotExact):
         print(f"expgpu: {e}", file=sys.stderr)
+        return 1
+    if no_room(e):
+        print(f"expgpu: error: {no_room_line(e)}", file=sys.stderr)
         return 1
     line = _one_line(e)
     if line is None:

@@ -88,8 +88,11 @@ def _record_failure(run_dir: Path, e: BaseException, step: int | None = None) ->
     said = isinstance(e, (UserError, WorkerFailed, Hung))   # their own line already says what happened
     # a rank's own error (an srun task's): which rank, for the restart's line
     rank = None if said else _rank_of_several()
-    write_job_failure(run_dir, str(e) if said else f"{type(e).__name__}: {first_line(e)}",
-                      isinstance(e, UserError), rank=rank, step=step)
+    try:
+        write_job_failure(run_dir, str(e) if said else f"{type(e).__name__}: {first_line(e)}",
+                          isinstance(e, UserError), rank=rank, step=step)
+    except OSError:   # a full disk: the record is lost, not the error it records (raised on by the caller)
+        pass
 
 
 def _rank_of_several() -> int | None:

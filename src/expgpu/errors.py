@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import re
 import sys
 
@@ -30,6 +31,18 @@ EXIT_HUNG = 124   # a run the hang watchdog ended (GNU timeout's code for "timed
 # A rank its watchdog ended because a peer's task raised (expgpu.train.watchdog): an echo of the peer's failure,
 # which a supervisor names instead (expgpu.launch.spawn)
 EXIT_PEER_FAILED = 113
+
+
+def no_room(e: BaseException) -> bool:
+    """A write that failed for want of room or of a writable disk (ENOSPC, EDQUOT, EROFS): the machine's state,
+    not a bug: one line, no traceback (what was written before it stays: expgpu.rundir.atomic_write_bytes)."""
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def no_room_line(e: OSError) -> str:
+    """What a no_room error says, wherever it ends the run (this process, or a rank's supervisor)."""
+    return (f"could not write {e.filename or 'a file of the run'}: {e.strerror}; what was written before it (the last "
+            "checkpoint) is kept: make room there, or give the run another hydra.run.dir, and rerun to resume")
 
 
 @contextlib.contextmanager

@@ -225,8 +225,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:  # a full disk, a second Ctrl-C: the old file stays, the partial one goes
+    except BaseException as e:  # a full disk, a second Ctrl-C: the old file stays, the partial one goes
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)   # a write's own error names no file: the one that was not written
         raise
     fsync_dir(path.parent)
 

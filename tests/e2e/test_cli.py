@@ -96,6 +96,10 @@ def test_a_crashing_rank_ends_the_group_quickly(tmp_path, kind):
     assert last.startswith("expgpu: rank 1 failed:"), last
     if kind == "exception":
         assert "injected crash" in last
+        # the cause's traceback, once; its peer's echo (a collective torn down) is one line, not a second one
+        both = run.stdout + run.stderr
+        assert both.count("Traceback") == 1, both
+        assert "rank 0: stopping: rank(s) 1 failed (their error is their own record)" in both
     else:
         assert "SIGKILL" in last
     assert elapsed < 30, elapsed

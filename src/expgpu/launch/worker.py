@@ -303,7 +303,7 @@ def main() -> None:
     # in every thread, instead of only the supervisor's "killed by SIGABRT".
     faulthandler.enable(all_threads=True)
 
-    from expgpu.errors import EXIT_USER_ERROR, UserError, WorkerFailed
+    from expgpu.errors import EXIT_PEER_FAILED, EXIT_USER_ERROR, UserError, WorkerFailed, no_room
 
     run_dir = Path(sys.argv[1])
     rank = int(os.environ.get(envvars.RANK, "0"))
@@ -325,7 +325,16 @@ def main() -> None:
         _record_failure(run_dir, rank, e)
         sys.exit(1)
     except BaseException as e:
+        failed = _failed_before(run_dir, rank)
         _record_failure(run_dir, rank, e)
+        if failed and not isinstance(e, SystemExit):
+            # An echo (a collective torn down by a peer's end): the peer's traceback says why, the supervisor's
+            # line names it; eight ranks' echoes would bury it.
+            log.error("rank %d: stopping: rank(s) %s failed (their error is their own record)", rank,
+                      ", ".join(map(str, failed)))
+            sys.exit(EXIT_PEER_FAILED)
+        if no_room(e):   # a full disk: the supervisor's line names the file, a traceback adds nothing
+            sys.exit(1)
         raise
     # Everything this rank writes is on disk (atomic writes, closed files); skip interpreter
     # shutdown, during which a gloo thread still alive past destroy_process_group can abort
@@ -335,22 +344,42 @@ def main() -> None:
     procs.fast_exit(0)
 
 
+def _failed_before(run_dir: Path, rank: int) -> list[int]:
+    """The other ranks of this launch that recorded a failure before this one did (or before now, where this one
+    has not yet): spawn removed any older records. The cause records its error before its group goes down."""
+    def recorded(path: Path) -> int | None:
+        try:
+            return path.stat().st_mtime_ns
+        except OSError:
+            return None
+
+    mine = rundir.failure_file(run_dir, rank)
+    since = recorded(mine) or time.time_ns()
+    return [int(p.name[4:].split(".")[0]) for p in rundir.failure_files(run_dir)
+            if p != mine and (recorded(p) or since) < since]
+
+
 def _record_failure(run_dir: Path, rank: int, e: BaseException, step: int | None = None) -> None:
     """This rank's failure, for the supervisor, once: the first record is the time it failed; `step`: the
     steps its run had done (expgpu.launch.restarts compares them)."""
-    from expgpu.errors import UserError, WorkerFailed
+    from expgpu.errors import UserError, WorkerFailed, no_room, no_room_line
     from expgpu.results import write_failure
 
     if rundir.failure_file(run_dir, rank).exists():
         return
-    if isinstance(e, UserError):
-        write_failure(run_dir, rank, str(e), user_error=True)
-    elif isinstance(e, WorkerFailed):   # rank 0 of a script task also reports a peer's failure: says whose
-        write_failure(run_dir, rank, e.failure.message if e.failure.rank == rank else str(e))
-    elif isinstance(e, KeyboardInterrupt):
-        write_failure(run_dir, rank, "interrupted (second Ctrl-C)")
-    else:
-        write_failure(run_dir, rank, f"{type(e).__name__}: {e}", step=step)
+    try:
+        if isinstance(e, UserError):
+            write_failure(run_dir, rank, str(e), user_error=True)
+        elif isinstance(e, WorkerFailed):   # rank 0 of a script task also reports a peer's failure: says whose
+            write_failure(run_dir, rank, e.failure.message if e.failure.rank == rank else str(e))
+        elif isinstance(e, KeyboardInterrupt):
+            write_failure(run_dir, rank, "interrupted (second Ctrl-C)")
+        elif no_room(e):
+            write_failure(run_dir, rank, no_room_line(e), step=step)
+        else:
+            write_failure(run_dir, rank, f"{type(e).__name__}: {e}", step=step)
+    except OSError:   # a full disk: the record is lost, not the error it records (raised on by the caller)
+        pass
 
 
 if __name__ == "__main__":
