@@ -202,6 +202,10 @@ def test_a_jobs_return_reads_as_the_trials_state():
 
     assert outcome(_ret(0.5), 1) == ("COMPLETE", [0.5], "")
     assert outcome(_ret((0.5, 2)), 2) == ("COMPLETE", [0.5, 2.0], "")
+    assert outcome(_ret(float("nan")), 1) == ("FAIL", None, "the objective is nan: the run diverged, or its metric "
+                                                           "is undefined")
+    assert outcome(_ret({"loss": float("nan")}), 1, ("loss",))[2].startswith("the objective is nan (loss)")
+    assert outcome(_ret(float("inf")), 1) == ("COMPLETE", [float("inf")], "")   # Optuna takes it, as the worst
     assert outcome(_ret({"status": "pruned", "steps": 7}), 1)[0] == "PRUNED"
     assert outcome(_ret(error=RuntimeError("boom")), 1) == ("FAIL", None, "RuntimeError: boom")
     assert outcome(_ret(error=UserError("objective=x: the task returned no metric 'x'")), 1)[0] == "USER_ERROR"

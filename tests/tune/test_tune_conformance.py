@@ -158,12 +158,15 @@ def test_the_grid_caps_n_trials_covers_each_point_once_and_ends_normally_as_hydr
 
 @pytest.mark.parametrize("rate", [0.5, 1.0])
 def test_max_failure_rate_decides_the_exit_code_as_hydras(tmp_path, hydra_optuna, rate):
-    args = ["fail=true", f"hydra.sweeper.max_failure_rate={rate}", "hydra.sweeper.n_trials=6",
-            "hydra.sweeper.n_jobs=2", "hydra/sweeper/sampler=random", "hydra.sweeper.sampler.seed=0"]
-    mine = _sweep("quadratic", args, tmp_path / "mine")
+    args = ["fail=true", "hydra.sweeper.n_trials=6", "hydra.sweeper.n_jobs=2", "hydra/sweeper/sampler=random",
+            "hydra.sweeper.sampler.seed=0"]
+    mine = _sweep("quadratic", [*args, f"hydra.sweeper.max_failure_rate={rate}"], tmp_path / "mine")
+    # PyPI's newest hydra-optuna-sweeper (1.2.0) predates max_failure_rate (Hydra's main branch has it): it stops
+    # at the first failed trial, which is what both rates come to when every trial fails
     hydras = _sweep("quadratic", args, tmp_path / "hydras", hydra_optuna, hydras=True)
     # every trial fails: both stop non-zero, past the rate at once, at 1.0 after all of them (Hydra's finds no best)
     assert mine.returncode == 1 and hydras.returncode != 0, (mine.stderr[-2000:], hydras.stderr[-2000:])
+    assert "RuntimeError: asked to fail at x=" in hydras.stderr, hydras.stderr[-2000:]   # a trial's, not a key's
     states, last = [t.state.name for t in _trials(tmp_path / "mine")], _last_line(mine)
     if rate < 1:   # past the rate: the task's own traceback (as Hydra's shows it), then its one-line reason, last
         assert last.startswith("expgpu: the search stopped: 2 of the last 2 trial(s) failed") and states == ["FAIL"] * 2
@@ -173,6 +176,25 @@ def test_max_failure_rate_decides_the_exit_code_as_hydras(tmp_path, hydra_optuna
         assert last.startswith("expgpu: no trial completed: 6 failed") and states == ["FAIL"] * 6
         assert "asked to fail" not in mine.stderr and "trial 5: failed: RuntimeError: asked to fail" in mine.stdout
         assert "Traceback" not in mine.stderr
+
+
+def test_a_nan_objective_is_a_failed_trial(tmp_path, hydra_optuna):
+    """Optuna refuses nan as a trial's value. Hydra's sweeper (1.2.0, PyPI's newest) then stops the search in a
+    traceback of its own (it tells the failed trial with its values); expgpu_optuna fails the trial, and
+    max_failure_rate decides: at the default 0 the search stops there, in one line; at 1.0 it goes on."""
+    args = ["nan_at=[0]", "hydra.sweeper.n_trials=8", "hydra/sweeper/sampler=random", "hydra.sweeper.sampler.seed=0"]
+    stopped = _sweep("quadratic", args, tmp_path / "stopped")
+    hydras = _sweep("quadratic", args, tmp_path / "hydras", hydra_optuna, hydras=True)
+    assert stopped.returncode == hydras.returncode == 1, (stopped.stderr[-2000:], hydras.stderr[-2000:])
+    assert "ValueError: Values were told" in hydras.stderr
+    assert _last_line(stopped).endswith("the objective is nan: the run diverged, or its metric is undefined")
+    assert "Traceback" not in stopped.stderr
+    on = _sweep("quadratic", [*args, "hydra.sweeper.max_failure_rate=1.0"], tmp_path / "on")
+    assert on.returncode == 0, on.stderr[-2000:]
+    trials = _trials(tmp_path / "on")
+    assert {t.state.name for t in trials if t.params["x"] == 0} == {"FAIL"}
+    assert {t.state.name for t in trials if t.params["x"] != 0} == {"COMPLETE"}
+    assert _results(tmp_path / "on")["best_value"] == min(t.value for t in trials if t.value is not None)
 
 
 def test_a_failure_over_the_default_rate_stops_the_search_at_that_trial(tmp_path):

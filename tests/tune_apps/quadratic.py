@@ -10,6 +10,8 @@ def quadratic(cfg: DictConfig) -> float:
     if cfg.fail or cfg.x in cfg.fail_at:
         raise RuntimeError(f"asked to fail at x={cfg.x}")
     value = (cfg.x - 1) ** 2 + cfg.y ** 2 + cfg.z ** 2 + cfg.get("w", 0) ** 2
+    if cfg.x in cfg.nan_at:   # a run that diverged
+        value = float("nan")
     if cfg.returns == "dict":
         return {"loss": value, "size": abs(cfg.x) + abs(cfg.y)}
     return value

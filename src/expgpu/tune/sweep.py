@@ -241,6 +241,9 @@ def outcome(ret, n_objectives: int, names: tuple[str, ...] | None = None) -> tup
     if len(values) != n_objectives:
         return "USER_ERROR", None, (f"the task returned {len(values)} value(s), but hydra.sweeper.direction has "
                                     f"{n_objectives}: give one direction per value (a list for several)")
+    if any(math.isnan(v) for v in values):   # Optuna refuses it as a trial's value; Hydra's sweeper fails the trial
+        return "FAIL", None, (f"the objective is nan{f' ({names[0]})' if names and len(names) == 1 else ''}: the "
+                              "run diverged, or its metric is undefined")
     return "COMPLETE", values, ""
 
 
