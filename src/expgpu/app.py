@@ -25,9 +25,9 @@ from expgpu.errors import Hung, RunDirBusy, Stopped, UserError, WorkerFailed, fi
 from expgpu.gpus import memory_estimate, placement
 from expgpu.launch import requeue, restarts, spawn, worker
 from expgpu.procs import stop_signals
-from expgpu.results import finished_earlier, is_script, write_job_failure, write_process
+from expgpu.results import finished_earlier, is_script, write_job_failure
 from expgpu.rundir import atomic_write_bytes
-from expgpu.status.busy import refuse_busy
+from expgpu.status.busy import claim, refuse_busy
 
 log = logging.getLogger("expgpu")
 
@@ -163,8 +163,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
         return None
 
     if info.rank == 0:
+        claim(run_dir)   # running, while this process lives (expgpu status); a second live run refused, atomically
         rundir.job_failure_file(run_dir).unlink(missing_ok=True)   # from an attempt this one reruns
-        write_process(run_dir)   # running, while this process lives (expgpu status)
         if loggers.chosen(plain):
             loggers.record_job(run_dir)   # the sweep and overrides, which only this process knows
     if plain["checkpoint"]["verify"]:

@@ -624,7 +624,7 @@ def test_an_optimizing_sweep_warms_one_fork_server_for_all_its_batches(tmp_path,
     assert [r["job"] for r in sweep.records("import")] == [-1], sweep.records("import")
     assert len(sweep.records()) == 3
     # the kept server's state is tidied when the sweep ends; the sweep's process record stays (expgpu.status.busy)
-    assert [p.name for p in (sweep.dir / ".expgpu").iterdir()] == ["process.json"]
+    assert sorted(p.name for p in (sweep.dir / ".expgpu").iterdir()) == ["process.json", "process.lock"]
 
 
 @pytest.mark.parametrize("override, message", [

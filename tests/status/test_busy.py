@@ -37,7 +37,7 @@ def test_a_second_run_in_a_live_runs_dir_is_refused_and_writes_nothing(tmp_path)
         assert second.returncode == 2, second.stderr
         line = second.stderr.strip().splitlines()[-1]
         assert line.startswith(f"expgpu: error: {run_dir}: a run is in progress there (pid {proc.pid} on ")
-        assert "another hydra.run.dir" in line and "Traceback" not in second.stderr
+        assert "another hydra.run.dir (a sweep job: hydra.sweep.subdir" in line and "Traceback" not in second.stderr
         # its config, the process record, no failure record: the live run's files as they were
         assert _files(run_dir) == before and not (run_dir / ".expgpu" / "failure.json").exists()
         dry = expgpu([*args, "dry_run=true"], run_dir)
@@ -72,6 +72,21 @@ def test_a_second_sweep_in_a_live_sweeps_dir_is_refused(tmp_path):
         first.communicate(timeout=120)
     again = multirun([*args, "dry_run=true"], sweep, env)   # gone, the same command runs there
     assert again.returncode == 0, again.stderr
+
+
+def test_two_jobs_a_sweep_gives_one_dir_cannot_both_run_there(tmp_path):
+    """A subdir pattern that gives two jobs one dir, on a pool that starts both at once: one trains there, the
+    other is refused (its claim and the first's cannot both pass: expgpu.status.busy.claim)."""
+    sweep = tmp_path / "sweep"
+    done = multirun(["hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2", "task=a", "task.max_steps=2000",
+                     "task.seed=0,1", "hydra.sweep.subdir=same"], sweep, clean_env())
+    assert done.returncode == 2, done.stderr   # a job's user error: the sweep's code
+    pool = json.loads((sweep / "pool.json").read_text())
+    assert sorted(j["state"] for j in pool["jobs"]) == ["failed", "finished"], pool["jobs"]
+    failed = next(j for j in pool["jobs"] if j["state"] == "failed")
+    assert f"RunDirBusy: {sweep}/same: a run is in progress there" in failed["error"]
+    assert "hydra.sweep.subdir, each job its own" in failed["error"]
+    assert json.loads((sweep / "same" / "result.json").read_text())["status"] == "finished"
 
 
 def _record(run_dir: Path, **record) -> None:

@@ -6,8 +6,9 @@ it writes anything there:
 
 - RunDirGuard, a Hydra callback (conf/config.yaml, hydra.callbacks.run_dir): at the start of a single run,
   before Hydra saves its .hydra/*.yaml and opens its log there; at the start of a sweep, before the sweeper
-  writes in the sweep dir, where it then records the sweep's process as a run's (SWEEP_DIR/.expgpu/process.json);
-- refuse_busy, at the start of every job (expgpu.app), under any launcher.
+  writes in the sweep dir (whose process is recorded as a run's: SWEEP_DIR/.expgpu/process.json);
+- every job as it starts (expgpu.app), under any launcher: checked before anything is read there, then
+  claimed (claim: the check and the record written under a lock, so that two started at once cannot both pass).
 
 The callback also makes the dir first (made): where it cannot be made, Hydra would die in a traceback.
 
@@ -19,9 +20,12 @@ Under slurm_pool the sweep runs inside the allocation, where the same command (o
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
+import fcntl
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 _ELSEWHERE = ("hydra_plugins.expgpu_launchers.slurm_pool.SlurmPoolLauncher",)
+CLAIM_WAIT_S = 10.0   # the most a claim waits for another's to end (each holds the lock for milliseconds)
 
 
 def refuse_busy(where: Path, what: str = "run", key: str = "hydra.run.dir") -> None:
@@ -50,7 +55,45 @@ def refuse_busy(where: Path, what: str = "run", key: str = "hydra.run.dir") -> N
     since = datetime.datetime.fromtimestamp(float(record.get("started") or record.get("created") or 0))
     raise RunDirBusy(f"{where}: a {what} is in progress there (pid {record['pid']} on {record['host']}, since "
                      f"{since:%Y-%m-%d %H:%M:%S}); two in one dir would overwrite each other's checkpoints and "
-                     f"files: wait for it to end, stop it, or give this {what} another {key}")
+                     f"files: wait for it to end, stop it, or give this {what} another {key}"
+                     f"{' (a sweep job: hydra.sweep.subdir, each job its own)' if what == 'run' else ''}")
+
+
+def claim(where: Path, what: str = "run", key: str = "hydra.run.dir") -> None:
+    """This process is in charge of `where` from now on (its process record, expgpu.results.write_process), unless
+    another live one is (RunDirBusy): checked and written under a lock, so that of two runs started at once (two
+    jobs given one dir by a sweep's subdir pattern) one is refused, not both let in."""
+    from expgpu.results import write_process
+
+    with _claim_lock(where):
+        refuse_busy(where, what, key)
+        write_process(where)
+
+
+@contextlib.contextmanager
+def _claim_lock(where: Path):
+    """flock on .expgpu/process.lock for the few milliseconds of a claim. Where the file system has no flock, or a
+    holder does not let go (its node gone mid-claim), the claim goes on unlocked: the record check still runs."""
+    from expgpu import rundir
+
+    path = rundir.state_dir(where) / "process.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            except OSError:
+                break
+        yield
+    finally:
+        os.close(fd)
 
 
 class RunDirGuard(Callback):
@@ -61,18 +104,18 @@ class RunDirGuard(Callback):
         with exit_on_user_error():
             run_dir = made(config, "hydra.run.dir")
             if ranks.detect().rank == 0:   # the others share its run dir: its record is theirs
-                refuse_busy(run_dir)
+                if OmegaConf.select(config, "dry_run", default=False):
+                    refuse_busy(run_dir)   # no run in progress: no record (expgpu status tells a dry run by that)
+                else:
+                    claim(run_dir)
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         from expgpu.errors import exit_on_user_error
-        from expgpu.results import write_process
 
         with exit_on_user_error():
             sweep = made(config, "hydra.sweep.dir")
-            if OmegaConf.select(config, "hydra.launcher._target_", default=None) in _ELSEWHERE:
-                return
-            refuse_busy(sweep, "sweep", "hydra.sweep.dir")
-        write_process(sweep)
+            if OmegaConf.select(config, "hydra.launcher._target_", default=None) not in _ELSEWHERE:
+                claim(sweep, "sweep", "hydra.sweep.dir")
 
 
 def made(config: Any, key: str) -> Path:
