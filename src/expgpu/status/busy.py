@@ -7,8 +7,9 @@ it writes anything there:
 - RunDirGuard, a Hydra callback (conf/config.yaml, hydra.callbacks.run_dir): at the start of a single run,
   before Hydra saves its .hydra/*.yaml and opens its log there; at the start of a sweep, before the sweeper
   writes in the sweep dir (whose process is recorded as a run's: SWEEP_DIR/.expgpu/process.json);
-- every job as it starts (expgpu.app), under any launcher: checked before anything is read there, then
-  claimed (claim: the check and the record written under a lock, so that two started at once cannot both pass).
+- every job as it starts (expgpu.app), under any launcher: checked before anything is read there, then,
+  unless it is a dry run or finished already, claimed (claim: the check and the record written under a lock,
+  so that two started at once cannot both pass).
 
 The callback also makes the dir first (made): where it cannot be made, Hydra would die in a traceback.
 
@@ -104,10 +105,7 @@ class RunDirGuard(Callback):
         with exit_on_user_error():
             run_dir = made(config, "hydra.run.dir")
             if ranks.detect().rank == 0:   # the others share its run dir: its record is theirs
-                if OmegaConf.select(config, "dry_run", default=False):
-                    refuse_busy(run_dir)   # no run in progress: no record (expgpu status tells a dry run by that)
-                else:
-                    claim(run_dir)
+                refuse_busy(run_dir)   # only checked: the job claims it (expgpu.app), once it is sure to run
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         from expgpu.errors import exit_on_user_error
