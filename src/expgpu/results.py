@@ -259,6 +259,15 @@ def read_job_failure(run_dir: Path) -> dict | None:
     return doc if isinstance(doc, dict) and "message" in doc else None
 
 
+def failure_time(run_dir: Path, rank: int) -> float | None:
+    """When rank `rank` recorded its failure (its record's mtime), None where it has recorded none: the cause
+    records before its process group goes down, so the earliest record is the cause, later ones its echoes."""
+    try:
+        return failure_file(run_dir, rank).stat().st_mtime
+    except OSError:
+        return None
+
+
 def read_failure(run_dir: Path, rank: int, code: int) -> Failure:
     """Rank `rank`'s failure as it recorded it, else as its exit code tells it."""
     try:

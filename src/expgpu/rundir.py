@@ -154,6 +154,11 @@ def failure_files(run_dir: Path) -> list[Path]:
     return sorted(state_dir(run_dir).glob("rank*.failure.json"))
 
 
+def failure_ranks(run_dir: Path) -> list[int]:
+    """The ranks that left a failure_file in `run_dir`."""
+    return sorted(int(p.name.removeprefix("rank").split(".")[0]) for p in failure_files(run_dir))
+
+
 def job_failure_file(run_dir: Path) -> Path:
     return state_dir(run_dir) / "failure.json"
 

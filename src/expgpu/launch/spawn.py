@@ -26,7 +26,7 @@ from expgpu import envvars, procs
 from expgpu.errors import EXIT_PEER_FAILED, UserError
 from expgpu.procs import stop_signals
 from expgpu.procs.handles import ProcHandle, RankStarter
-from expgpu.results import Failure, read_failure
+from expgpu.results import Failure, failure_time, read_failure
 from expgpu.rundir import failure_file, failure_files
 
 log = logging.getLogger("expgpu")
@@ -128,7 +128,7 @@ def run_node(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
                 # tearing its group down) when its echo has already ended: it counts too.
                 # A rank its watchdog ended because a peer failed (EXIT_PEER_FAILED) is an echo: last.
                 bad += [(r, 1) for r, c in enumerate(codes) if c is None and failure_file(run_dir, r).exists()]
-                rank, code = min(bad, key=lambda rc: (rc[1] == EXIT_PEER_FAILED, _mtime(failure_file(run_dir, rc[0]))))
+                rank, code = min(bad, key=lambda rc: (rc[1] == EXIT_PEER_FAILED, _recorded(run_dir, rc[0])))
                 _stop(workers, grace_s=grace_s)
                 return read_failure(run_dir, rank, code)
             if all(c == 0 for c in codes):
@@ -189,8 +189,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return float("-inf")
+def _recorded(run_dir: Path, rank: int) -> float:
+    """When `rank` recorded its failure; a rank killed outright recorded nothing: it went first."""
+    at = failure_time(run_dir, rank)
+    return float("-inf") if at is None else at

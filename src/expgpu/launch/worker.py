@@ -346,17 +346,11 @@ def main() -> None:
 
 def _failed_before(run_dir: Path, rank: int) -> list[int]:
     """The other ranks of this launch that recorded a failure before this one did (or before now, where this one
-    has not yet): spawn removed any older records. The cause records its error before its group goes down."""
-    def recorded(path: Path) -> int | None:
-        try:
-            return path.stat().st_mtime_ns
-        except OSError:
-            return None
-
-    mine = rundir.failure_file(run_dir, rank)
-    since = recorded(mine) or time.time_ns()
-    return [int(p.name[4:].split(".")[0]) for p in rundir.failure_files(run_dir)
-            if p != mine and (recorded(p) or since) < since]
+    has not yet): spawn removed any older records."""
+    mine = results.failure_time(run_dir, rank)
+    since = time.time() if mine is None else mine
+    return [r for r in rundir.failure_ranks(run_dir)
+            if r != rank and (results.failure_time(run_dir, r) or since) < since]
 
 
 def _record_failure(run_dir: Path, rank: int, e: BaseException, step: int | None = None) -> None:
