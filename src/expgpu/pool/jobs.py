@@ -87,7 +87,9 @@ def compose(ctx, master, overrides: Sequence[str], num: int, need) -> Job:
     """The job's config as Hydra's own launchers compose it; `need(cfg)`: the GPUs it needs."""
     from omegaconf import open_dict
 
-    cfg = ctx.config_loader.load_sweep_config(master, list(overrides))
+    from expgpu.compose import sweep_config
+
+    cfg = sweep_config(ctx.config_loader, master, overrides)
     with open_dict(cfg):
         cfg.hydra.job.id = num
         cfg.hydra.job.num = num

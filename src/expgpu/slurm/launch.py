@@ -91,8 +91,9 @@ def compose(launcher, p: Plan, overrides: Sequence[str], num: int) -> Job:
     """Job number `num`, composed. An expgpu config is checked, and its tasks and GPUs per node derived
     from its gpu_map; another Hydra app's job gets what hydra.launcher asks for (resources.requested)."""
     from expgpu import config
+    from expgpu.compose import sweep_config
 
-    cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+    cfg = sweep_config(launcher.hydra_context.config_loader, launcher.config, overrides)
     if not config.is_expgpu(cfg):
         visible = _visible(p, None)
         res = resources.requested(p.params, p.name, len(visible) if p.kind == "local" else None)

@@ -1,0 +1,128 @@
+"""A sweep job's config, as Hydra's own launchers compose it (ConfigLoader.load_sweep_config), with the
+part that depends only on the job's config-group choices done once per sweep for each choice.
+
+Hydra composes every job from scratch in three parts: (1) read and merge the config files its groups
+choose (task=a, hydra/launcher=gpu_pool: the defaults list), (2) apply its value overrides
+(task.lr=0.1, +x=1, ~y) to that, (3) record what was asked (hydra.overrides, hydra.job.override_dirname,
+hydra.runtime). Part 1 is nearly all of the ~70 ms a job costs (the YAML, the merges): a 300-job sweep
+waited ~40 s before its first job started, and an optimizing sweeper's trials pay it on the cores its
+running trials train on. Part 1 is the same for every job that chooses the same groups, so here Hydra
+does it once for them (load_configuration with only the group overrides), and each job is a copy of that
+with parts 2 and 3 done as Hydra does them, with Hydra's own functions.
+
+A job whose overrides reach what part 3 writes (hydra.runtime, hydra.overrides, hydra.job.name, ...)
+or the search path, a config with hydra.job.env_copy, and any job this path cannot compose are composed
+by Hydra itself: its error, if any, is Hydra's. tests/test_compose.py checks that both agree, override
+kind by kind. The config files are read once per sweep for each choice of groups (gpu_pool composed a
+whole batch up front before this too): a file edited mid-sweep does not change a study's later trials.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Sequence
+
+# What Hydra writes after the value overrides (part 3), or reads before them (the search path): a job's
+# override at, above or below one of these is composed by Hydra.
+_RECORDS = ("hydra.searchpath", "hydra.runtime", "hydra.overrides", "hydra.job.name", "hydra.job.override_dirname",
+            "hydra.job.config_name", "hydra.job.env_copy")
+_KEPT = 4   # sweeps' composers a process keeps (one per master config: a sweep)
+
+_composers: dict[int, "_Composer"] = {}
+
+
+def sweep_config(loader, master, overrides: Sequence[str]):
+    """What loader.load_sweep_config(master, overrides) returns, composed once per choice of groups."""
+    composer = _composers.get(id(master))
+    if composer is None or composer.master is not master or composer.loader is not loader:
+        composer = _composers[id(master)] = _Composer(loader, master)
+        while len(_composers) > _KEPT:
+            del _composers[next(iter(_composers))]
+    return composer(list(overrides))
+
+
+def _touches_records(key: str) -> bool:
+    return any(key == r or key.startswith(r + ".") or r.startswith(key + ".") for r in _RECORDS)
+
+
+class _Composer:
+    def __init__(self, loader, master):
+        from omegaconf import OmegaConf
+
+        self.loader, self.master = loader, master
+        self.name = master.hydra.job.config_name
+        self.hydra_overrides = OmegaConf.to_container(master.hydra.overrides.hydra)
+        self.repo = None
+        self.groups: dict[str, bool] = {}
+        self.bases: dict[tuple[str, ...], Any] = {}   # group overrides -> (config, its override lists' lengths)
+
+    def __call__(self, overrides: list[str]):
+        try:
+            cfg = self._compose(self.hydra_overrides + overrides)
+        except Exception:   # Hydra composes it, and says what is wrong if anything is
+            cfg = None
+        return cfg if cfg is not None else self.loader.load_sweep_config(self.master, overrides)
+
+    def _compose(self, every: list[str]):
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.types import RunMode
+        from omegaconf import OmegaConf
+
+        parsed = OverridesParser.create().parse_overrides(overrides=every)
+        self.loader.validate_sweep_overrides_legal(overrides=parsed, run_mode=RunMode.RUN, from_shell=True)
+        # Hydra's split (defaults_list.Overrides): a dict value or a key that is no config group is a value
+        is_value = [isinstance(o.value(), dict) or not self._is_group(o.key_or_group) for o in parsed]
+        values = [o for o, v in zip(parsed, is_value) if v]
+        if any(_touches_records(o.key_or_group) for o in values):
+            return None
+        groups = tuple(o.input_line for o, v in zip(parsed, is_value) if not v)
+        if groups not in self.bases:
+            self.bases[groups] = self._base(list(groups))
+        if self.bases[groups] is None:
+            return None
+        base, kept = self.bases[groups]
+        cfg = copy.deepcopy(base)
+        for name, n in kept.items():   # back to the lists as they were before Hydra recorded `groups`
+            recorded = cfg.hydra.overrides[name]
+            while len(recorded) > n:
+                recorded.pop()
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+        # part 3, as ConfigLoaderImpl._load_configuration_impl does it (hydra-core 1.3)
+        app = []
+        for o in parsed:
+            if o.is_hydra_override():
+                cfg.hydra.overrides.hydra.append(o.input_line)
+            else:
+                cfg.hydra.overrides.task.append(o.input_line)
+                app.append(o)
+        cfg.hydra.runtime.cwd = os.getcwd()
+        dirname = cfg.hydra.job.config.override_dirname
+        cfg.hydra.job.override_dirname = get_overrides_dirname(overrides=app, kv_sep=dirname.kv_sep,
+                                                               item_sep=dirname.item_sep,
+                                                               exclude_keys=dirname.exclude_keys)
+        cfg.hydra.job.config_name = self.name
+        OmegaConf.copy_cache(from_config=self.master, to_config=cfg)   # as load_sweep_config does
+        return cfg
+
+    def _is_group(self, key: str) -> bool:
+        if key not in self.groups:
+            if self.repo is None:   # with the primary config's hydra.searchpath, as Hydra's per job
+                self.repo = self.loader._parse_overrides_and_create_caching_repo(self.name, [])[1]
+            self.groups[key] = self.repo.group_exists(key)
+        return self.groups[key]
+
+    def _base(self, groups: list[str]):
+        """Hydra's config for the group overrides alone (parts 1 and 3), and how long its override lists
+        were before part 3 added them; None where part 3 would also write hydra.job.env_set (env_copy)."""
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.types import RunMode
+
+        cfg = self.loader.load_configuration(config_name=self.name, overrides=groups, run_mode=RunMode.RUN)
+        if cfg.hydra.job.env_copy:
+            return None
+        parsed = OverridesParser.create().parse_overrides(overrides=groups)
+        added = {"hydra": sum(o.is_hydra_override() for o in parsed)}
+        added["task"] = len(parsed) - added["hydra"]
+        return cfg, {name: len(cfg.hydra.overrides[name]) - added[name] for name in added}

@@ -1,0 +1,128 @@
+"""expgpu.compose (fast tier): a sweep job's config composed once per choice of config groups is the
+config Hydra's load_sweep_config composes for it, override kind by kind, and a mistake is Hydra's error.
+
+Each case composes the same job both ways, from the same master config, and compares the whole config
+(the hydra node too) as YAML, with its flags; the loader is counted, so a case that quietly fell back
+to Hydra's path fails the speed half of the promise, not only the equal half."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+from expgpu import compose, rundir, schema
+from expgpu.__main__ import conf_dir
+
+SWEEP = ["hydra/launcher=gpu_pool", "hydra.sweep.dir=/tmp/x", "hydra.job.config.override_dirname.exclude_keys=[seed]"]
+
+
+class Counting:
+    """Hydra's loader, counting its full compositions."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.calls = {"load_sweep_config": 0, "load_configuration": 0}
+
+    def __getattr__(self, name):
+        attr = getattr(self.loader, name)
+        if name in self.calls:
+            def counted(*a, **k):
+                self.calls[name] += 1
+                return attr(*a, **k)
+            return counted
+        return attr
+
+
+@pytest.fixture
+def loader():
+    schema.register()
+    rundir.register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        yield GlobalHydra.instance().config_loader()
+    GlobalHydra.instance().clear()
+
+
+def master_of(loader, *hydra_overrides: str):
+    return loader.load_configuration("config", [*SWEEP, *hydra_overrides], RunMode.MULTIRUN)
+
+
+def same(loader, master, counting, overrides: list[str]) -> None:
+    ours = compose.sweep_config(counting, master, overrides)
+    hydras = loader.load_sweep_config(master, overrides)
+    assert OmegaConf.to_yaml(ours) == OmegaConf.to_yaml(hydras), overrides
+    for node in ("", "hydra", "task"):
+        a, b = (OmegaConf.select(c, node) if node else c for c in (ours, hydras))
+        assert (OmegaConf.is_struct(a), OmegaConf.is_readonly(a)) == (OmegaConf.is_struct(b), OmegaConf.is_readonly(b))
+
+
+JOBS = [
+    # what a search's trials differ in: values (as Hydra parses them), the trial's file (a force-add)
+    ["task.optimizer.lr=0.001", "task.batch_size=32", "task=digits", "++hydra.job.env_set.EXPGPU_TRIAL=/s/0.json"],
+    ["task.optimizer.lr=3e-1", "task.batch_size=8", "task=digits", "++hydra.job.env_set.EXPGPU_TRIAL=/s/1.json"],
+    ["task.optimizer.lr=0.5", "task.batch_size=64", "task=digits", "++hydra.job.env_set.EXPGPU_TRIAL=/s/2.json"],
+    # another group choice, and a group added; a seed the dirname leaves out
+    ["task=b", "task.seed=3", "task.max_steps=7"],
+    ["task=b", "task.seed=4", "task.max_steps=9"],
+    ["task=a", "task.seed=1", "launch.nproc_per_node=2"],
+    # every kind of value override: add, force-add, delete, dict, list, null, quoted, interpolation
+    ["+extra=1", "++task.seed=5", "~task.eval_every", "task.model={_target_:x.Y,hidden:8}",
+     "hydra.job.config.override_dirname.exclude_keys=[task.seed]", "task.name=null", "objective='a b'"],
+    ["+extra=2", "++task.seed=6", "~task.eval_every", "task.model={_target_:x.Z,hidden:9}",
+     "hydra.job.config.override_dirname.exclude_keys=[task.seed]", "task.name=null", "objective='c,d'"],
+    ["task.max_steps=${task.seed}", "task.seed=2"],
+    # one key twice: the last wins, as in Hydra
+    ["task.seed=1", "task.seed=2"],
+    ["task.seed=3", "task.seed=4"],
+    # what Hydra records itself: composed by Hydra
+    ["hydra.job.name=mine", "task.seed=1"],
+    ["hydra.job.override_dirname=x", "task.seed=1"],
+]
+
+
+def test_each_kind_of_override_composes_as_hydra_composes_it(loader):
+    master = master_of(loader)
+    counting = Counting(loader)
+    for overrides in JOBS:
+        same(loader, master, counting, overrides)
+    # Hydra composed the jobs that reach its records, and each choice of groups once, no more
+    groups = {("hydra/launcher=gpu_pool", "task=digits"), ("hydra/launcher=gpu_pool", "task=b"),
+              ("hydra/launcher=gpu_pool", "task=a"), ("hydra/launcher=gpu_pool",)}
+    assert counting.calls == {"load_sweep_config": 2, "load_configuration": len(groups)}
+
+
+def test_a_sweep_with_env_copy_or_a_search_path_is_composed_by_hydra(loader):
+    for extra in (["hydra.job.env_copy=[HOME]"], ["hydra.searchpath=[pkg://expgpu]"]):
+        master = master_of(loader, *extra)
+        counting = Counting(loader)
+        for overrides in JOBS[:3]:
+            same(loader, master, counting, overrides)
+        assert counting.calls["load_sweep_config"] == 3
+
+
+@pytest.mark.parametrize("overrides", [["checkpoint.every_steps=abc"], ["gpu_map.no_such_key=1"], ["task=no_such_task"],
+                                       ["+task.seed=1"], ["~task.no_such_key"], ["task.seed=1,2"]])
+def test_a_mistake_is_hydras_own_error(loader, overrides):
+    master = master_of(loader)
+    compose.sweep_config(loader, master, ["task.seed=1"])   # the composer has a base already
+    with pytest.raises(Exception) as hydras:
+        loader.load_sweep_config(master, overrides)
+    with pytest.raises(type(hydras.value)) as ours:
+        compose.sweep_config(loader, master, overrides)
+    assert str(ours.value) == str(hydras.value)
+    assert isinstance(hydras.value, ConfigCompositionException) or overrides == ["task=no_such_task"]
+
+
+def test_each_job_gets_a_config_of_its_own(loader, tmp_path, monkeypatch):
+    master = master_of(loader)
+    a = compose.sweep_config(loader, master, ["task.seed=1"])
+    monkeypatch.chdir(tmp_path)   # Hydra records the cwd of each job's composition
+    b = compose.sweep_config(loader, master, ["task.seed=2"])
+    assert b.hydra.runtime.cwd == str(tmp_path) != a.hydra.runtime.cwd
+    a.task.max_steps = 12345
+    assert (a.task.seed, b.task.seed) == (1, 2) and b.task.max_steps != 12345
+    assert list(b.hydra.overrides.task) == ["task.seed=2"] and b.hydra.job.override_dirname == "task.seed=2"
