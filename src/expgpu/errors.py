@@ -39,6 +39,16 @@ def no_room(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
+# What gloo and NCCL say when a peer of a collective is gone (its process ended, or its group was torn down)
+_LOST_PEER = ("closed by peer", "reset by peer", "broken pipe", "remote process exited", "communicator was aborted")
+
+
+def lost_peer(e: BaseException) -> bool:
+    """An error of a collective whose peer went away: most often the echo of that peer's own end, not a
+    cause (torch.distributed's DistNetworkError, or gloo's and NCCL's words for it)."""
+    return type(e).__name__ == "DistNetworkError" or any(w in str(e).lower() for w in _LOST_PEER)
+
+
 def no_room_line(e: OSError) -> str:
     """What a no_room error says, wherever it ends the run (this process, or a rank's supervisor)."""
     return (f"could not write {e.filename or 'a file of the run'}: {e.strerror}; what was written before it (the last "

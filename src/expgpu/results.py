@@ -232,11 +232,24 @@ def finished_earlier(run_dir: Path, plain: dict) -> dict | None:
     return result if same else None
 
 
-def write_failure(run_dir: Path, rank: int, message: str, user_error: bool = False, step: int | None = None) -> None:
+def write_failure(run_dir: Path, rank: int, message: str, user_error: bool = False, step: int | None = None,
+                  lost_peer: bool = False, killed: bool = False) -> None:
+    """Rank `rank`'s failure record. `lost_peer`: its error was a collective's peer gone (expgpu.errors.lost_peer),
+    likely an echo; `killed`: its supervisor wrote it, the rank having been killed outright (a signal) first."""
     path = failure_file(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps({"rank": rank, "message": message, "user_error": user_error,
-                                         "step": step, "node": node_name()}).encode())
+                                         "step": step, "node": node_name(), "lost_peer": lost_peer,
+                                         "killed": killed}).encode())
+
+
+def failure_record(run_dir: Path, rank: int) -> dict:
+    """Rank `rank`'s failure record as written (write_failure), {} where there is none (or not yet whole)."""
+    try:
+        info = json.loads(failure_file(run_dir, rank).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def write_job_failure(run_dir: Path, message: str, user_error: bool = False, rank: int | None = None,
@@ -261,19 +274,25 @@ def read_job_failure(run_dir: Path) -> dict | None:
 
 def failure_time(run_dir: Path, rank: int) -> float | None:
     """When rank `rank` recorded its failure (its record's mtime), None where it has recorded none: the cause
-    records before its process group goes down, so the earliest record is the cause, later ones its echoes."""
+    records before its process group goes down, so the earliest record is the cause, later ones its echoes.
+    A rank killed outright went before all (-inf), whenever its supervisor recorded it."""
     try:
-        return failure_file(run_dir, rank).stat().st_mtime
+        at = failure_file(run_dir, rank).stat().st_mtime
     except OSError:
         return None
+    return float("-inf") if failure_record(run_dir, rank).get("killed") else at
 
 
 def read_failure(run_dir: Path, rank: int, code: int) -> Failure:
     """Rank `rank`'s failure as it recorded it, else as its exit code tells it."""
-    try:
-        info = json.loads(failure_file(run_dir, rank).read_text())
+    info = failure_record(run_dir, rank)
+    if "message" in info and "user_error" in info:
         return Failure(rank, info["message"], info["user_error"], code, info.get("step"))
-    except (OSError, ValueError, KeyError):
-        if code < 0:
-            return Failure(rank, f"killed by {signal.Signals(-code).name}", False, code)
-        return Failure(rank, f"exited with code {code}", False, code)
+    if code < 0:
+        return Failure(rank, killed_by(code), False, code)
+    return Failure(rank, f"exited with code {code}", False, code)
+
+
+def killed_by(code: int) -> str:
+    """What a rank's negative exit code (-signal) says."""
+    return f"killed by {signal.Signals(-code).name}"

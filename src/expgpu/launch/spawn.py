@@ -26,7 +26,7 @@ from expgpu import envvars, procs
 from expgpu.errors import EXIT_PEER_FAILED, UserError
 from expgpu.procs import stop_signals
 from expgpu.procs.handles import ProcHandle, RankStarter
-from expgpu.results import Failure, failure_time, read_failure
+from expgpu.results import Failure, failure_time, killed_by, read_failure, write_failure
 from expgpu.rundir import failure_file, failure_files
 
 log = logging.getLogger("expgpu")
@@ -122,6 +122,7 @@ def run_node(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
             codes = [p.poll() for p in workers]
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
+                _record_killed(run_dir, bad)
                 # The earliest failure is the cause; the others' errors are its echo
                 # ("connection closed by peer"). A rank killed outright wrote nothing:
                 # it went first. The cause may still be exiting (printing its traceback,
@@ -187,6 +188,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _record_killed(run_dir: Path, bad: list[tuple[int, int]]) -> None:
+    """A failure record for each rank killed outright (a signal: the OOM killer, a segfault), which wrote none:
+    its peers, whose collectives it tore down, read it and say one line naming it instead of a traceback each
+    (expgpu.launch.worker). Before this supervisor stops anyone, so only a rank that died by itself."""
+    for rank, code in bad:
+        if code < 0 and failure_time(run_dir, rank) is None:
+            try:
+                write_failure(run_dir, rank, killed_by(code), killed=True)
+            except OSError:   # a full disk: its peers print what they caught, as before
+                pass
 
 
 def _recorded(run_dir: Path, rank: int) -> float:

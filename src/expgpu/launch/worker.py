@@ -30,6 +30,10 @@ from expgpu.ranks import RankInfo
 from expgpu.rundir import atomic_write_bytes
 from expgpu.train import watchdog
 
+# How long a rank whose collective lost its peer waits for the supervisor's record of a peer killed outright
+# (it polls every 0.05 s): past it, the rank's own error is shown (a peer on another node may never be known).
+CAUSE_WAIT_S = 1.0
+
 log = logging.getLogger("expgpu")
 
 
@@ -303,7 +307,7 @@ def main() -> None:
     # in every thread, instead of only the supervisor's "killed by SIGABRT".
     faulthandler.enable(all_threads=True)
 
-    from expgpu.errors import EXIT_PEER_FAILED, EXIT_USER_ERROR, UserError, WorkerFailed, no_room
+    from expgpu.errors import EXIT_PEER_FAILED, EXIT_USER_ERROR, UserError, WorkerFailed, lost_peer, no_room
 
     run_dir = Path(sys.argv[1])
     rank = int(os.environ.get(envvars.RANK, "0"))
@@ -327,6 +331,8 @@ def main() -> None:
     except BaseException as e:
         failed = _failed_before(run_dir, rank)
         _record_failure(run_dir, rank, e)
+        if not isinstance(e, SystemExit) and lost_peer(e):
+            failed = _lost_to(run_dir, rank, failed)
         if failed and not isinstance(e, SystemExit):
             # An echo (a collective torn down by a peer's end): the peer's traceback says why, the supervisor's
             # line names it; eight ranks' echoes would bury it.
@@ -353,10 +359,25 @@ def _failed_before(run_dir: Path, rank: int) -> list[int]:
             if r != rank and (results.failure_time(run_dir, r) or since) < since]
 
 
+def _lost_to(run_dir: Path, rank: int, before: list[int], wait_s: float = CAUSE_WAIT_S) -> list[int]:
+    """Whom a rank whose collective lost its peer (expgpu.errors.lost_peer) lost it to: a rank its supervisor saw
+    killed outright (it wrote no record: its supervisor writes one within a poll, so this waits up to wait_s
+    for it), else a rank that failed before this one on an error of its own, else `before` (other ranks that
+    lost a peer first: echoes too, named when nothing better turns up)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = {r: results.failure_record(run_dir, r) for r in rundir.failure_ranks(run_dir) if r != rank}
+        killed = [r for r, info in records.items() if info.get("killed")]
+        own = [r for r in before if not records.get(r, {}).get("lost_peer")]
+        if killed or own or time.monotonic() >= deadline:
+            return killed or own or before
+        time.sleep(0.02)
+
+
 def _record_failure(run_dir: Path, rank: int, e: BaseException, step: int | None = None) -> None:
     """This rank's failure, for the supervisor, once: the first record is the time it failed; `step`: the
     steps its run had done (expgpu.launch.restarts compares them)."""
-    from expgpu.errors import UserError, WorkerFailed, no_room, no_room_line
+    from expgpu.errors import UserError, WorkerFailed, lost_peer, no_room, no_room_line
     from expgpu.results import write_failure
 
     if rundir.failure_file(run_dir, rank).exists():
@@ -371,7 +392,7 @@ def _record_failure(run_dir: Path, rank: int, e: BaseException, step: int | None
         elif no_room(e):
             write_failure(run_dir, rank, no_room_line(e), step=step)
         else:
-            write_failure(run_dir, rank, f"{type(e).__name__}: {e}", step=step)
+            write_failure(run_dir, rank, f"{type(e).__name__}: {e}", step=step, lost_peer=lost_peer(e))
     except OSError:   # a full disk: the record is lost, not the error it records (raised on by the caller)
         pass
 
