@@ -213,6 +213,14 @@ def rank_stdout(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / "logs" / f"rank{rank}.out"
 
 
+def mtime(path: Path) -> float:
+    """When `path` last changed; 0.0 where it does not exist (or cannot be read)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -39,16 +39,9 @@ def previous(run_dir: Path) -> dict | None:
     the last hang's (a restart after a hang moves it to hang-<N>/, expgpu.launch.restarts)."""
     doc = read_json(Path(run_dir) / rundir.RESULT)
     if doc is None:
-        kept = sorted(Path(run_dir).glob(f"{rundir.HANG}-*/{rundir.RESULT}"), key=_mtime)
+        kept = sorted(Path(run_dir).glob(f"{rundir.HANG}-*/{rundir.RESULT}"), key=rundir.mtime)
         doc = read_json(kept[-1]) if kept else None
     return doc if doc is not None and is_script(doc) else None
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0
 
 
 def write_record(run_dir: Path, info: RankInfo, launch: str, outcome, gpus: list, names: list, device: str) -> dict:

@@ -178,15 +178,16 @@ def read_run(run_dir: Path, now: float | None = None) -> RunRow:
             line = (result.get("hang") or {}).get("line") if isinstance(result.get("hang"), dict) else None
             row.note = row.note or line or _failure(run_dir) or ""
         if row.started is None:
-            row.started = mtime(result_path) - (row.elapsed_s or 0.0)
+            row.started = rundir.mtime(result_path) - (row.elapsed_s or 0.0)
         return row
     if row.note.startswith(rundir.RESULT):   # there, but torn or unreadable (its note says which)
         row.status = "broken"
     row.slurm_job = slurm_job_of(run_dir, record)
     row.gpus = _visible(run_dir, record)
     if row.started is None:
-        row.started = mtime(run_dir / ".hydra") or mtime(run_dir)
-    newest = max((t for t in (metrics_mtime, mtime(rundir.process_file(run_dir)), mtime(run_dir)) if t), default=0.0)
+        row.started = rundir.mtime(run_dir / ".hydra") or rundir.mtime(run_dir)
+    seen = (metrics_mtime, rundir.mtime(rundir.process_file(run_dir)), rundir.mtime(run_dir))
+    newest = max((t for t in seen if t), default=0.0)
     job_failed = _failure(run_dir) if rundir.job_failure_file(run_dir).exists() else None
     if job_failed:   # the job's own record: failed, even while its process lives on (a sweep's next job)
         row.status, row.note = "failed", job_failed
@@ -252,13 +253,6 @@ def _visible(run_dir: Path, record: dict) -> str:
             return shown
     visible = record.get("visible")
     return f"GPU {visible}" if visible else ""
-
-
-def mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0
 
 
 def _number(value) -> float | None:

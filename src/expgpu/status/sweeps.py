@@ -14,10 +14,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from expgpu import rundir
 from expgpu.report.collect import is_job_dir, is_sweep_dir, job_dirs
 from expgpu.rundir import POOL_RECORD
 from expgpu.status import queue
-from expgpu.status.read import QUEUED_STATES, RunRow, mtime, read_run, settle
+from expgpu.status.read import QUEUED_STATES, RunRow, read_run, settle
 
 DEPTH = 4
 # Which status a sweep row shows, from its jobs': the first that any job has
@@ -94,7 +95,7 @@ def sweep_row(sweep: Path, jobs: list[RunRow]) -> RunRow:
     starts = [r.started for r in jobs if r.started]
     running = [r for r in jobs if r.status == "running"]
     etas = [r.eta_s for r in running if r.eta_s is not None]
-    started = min(starts) if starts else mtime(sweep)
+    started = min(starts) if starts else rundir.mtime(sweep)
     elapsed = [r.elapsed_s + (r.started - started) for r in jobs if r.elapsed_s is not None and r.started]
     gpus = ", ".join(dict.fromkeys(r.gpus for r in running if r.gpus))
     return RunRow(kind="sweep", dir=str(sweep), status=status, jobs=dict(sorted(counts.items())),
