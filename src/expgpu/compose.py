@@ -4,15 +4,15 @@ part that depends only on the job's config-group choices done once per sweep for
 Hydra composes every job from scratch in three parts: (1) read and merge the config files its groups
 choose (task=a, hydra/launcher=gpu_pool: the defaults list), (2) apply its value overrides
 (task.lr=0.1, +x=1, ~y) to that, (3) record what was asked (hydra.overrides, hydra.job.override_dirname,
-hydra.runtime). Part 1 is nearly all of the ~70 ms a job costs (the YAML, the merges): a 300-job sweep
-waited ~40 s before its first job started, and an optimizing sweeper's trials pay it on the cores its
-running trials train on. Part 1 is the same for every job that chooses the same groups, so here Hydra
+hydra.runtime). Part 1 is nearly all of the ~70 ms a job costs (the YAML, the merges): gpu_pool composed
+a 300-job sweep for ~20 s before its first job started, and an optimizing sweeper's trials paid it on the
+cores its running trials train on. Part 1 is the same for every job that chooses the same groups, so here Hydra
 does it once for them (load_configuration with only the group overrides), and each job is a copy of that
 with parts 2 and 3 done as Hydra does them, with Hydra's own functions.
 
 A job whose overrides reach what part 3 writes (hydra.runtime, hydra.overrides, hydra.job.name, ...)
 or the search path, a config with hydra.job.env_copy, and any job this path cannot compose are composed
-by Hydra itself: its error, if any, is Hydra's. tests/test_compose.py checks that both agree, override
+by Hydra itself: its error, if any, is Hydra's. tests/config/test_compose.py checks that both agree, override
 kind by kind. The config files are read once per sweep for each choice of groups (gpu_pool composed a
 whole batch up front before this too): a file edited mid-sweep does not change a study's later trials.
 """
