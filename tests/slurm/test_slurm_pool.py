@@ -165,6 +165,34 @@ def test_detached_it_says_how_to_follow_and_following_again_ends_with_the_sweeps
     assert all(json.loads((sweep / str(n) / "result.json").read_text())["status"] == "finished" for n in (0, 1))
 
 
+@pytest.mark.timeout(300)
+def test_a_second_sweep_into_the_dir_of_one_still_in_the_queue_is_refused(slurm_cluster_2n, tmp_path):
+    """Its allocation runs on another node, out of expgpu.status.busy's sight: SLURM's queue says it is live."""
+    sweep = tmp_path / "sweep"
+    later = [*SWEEP, "task.seed=0,1", "hydra.launcher.detach=true",
+             "+hydra.launcher.additional_parameters.begin=now+600"]   # pending for 10 min
+    first = _run(slurm_cluster_2n, later, sweep, timeout=60)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    job = _job(sweep)["job_id"]
+    multirun = (sweep / "multirun.yaml").read_bytes()
+    for args in ([*SWEEP, "task.seed=0,1"], [*SWEEP, "task.seed=5", "hydra/sweeper=expgpu_optuna"]):
+        twice = _run(slurm_cluster_2n, args, sweep, timeout=60)
+        assert twice.returncode == 2, (twice.stdout + twice.stderr)[-4000:]
+        assert (f"hydra.sweep.dir={sweep}: its sweep is SLURM job {job}, still PENDING (BeginTime); two sweeps in one "
+                f"dir would overwrite" in twice.stderr), twice.stderr
+        assert "Traceback" not in twice.stderr
+        assert _job(sweep)["job_id"] == job and (sweep / "multirun.yaml").read_bytes() == multirun   # untouched
+    subprocess.run(["scancel", job], env=slurm_cluster_2n.env, check=True, timeout=30)
+    wait_until(f"job {job} to leave the queue", lambda: subprocess.run(
+        ["squeue", "-h", "-j", job], env=slurm_cluster_2n.env, capture_output=True, text=True).stdout.strip() == "",
+        timeout=60)
+    # gone from the queue: the same command submits again (and is cancelled here)
+    third = _run(slurm_cluster_2n, later, sweep, timeout=60)
+    assert third.returncode == 0, (third.stdout + third.stderr)[-4000:]
+    assert _job(sweep)["job_id"] != job
+    subprocess.run(["scancel", _job(sweep)["job_id"]], env=slurm_cluster_2n.env, timeout=30)
+
+
 @pytest.mark.timeout(400)
 def test_an_optimizing_study_runs_inside_the_allocation_trials_beside_each_other_pruned_ones_too(slurm_cluster_2n,
                                                                                                 tmp_path):

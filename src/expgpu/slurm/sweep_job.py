@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from expgpu.errors import UserError
+from expgpu.errors import RunDirBusy, UserError
 from expgpu.rundir import atomic_write_bytes
 from expgpu.slurm import cluster, resources
 
@@ -194,6 +194,26 @@ def take_over(params: Mapping[str, Any], config, hydra_context, job_overrides: S
               f"scancel {record['job_id']}", flush=True)
         raise SystemExit(0)
     raise SystemExit(follow(record))
+
+
+def refuse_live(sweep_dir: Path) -> None:
+    """RunDirBusy where the sweep dir's allocation (STATE/job.json) is still in SLURM's queue, pending or
+    running: a second allocation would run the same jobs into the same dirs. Its process runs on another
+    node, where expgpu.status.busy cannot see it; SLURM can. A job that left the queue (ended, cancelled,
+    timed out) or a queue that does not answer refuses nothing: a rerun resumes the sweep."""
+    try:
+        job = str(json.loads((sweep_dir / STATE / "job.json").read_text())["job_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    try:
+        state = state_of(job)
+    except OSError:   # no squeue here: nothing to ask (submitting will say what is missing)
+        return
+    if state is None or state.startswith("UNKNOWN"):
+        return
+    raise RunDirBusy(f"hydra.sweep.dir={sweep_dir}: its sweep is SLURM job {job}, still {state}; two sweeps in one "
+                     f"dir would overwrite each other's jobs and files: follow it (python -m expgpu.slurm.sweep_job "
+                     f"{sweep_dir}), stop it (scancel {job}), or give this sweep another hydra.sweep.dir")
 
 
 def plain(params: Mapping[str, Any]) -> dict:

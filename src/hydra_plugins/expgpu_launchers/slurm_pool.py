@@ -68,6 +68,18 @@ ConfigStore.instance().store(group="hydra/launcher", name="slurm_pool", node=Slu
 class SlurmPoolLauncher(GpuPoolLauncher):
     """gpu_pool's launcher (its set-up), whose jobs run in one SLURM allocation rather than here."""
 
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        from pathlib import Path
+
+        from expgpu.errors import exit_on_user_error
+        from expgpu.slurm import sweep_job
+
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        # before the sweeper writes in the sweep dir (multirun.yaml, a study's journal): a sweep whose allocation
+        # is still in SLURM's queue is refused in one line (its processes run on another node)
+        with exit_on_user_error():
+            sweep_job.refuse_live(Path(str(config.hydra.sweep.dir)).absolute())
+
     def can_take_over(self) -> bool:
         """Whether this process was started by the sweep's command line, which the allocation can run again."""
         import sys
