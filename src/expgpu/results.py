@@ -165,16 +165,23 @@ def write_process(run_dir: Path, env=None) -> None:
 
     env = os.environ if env is None else env
     me = psutil.Process()
-    job = env.get("SLURM_JOB_ID")
-    if job and env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"   # as squeue names it
+    job = slurm_job(env)
     started = env.get(envvars.START_TIME, "")
     path = rundir.process_file(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps({
         "pid": me.pid, "host": socket.gethostname(), "created": me.create_time(),
-        "started": float(started) if started.replace(".", "", 1).isdigit() else me.create_time(), "job": job or None,
+        "started": float(started) if started.replace(".", "", 1).isdigit() else me.create_time(), "job": job,
         "visible": env.get("CUDA_VISIBLE_DEVICES")}).encode())
+
+
+def slurm_job(env=None) -> str | None:
+    """The SLURM job this process belongs to, as squeue names it (an array's task: 12_3), None outside SLURM."""
+    env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID")
+    if job and env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return job or None
 
 
 def read_process(run_dir: Path) -> dict | None:

@@ -14,9 +14,12 @@ it writes anything there:
 The callback also makes the dir first (made): where it cannot be made, Hydra would die in a traceback.
 
 What tells: the process record (.expgpu/process.json, expgpu.results.write_process) names a process that still
-runs on this host. A record from another host cannot be checked from here (expgpu status calls such a run lost
-once its files are quiet for 10 minutes; a requeued SLURM job must not wait that long): it does not refuse.
-Under slurm_pool the sweep runs inside the allocation, where the same command (on gpu_pool) checks and records it.
+runs on this host, or, written on another host, a SLURM job other than this process's that squeue still lists
+(its own job, requeued, resumes its own run). Any other record from another host cannot be checked from here
+(expgpu status calls such a run lost once its files are quiet for 10 minutes; a requeued job must not wait
+that long): it does not refuse. Under slurm_pool the sweep runs inside the allocation, where the same command (on
+gpu_pool) checks and records it; its launcher refuses a second sweep while the allocation is queued
+(expgpu.slurm.sweep_job.refuse_live).
 """
 
 from __future__ import annotations
@@ -38,26 +41,46 @@ CLAIM_WAIT_S = 10.0   # the most a claim waits for another's to end (each holds 
 
 
 def refuse_busy(where: Path, what: str = "run", key: str = "hydra.run.dir") -> None:
-    """A UserError (RunDirBusy) when another process on this host is in charge of a run (or sweep) in `where`
-    and still runs; this process itself, or one it descends from, is the same run."""
+    """A UserError (RunDirBusy) when another process is in charge of a run (or sweep) in `where` and still runs:
+    on this host, by its pid; on another, when it belongs to a SLURM job other than this one that is still in
+    SLURM's queue. This process itself, or one it descends from, is the same run."""
     from expgpu.results import read_process
     from expgpu.status.read import lives
 
     record = read_process(where)
-    if record is None or not lives(record):
+    if record is None:
+        return
+    alive = lives(record)
+    job = _queued_elsewhere(record) if alive is None else None
+    if not alive and job is None:
         return
     import psutil
 
     from expgpu.errors import RunDirBusy
 
     me = psutil.Process()
-    if record["pid"] in {me.pid, *(p.pid for p in me.parents())}:
+    if alive and record["pid"] in {me.pid, *(p.pid for p in me.parents())}:
         return
     since = datetime.datetime.fromtimestamp(float(record.get("started") or record.get("created") or 0))
-    raise RunDirBusy(f"{where}: a {what} is in progress there (pid {record['pid']} on {record['host']}, since "
-                     f"{since:%Y-%m-%d %H:%M:%S}); two in one dir would overwrite each other's checkpoints and "
+    raise RunDirBusy(f"{where}: a {what} is in progress there ({job + ', ' if job else ''}pid {record['pid']} on "
+                     f"{record['host']}, since {since:%Y-%m-%d %H:%M:%S}); two in one dir would overwrite each other's "
+                     "checkpoints and "
                      f"files: wait for it to end, stop it, or give this {what} another {key}"
                      f"{' (a sweep job: hydra.sweep.subdir, each job its own)' if what == 'run' else ''}")
+
+
+def _queued_elsewhere(record: dict) -> str | None:
+    """'SLURM job J, STATE' where the record's process (on another host) belongs to a SLURM job other than this
+    process's that squeue still lists (running, or requeued to run there again); None where it has left the
+    queue, belongs to no SLURM job, or squeue cannot say (as before: not refused)."""
+    from expgpu.results import slurm_job
+    from expgpu.status import queue
+
+    job = record.get("job")
+    if not job or str(job) == slurm_job():
+        return None
+    state = (queue.states([str(job)]) or {}).get(str(job))
+    return f"SLURM job {job}, {state}" if state else None
 
 
 def claim(where: Path, what: str = "run", key: str = "hydra.run.dir") -> None:
