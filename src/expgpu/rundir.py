@@ -92,6 +92,8 @@ CONSOLE = "console.log"
 POOL_JOB, POOL_RETURN, SPARES_LOG = "pool-job.pkl", "pool-return.pkl", "pool-spares.log"
 STUDY = "study.json"
 HANG = "hang"
+# A slurm_pool sweep's own files in its sweep dir: its allocation's script, record (job.json) and output
+SLURM_POOL = ".slurm_pool"
 
 
 def hydra_config(run_dir: Path) -> Path:
@@ -211,6 +213,11 @@ def script_hang_claim(run_dir: Path, launch: str) -> Path:
 def rank_stdout(run_dir: Path, rank: int) -> Path:
     """What a rank other than 0 printed, under launch.stdout=rank0."""
     return Path(run_dir) / "logs" / f"rank{rank}.out"
+
+
+def allocation_record(sweep_dir: Path) -> Path:
+    """A slurm_pool sweep's record of the SLURM job it submitted (expgpu.slurm.sweep_job.submit_command)."""
+    return Path(sweep_dir) / SLURM_POOL / "job.json"
 
 
 def mtime(path: Path) -> float:

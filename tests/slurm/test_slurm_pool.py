@@ -182,10 +182,19 @@ def test_a_second_sweep_into_the_dir_of_one_still_in_the_queue_is_refused(slurm_
                 f"dir would overwrite" in twice.stderr), twice.stderr
         assert "Traceback" not in twice.stderr
         assert _job(sweep)["job_id"] == job and (sweep / "multirun.yaml").read_bytes() == multirun   # untouched
+    # expgpu status shows the allocation while SLURM queues it (the sweep has no job dir yet)
+    status = subprocess.run([sys.executable, "-m", "expgpu.status", str(sweep)], env=slurm_cluster_2n.env,
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.splitlines()[1].split() == ["queued", "SLURM", "job", job, "the", "sweep's", "allocation:",
+                                                     "pending", "-", "-", "-", str(sweep / ".slurm_pool")]
     subprocess.run(["scancel", job], env=slurm_cluster_2n.env, check=True, timeout=30)
     wait_until(f"job {job} to leave the queue", lambda: subprocess.run(
         ["squeue", "-h", "-j", job], env=slurm_cluster_2n.env, capture_output=True, text=True).stdout.strip() == "",
         timeout=60)
+    status = subprocess.run([sys.executable, "-m", "expgpu.status", str(sweep)], env=slurm_cluster_2n.env,
+                            capture_output=True, text=True, timeout=60)
+    assert status.stdout.splitlines()[1].split()[:4] == ["sweep:", "empty", "0", "jobs"], status.stdout
     # gone from the queue: the same command submits again (and is cancelled here)
     third = _run(slurm_cluster_2n, later, sweep, timeout=60)
     assert third.returncode == 0, (third.stdout + third.stderr)[-4000:]

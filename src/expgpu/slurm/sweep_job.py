@@ -27,11 +27,12 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from expgpu import rundir
 from expgpu.errors import RunDirBusy, UserError
 from expgpu.rundir import atomic_write_bytes
 from expgpu.slurm import cluster, resources
 
-STATE = ".slurm_pool"
+STATE = rundir.SLURM_POOL
 POLL_S = 1.0
 SLURM_CALL_S = 15.0
 # The allocation's own keys (hydra.launcher.*); `pool` holds gpu_pool's, passed to the sweep inside
@@ -202,7 +203,7 @@ def refuse_live(sweep_dir: Path) -> None:
     node, where expgpu.status.busy cannot see it; SLURM can. A job that left the queue (ended, cancelled,
     timed out) or a queue that does not answer refuses nothing: a rerun resumes the sweep."""
     try:
-        job = str(json.loads((sweep_dir / STATE / "job.json").read_text())["job_id"])
+        job = str(json.loads(rundir.allocation_record(sweep_dir).read_text())["job_id"])
     except (OSError, ValueError, KeyError, TypeError):
         return
     try:
@@ -349,7 +350,7 @@ def _ended(job: str, exit_file: Path, output: Path) -> int:
 def main(argv: list[str] | None = None) -> None:
     """python -m expgpu.slurm.sweep_job SWEEP_DIR: follow a slurm_pool sweep again."""
     args = sys.argv[1:] if argv is None else argv
-    path = Path(args[0]) / STATE / "job.json" if args else None
+    path = rundir.allocation_record(Path(args[0])) if args else None
     try:
         record = json.loads(path.read_text()) if path else None
     except (OSError, ValueError):

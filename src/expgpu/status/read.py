@@ -33,7 +33,8 @@ _HOST = socket.gethostname()
 @dataclass
 class RunRow:
     """One line of the table (and one object of --json)."""
-    kind: str                         # run, sweep, or job (a SLURM job of a sweep without a run dir yet)
+    kind: str                         # run, sweep, job (a SLURM job of a sweep without a run dir yet), or
+    #                                   allocation (a slurm_pool sweep's, while SLURM queues it)
     dir: str
     status: str = "unknown"           # running, finished, failed, stopped, pruned, hung, lost, queued, ...
     step: int | None = None

@@ -3,7 +3,8 @@
 A dir is a sweep's or a run's by what it holds (expgpu.report.collect's marks: the report finds job dirs the same
 way); the walk goes no deeper than either, nor into hidden dirs, nor more than DEPTH levels below the top
 (outputs/DATE/TIME, outputs/multirun/DATE/TIME, outputs/slurm/JOB). A sweep's jobs are its job dirs, gpu_pool's jobs
-that have none yet (pool.json) and SLURM jobs submitted for it that have not started (.submitit/<job id>/).
+that have none yet (pool.json), SLURM jobs submitted for it that have not started (.submitit/<job id>/), and a
+slurm_pool sweep's allocation while SLURM queues it (.slurm_pool/job.json).
 """
 
 from __future__ import annotations
@@ -62,6 +63,25 @@ def _submitted(sweep: Path) -> list[str]:
         return []
 
 
+def _allocation(sweep: Path) -> str | None:
+    """The SLURM job of a slurm_pool sweep's allocation (rundir.allocation_record), if it has one."""
+    try:
+        job = json.loads(rundir.allocation_record(sweep).read_bytes()).get("job_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(job) if job else None
+
+
+def _allocation_row(sweep: Path, job: str, state: str | None, jobs: list[RunRow]) -> RunRow | None:
+    """A slurm_pool sweep's allocation as a row while SLURM queues it (pending, or requeued), or while it runs and
+    no job of it has started yet: the rest of the time its jobs tell."""
+    if state is None or (state not in QUEUED_STATES and jobs):
+        return None
+    return RunRow(kind="allocation", dir=str(sweep / rundir.SLURM_POOL), slurm_job=job,
+                  status="queued" if state in QUEUED_STATES else "running",
+                  note=f"the sweep's allocation: {state.lower()}", started=rundir.mtime(sweep))
+
+
 def sweep_jobs(sweep: Path, now: float) -> tuple[list[RunRow], list[str]]:
     """A sweep's jobs' rows, and the SLURM job ids submitted for it with no run dir yet (squeue decides those)."""
     rows = [read_run(path, now) for _, path in job_dirs(sweep)]
@@ -89,9 +109,10 @@ def sweep_jobs(sweep: Path, now: float) -> tuple[list[RunRow], list[str]]:
 
 
 def sweep_row(sweep: Path, jobs: list[RunRow]) -> RunRow:
-    """A sweep as one row: its jobs by status, the most pressing of them as its own."""
-    counts = Counter(r.status for r in jobs)
-    status = next((s for s in _SWEEP_ORDER if counts.get(s)), next(iter(counts), "empty"))
+    """A sweep as one row: its jobs by status, the most pressing of them (or of its allocation's) as its own."""
+    counts = Counter(r.status for r in jobs if r.kind != "allocation")
+    every = Counter(r.status for r in jobs)
+    status = next((s for s in _SWEEP_ORDER if every.get(s)), next(iter(every), "empty"))
     starts = [r.started for r in jobs if r.started]
     running = [r for r in jobs if r.status == "running"]
     etas = [r.eta_s for r in running if r.eta_s is not None]
@@ -113,13 +134,15 @@ def rows(top: Path, expand: bool | None = None, now: float | None = None) -> lis
     out = [read_run(p, now) for p in runs]
     by_sweep: list[tuple[Path, list[RunRow]]] = []
     unstarted: dict[str, Path] = {}
+    allocations = {sweep: job for sweep in sweeps if (job := _allocation(sweep))}
     for sweep in sweeps:
         jobs, waiting = sweep_jobs(sweep, now)
         by_sweep.append((sweep, jobs))
         unstarted.update({j: sweep for j in waiting})
     every = out + [r for _, jobs in by_sweep for r in jobs]
     wondering = [r.slurm_job for r in every if r.slurm_job and r.status in ("running", "lost", "failed")]
-    answer = queue.states(wondering + list(unstarted)) if wondering or unstarted else {}
+    asked = wondering + list(unstarted) + list(allocations.values())
+    answer = queue.states(asked) if asked else {}
     for r in every:
         settle(r, answer)
     for job, sweep in unstarted.items():
@@ -131,8 +154,11 @@ def rows(top: Path, expand: bool | None = None, now: float | None = None) -> lis
                            status="queued" if state in QUEUED_STATES else "running" if state else "submitted",
                            note=f"SLURM job {job}: " + (state.lower() if state else "squeue not available")))
     for sweep, jobs in by_sweep:
+        if sweep in allocations:
+            row = _allocation_row(sweep, allocations[sweep], (answer or {}).get(allocations[sweep]), jobs)
+            jobs += [row] if row else []
         if expand:
-            out += jobs
+            out += jobs or [sweep_row(sweep, jobs)]   # none yet: the sweep itself, empty
         else:
             out.append(sweep_row(sweep, jobs))
     return sorted(out, key=lambda r: -(r.started or 0.0))

@@ -26,6 +26,8 @@ def number(x: float) -> str:
 def step(row: RunRow) -> str:
     if row.kind == "sweep":
         return f"{sum((row.jobs or {}).values())} jobs"
+    if row.kind == "allocation":   # a slurm_pool sweep's, while SLURM queues it
+        return f"SLURM job {row.slurm_job}"
     if row.step is None:
         return "-"
     if row.max_steps:
@@ -36,6 +38,8 @@ def step(row: RunRow) -> str:
 def metrics(row: RunRow) -> str:
     if row.kind == "sweep":
         return ", ".join(f"{n} {s}" for s, n in sorted((row.jobs or {}).items(), key=lambda kv: -kv[1]))
+    if row.kind == "allocation":
+        return row.note
     shown = [f"{k} {number(v)}" for k, v in list(row.metrics.items())[:METRICS_SHOWN]]
     return "  ".join(shown) or "-"
 
@@ -60,5 +64,5 @@ def table(rows: list[RunRow]) -> str:
                       duration(r.eta_s) if r.eta_s is not None else "-", where(r.dir)))
     widths = [max(len(line[i]) for line in lines) for i in range(len(HEAD))]
     text = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
-    text += [f"  {where(r.dir)}: {r.note}" for r in rows if r.note and r.status != "queued"]
+    text += [f"  {where(r.dir)}: {r.note}" for r in rows if r.note and r.status != "queued" and r.kind != "allocation"]
     return "\n".join(text)
