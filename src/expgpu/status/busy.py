@@ -64,8 +64,7 @@ def refuse_busy(where: Path, what: str = "run", key: str = "hydra.run.dir") -> N
     since = datetime.datetime.fromtimestamp(float(record.get("started") or record.get("created") or 0))
     raise RunDirBusy(f"{where}: a {what} is in progress there ({job + ', ' if job else ''}pid {record['pid']} on "
                      f"{record['host']}, since {since:%Y-%m-%d %H:%M:%S}); two in one dir would overwrite each other's "
-                     "checkpoints and "
-                     f"files: wait for it to end, stop it, or give this {what} another {key}"
+                     f"checkpoints and files: wait for it to end, stop it, or give this {what} another {key}"
                      f"{' (a sweep job: hydra.sweep.subdir, each job its own)' if what == 'run' else ''}")
 
 
