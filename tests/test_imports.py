@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [
     ["expgpu.rundir", "expgpu.envvars", "expgpu.errors", "expgpu.results", "expgpu.faults"],
     ["expgpu.task", "expgpu.ranks", "expgpu.procs", "expgpu.loggers", "expgpu.report", "expgpu.status"],
-    ["expgpu.gpus", "expgpu.distributed", "expgpu.schema", "expgpu.config", "expgpu.compose"],
+    ["expgpu.gpus", "expgpu.distributed", "expgpu.schema", "expgpu.config"],
     ["expgpu.checkpoint", "expgpu.script"],
     ["expgpu.train", "expgpu.pool", "expgpu.slurm"],
     ["expgpu.tune", "expgpu.tasks", "expgpu"],

@@ -10,7 +10,7 @@ import time
 
 from expgpu import results
 from expgpu.errors import lost_peer
-from expgpu.launch.worker import _failed_before, _lost_to
+from expgpu.launch.failures import failed_before, lost_to
 
 GLOO = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:35526")
 
@@ -25,7 +25,7 @@ def test_a_peer_killed_outright_is_named_over_the_echoes_that_recorded_before_it
     results.write_failure(tmp_path, 2, f"RuntimeError: {GLOO}", lost_peer=True)   # an echo, first
     time.sleep(0.01)
     results.write_failure(tmp_path, 0, f"RuntimeError: {GLOO}", lost_peer=True)
-    before = _failed_before(tmp_path, 0)
+    before = failed_before(tmp_path, 0)
     assert before == [2]
 
     def supervisor():   # sees rank 1 dead at its next poll, and records it
@@ -33,7 +33,7 @@ def test_a_peer_killed_outright_is_named_over_the_echoes_that_recorded_before_it
         results.write_failure(tmp_path, 1, "killed by SIGKILL", killed=True)
 
     threading.Thread(target=supervisor).start()
-    assert _lost_to(tmp_path, 0, before) == [1]
+    assert lost_to(tmp_path, 0, before) == [1]
     # its record is the earliest, whenever it was written: the supervisor ranks it first too
     assert results.failure_time(tmp_path, 1) == float("-inf") < results.failure_time(tmp_path, 2)
 
@@ -44,7 +44,7 @@ def test_a_peer_that_failed_first_on_its_own_error_is_named_at_once(tmp_path):
     time.sleep(0.01)
     results.write_failure(tmp_path, 0, f"RuntimeError: {GLOO}", lost_peer=True)
     t0 = time.monotonic()
-    assert _lost_to(tmp_path, 0, _failed_before(tmp_path, 0)) == [3]
+    assert lost_to(tmp_path, 0, failed_before(tmp_path, 0)) == [3]
     assert time.monotonic() - t0 < 0.5
 
 
@@ -52,5 +52,5 @@ def test_with_no_better_cause_in_time_the_earlier_echoes_are_named(tmp_path):
     results.write_failure(tmp_path, 2, f"RuntimeError: {GLOO}", lost_peer=True)
     time.sleep(0.01)
     results.write_failure(tmp_path, 0, f"RuntimeError: {GLOO}", lost_peer=True)
-    assert _lost_to(tmp_path, 0, _failed_before(tmp_path, 0), wait_s=0.1) == [2]
-    assert _lost_to(tmp_path, 2, _failed_before(tmp_path, 2), wait_s=0.1) == []   # the first: its traceback
+    assert lost_to(tmp_path, 0, failed_before(tmp_path, 0), wait_s=0.1) == [2]
+    assert lost_to(tmp_path, 2, failed_before(tmp_path, 2), wait_s=0.1) == []   # the first: its traceback

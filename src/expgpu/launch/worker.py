@@ -25,14 +25,11 @@ from pathlib import Path
 
 from expgpu import envvars, results, rundir
 from expgpu.gpus import NodePlan, apply, placement
+from expgpu.launch import failures
 from expgpu.procs import stop_signals
 from expgpu.ranks import RankInfo
 from expgpu.rundir import atomic_write_bytes
 from expgpu.train import watchdog
-
-# How long a rank whose collective lost its peer waits for the supervisor's record of a peer killed outright
-# (it polls every 0.05 s): past it, the rank's own error is shown (a peer on another node may never be known).
-CAUSE_WAIT_S = 1.0
 
 log = logging.getLogger("expgpu")
 
@@ -316,23 +313,23 @@ def main() -> None:
         info = ranks.detect()
         cfg = json.loads(rundir.config_file(run_dir).read_text())
         node = NodePlan.from_dict(json.loads((run_dir / rundir.PLAN).read_text())["node"])
-        run_rank(cfg, info, run_dir, node, on_error=lambda e, step: _record_failure(run_dir, rank, e, step))
+        run_rank(cfg, info, run_dir, node, on_error=lambda e, step: failures.record(run_dir, rank, e, step))
     except UserError as e:
         # The supervisor prints it, once: every rank may hit the same bad input (a checkpoint
         # of another world size), and the user should read one line, not one per rank.
-        _record_failure(run_dir, rank, e)
+        failures.record(run_dir, rank, e)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt as e:
-        _record_failure(run_dir, rank, e)
+        failures.record(run_dir, rank, e)
         sys.exit(130)
     except WorkerFailed as e:   # a script task's rank: its message names the script's exit, no traceback
-        _record_failure(run_dir, rank, e)
+        failures.record(run_dir, rank, e)
         sys.exit(1)
     except BaseException as e:
-        failed = _failed_before(run_dir, rank)
-        _record_failure(run_dir, rank, e)
+        failed = failures.failed_before(run_dir, rank)
+        failures.record(run_dir, rank, e)
         if not isinstance(e, SystemExit) and lost_peer(e):
-            failed = _lost_to(run_dir, rank, failed)
+            failed = failures.lost_to(run_dir, rank, failed)
         if failed and not isinstance(e, SystemExit):
             # An echo (a collective torn down by a peer's end): the peer's traceback says why, the supervisor's
             # line names it; eight ranks' echoes would bury it.
@@ -348,53 +345,6 @@ def main() -> None:
     from expgpu import procs
 
     procs.fast_exit(0)
-
-
-def _failed_before(run_dir: Path, rank: int) -> list[int]:
-    """The other ranks of this launch that recorded a failure before this one did (or before now, where this one
-    has not yet): spawn removed any older records."""
-    mine = results.failure_time(run_dir, rank)
-    since = time.time() if mine is None else mine
-    return [r for r in rundir.failure_ranks(run_dir)
-            if r != rank and (results.failure_time(run_dir, r) or since) < since]
-
-
-def _lost_to(run_dir: Path, rank: int, before: list[int], wait_s: float = CAUSE_WAIT_S) -> list[int]:
-    """Whom a rank whose collective lost its peer (expgpu.errors.lost_peer) lost it to: a rank its supervisor saw
-    killed outright (it wrote no record: its supervisor writes one within a poll, so this waits up to wait_s
-    for it), else a rank that failed before this one on an error of its own, else `before` (other ranks that
-    lost a peer first: echoes too, named when nothing better turns up)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        records = {r: results.failure_record(run_dir, r) for r in rundir.failure_ranks(run_dir) if r != rank}
-        killed = [r for r, info in records.items() if info.get("killed")]
-        own = [r for r in before if not records.get(r, {}).get("lost_peer")]
-        if killed or own or time.monotonic() >= deadline:
-            return killed or own or before
-        time.sleep(0.02)
-
-
-def _record_failure(run_dir: Path, rank: int, e: BaseException, step: int | None = None) -> None:
-    """This rank's failure, for the supervisor, once: the first record is the time it failed; `step`: the
-    steps its run had done (expgpu.launch.restarts compares them)."""
-    from expgpu.errors import UserError, WorkerFailed, lost_peer, no_room, no_room_line
-    from expgpu.results import write_failure
-
-    if rundir.failure_file(run_dir, rank).exists():
-        return
-    try:
-        if isinstance(e, UserError):
-            write_failure(run_dir, rank, str(e), user_error=True)
-        elif isinstance(e, WorkerFailed):   # rank 0 of a script task also reports a peer's failure: says whose
-            write_failure(run_dir, rank, e.failure.message if e.failure.rank == rank else str(e))
-        elif isinstance(e, KeyboardInterrupt):
-            write_failure(run_dir, rank, "interrupted (second Ctrl-C)")
-        elif no_room(e):
-            write_failure(run_dir, rank, no_room_line(e), step=step)
-        else:
-            write_failure(run_dir, rank, f"{type(e).__name__}: {e}", step=step, lost_peer=lost_peer(e))
-    except OSError:   # a full disk: the record is lost, not the error it records (raised on by the caller)
-        pass
 
 
 if __name__ == "__main__":

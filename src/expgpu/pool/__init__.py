@@ -10,6 +10,7 @@
                   or one started on its own), the launcher's handle
     job_process.py the job's side: wait, set the job's environment, run_job, send back, exit
     jobs.py       a job, its files, pool.json (every batch's jobs)
+    compose.py    each job's config as Hydra composes it, the config groups' part once per choice (slurm's too)
     leases.py     one lock file per GPU, shared by every sweep on the machine
     board.py      the live table / log lines
     allocation.py inside a SLURM allocation: its nodes, their GPUs and CPUs; where a job's GPUs fit (pure)

@@ -87,7 +87,7 @@ def compose(ctx, master, overrides: Sequence[str], num: int, need) -> Job:
     """The job's config as Hydra's own launchers compose it; `need(cfg)`: the GPUs it needs."""
     from omegaconf import open_dict
 
-    from expgpu.compose import sweep_config
+    from expgpu.pool.compose import sweep_config
 
     cfg = sweep_config(ctx.config_loader, master, overrides)
     with open_dict(cfg):

@@ -91,7 +91,7 @@ def compose(launcher, p: Plan, overrides: Sequence[str], num: int) -> Job:
     """Job number `num`, composed. An expgpu config is checked, and its tasks and GPUs per node derived
     from its gpu_map; another Hydra app's job gets what hydra.launcher asks for (resources.requested)."""
     from expgpu import config
-    from expgpu.compose import sweep_config
+    from expgpu.pool.compose import sweep_config
 
     cfg = sweep_config(launcher.hydra_context.config_loader, launcher.config, overrides)
     if not config.is_expgpu(cfg):

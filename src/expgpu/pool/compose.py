@@ -12,7 +12,7 @@ with parts 2 and 3 done as Hydra does them, with Hydra's own functions.
 
 A job whose overrides reach what part 3 writes (hydra.runtime, hydra.overrides, hydra.job.name, ...)
 or the search path, a config with hydra.job.env_copy, and any job this path cannot compose are composed
-by Hydra itself: its error, if any, is Hydra's. tests/config/test_compose.py checks that both agree, override
+by Hydra itself: its error, if any, is Hydra's. tests/pool/test_compose.py checks that both agree, override
 kind by kind. The config files are read once per sweep for each choice of groups (gpu_pool composed a
 whole batch up front before this too): a file edited mid-sweep does not change a study's later trials.
 """

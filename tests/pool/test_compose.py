@@ -1,4 +1,4 @@
-"""expgpu.compose (fast tier): a sweep job's config composed once per choice of config groups is the
+"""expgpu.pool.compose (fast tier): a sweep job's config composed once per choice of config groups is the
 config Hydra's load_sweep_config composes for it, override kind by kind, and a mistake is Hydra's error.
 
 Each case composes the same job both ways, from the same master config, and compares the whole config
@@ -14,8 +14,9 @@ from hydra.errors import ConfigCompositionException
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from expgpu import compose, rundir, schema
+from expgpu import rundir, schema
 from expgpu.__main__ import conf_dir
+from expgpu.pool import compose
 
 SWEEP = ["hydra/launcher=gpu_pool", "hydra.sweep.dir=/tmp/x", "hydra.job.config.override_dirname.exclude_keys=[seed]"]
 
