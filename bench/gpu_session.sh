@@ -48,7 +48,7 @@ part main main_bf16 120 $PY -m expgpu task=a gpu_map=ranked task.max_steps=300 t
 part main main_fsdp 120 $PY -m expgpu task=a gpu_map=ranked task.max_steps=100 launch.wrap=fsdp backend=nccl \
   hydra.run.dir="$run_dir/fsdp"
 part tests tests_gpu 300 $PY -m pytest -q -rs -m gpu -p no:cacheprovider --timeout 280 tests/e2e/test_gpu.py tests/gpus \
-  tests/pool/test_gpu_pool.py tests/script/test_script_examples.py tests/slurm/test_slurm_submit.py
+  tests/pool/test_gpu_pool.py tests/script/test_script_examples.py tests/slurm/test_slurm_submit.py tests/loggers/test_metrics.py
 part bench bench_run_api_gpu 240 $PY bench/bench_run_api.py --gpu --nproc 1 --rounds 3 --steps 3000 --control
 part bench bench_startup_gpu 150 $PY bench/bench_ddp_overhead.py --gpu --nproc 1 --rounds 0 --launches 3 \
   --launch-steps 300

@@ -151,3 +151,120 @@ def test_the_loggers_runs_end_once_when_two_threads_end_them_while_rows_are_sent
     m.log(2, {"x": 2.0})
     m.close(epoch=0)   # a row after the end: metrics.jsonl has it, the ended runs do not
     assert sink.calls == ["write", "failed"] and [r["step"] for r in rows(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def _steps(path) -> list[int]:
+    return [r["step"] for r in rows(path)] if path.exists() else []
+
+
+class _Recording(Sink):
+    """A sink that keeps the steps of the rows it is sent, per call."""
+
+    def __init__(self, prompt=()):
+        self.prompt = frozenset(prompt)
+        self.calls: list[list[int]] = []
+
+    def write(self, rows):
+        self.calls.append([r["step"] for r in rows])
+
+
+def test_rows_are_written_together_at_most_once_a_second_and_at_every_write_out(tmp_path):
+    # Putting a row into words and writing it at every flush (every log_every steps) cost a fast loop
+    # 2-3 % of its steps/s: the first row is written at once (the run is seen to start), later ones
+    # at most every WRITE_EVERY_S, and every checkpoint's write_out and the end write them all, in order.
+    sink = _Recording()
+    m = MetricsLog(tmp_path, sinks=[sink], show=False)
+    m.open(0, 100)
+    path = tmp_path / "metrics.jsonl"
+    for step in range(1, 5):
+        m.log(step, {"x": float(step)})
+        m.flush(epoch=0)
+    assert _steps(path) == [1] and sink.calls == [[1]]
+    m.write_out()   # a checkpoint's: its rows are on disk before it
+    assert _steps(path) == [1, 2, 3, 4] and sink.calls == [[1], [2, 3, 4]]
+    m.log(5, {"x": 5.0})
+    m.written_at -= 1.0   # a second has passed since the last write-out
+    m.flush(epoch=0)
+    assert _steps(path) == [1, 2, 3, 4, 5]
+    m.log(6, {"x": 6.0})
+    m.flush(epoch=1)
+    m.close(epoch=1)
+    got = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["x"], r["epoch"]) for r in got] == [(s, float(s), 0 if s < 6 else 1) for s in range(1, 7)]
+    assert all(r["max_steps"] == 100 for r in got) and "steps_per_s" in got[-1]
+    assert [r["time"] for r in got] == sorted(r["time"] for r in got)   # each row's time is its flush's
+    assert sink.calls == [[1], [2, 3, 4], [5], [6]] and m.last_row["step"] == 6
+
+
+def test_a_row_a_sink_wants_at_once_is_written_at_its_flush(tmp_path):
+    # A pruner's objective: the trial may end on it, so its row does not wait for the write-out.
+    trial, other = _Recording(prompt={"acc"}), _Recording()
+    m = MetricsLog(tmp_path, sinks=[trial, other], show=False)
+    m.open(0, 100)
+    for step in (1, 2, 3):
+        m.log(step, {"loss": 1.0 / step})
+        m.flush(epoch=0)
+    m.log(4, {"acc": 0.5})
+    m.flush(epoch=0)
+    assert trial.calls == other.calls == [[1], [2, 3, 4]]
+    assert _steps(tmp_path / "metrics.jsonl") == [1, 2, 3, 4]
+
+
+def test_after_a_crash_the_sinks_get_the_rows_before_it_and_not_the_crash_steps(tmp_path):
+    sink = _Recording()
+    m = MetricsLog(tmp_path, sinks=[sink], show=False)
+    m.open(0, 100)
+    for step in (1, 2):
+        m.log(step, {"x": float(step)})
+        m.flush(epoch=0)
+    m.log(3, {"x": 3.0})   # then the step crashed
+    m.close(epoch=0, crashed=True)
+    assert sink.calls == [[1], [2]] and _steps(tmp_path / "metrics.jsonl") == [1, 2, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", [MetricsLog, WindowMeanLog])
+def test_a_gpu_value_is_copied_at_the_flush_without_waiting_and_read_when_written(tmp_path, cls):
+    # A plain loop's loss.item() waits for the GPU at every print; the flush only queues the copy.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+    def value(step):
+        return torch.full((), float(step), device="cuda", dtype=torch.bfloat16)
+
+    m = cls(tmp_path, show=False)
+    m.open(0, 10)
+    for step in (1, 2):
+        m.log(step, {"x": value(step)})
+    # the first row, written at once: every kernel below loaded and the host memory of the copy made, which the
+    # first time may wait for the GPU (a module's lazy load), as a real run's first flush does and no later one
+    m.flush(epoch=0)
+    torch.cuda._sleep(2_000_000_000)   # about a second of GPU work queued before the next values
+    for step in (3, 4):
+        m.log(step, {"x": value(step)})
+    t0 = time.monotonic()
+    m.flush(epoch=0)
+    assert time.monotonic() - t0 < 0.3
+    assert not torch.cuda.current_stream().query(), "the queued GPU work ended already: nothing left to wait for"
+    m.write_out(wait=False)   # the watchdog's thread: the row whose value has not arrived waits
+    assert _steps(tmp_path / "metrics.jsonl") == [2]
+    m.close(epoch=0)
+    mean = cls is WindowMeanLog
+    assert rows(tmp_path / "metrics.jsonl") == [{"step": 2, "x": 1.5 if mean else 2.0, "epoch": 0},
+                                                {"step": 4, "x": 3.5 if mean else 4.0, "epoch": 0}]
+
+
+@pytest.mark.gpu
+def test_after_a_crash_the_last_rows_wait_a_moment_for_their_gpu_values(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    m = MetricsLog(tmp_path, show=False)
+    m.open(0, 10)
+    m.log(1, {"x": torch.ones((), device="cuda")})
+    m.flush(epoch=0)
+    torch.cuda._sleep(1_000_000_000)   # about half a second of GPU work still queued at the crash
+    m.log(2, {"x": torch.full((), 2.0, device="cuda")})
+    m.flush(epoch=0)
+    m.log(3, {"x": torch.full((), 3.0, device="cuda")})   # the crash step's
+    m.close(epoch=0, crashed=True)
+    assert [(r["step"], r["x"]) for r in rows(tmp_path / "metrics.jsonl")] == [(1, 1.0), (2, 2.0), (3, 3.0)]

@@ -17,6 +17,10 @@ from expgpu.loggers.progress import FIELDS
 
 
 class Sink:
+    # The names whose rows this sink wants at their flush, not at the next write-out (up to
+    # expgpu.loggers.jsonl.WRITE_EVERY_S later): a pruner's objective, which may end the run.
+    prompt: frozenset[str] = frozenset()
+
     def start(self, resumed: bool, step: int, flushed_before: int, jsonl: Path) -> None:
         """At the first row of this process. `resumed`: from a checkpoint at `step`;
         `flushed_before`: the last step metrics.jsonl held before it was trimmed to `step`."""

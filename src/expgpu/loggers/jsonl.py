@@ -1,12 +1,15 @@
 """What `run.log` records: rank 0's scalars, read back only when they are written.
 
 A logged tensor stays on its device until a flush (every `task.log_every` steps, at a stop, at
-the end): reading it back (`.item()`) waits for the GPU, which a plain PyTorch loop also does
-only when it prints. Between two flushes each name keeps one value and the step it was last
-logged at, so a metric logged every step costs one read per flush, and one logged at an odd step
-(an evaluation) is still written, at its own step. Which value (`task.log_reduce`): the last one
-logged (MetricsLog, the default: a row is a sample of the window, as a printing loop shows), or
-the mean of all of them (WindowMeanLog: summed on the device as they come, divided at the flush).
+the end). There a GPU value's copy to the host is started (non-blocking, with an event), and the
+rows are put into words and written at most every WRITE_EVERY_S (and at every checkpoint, stop and
+end), when the copies have long arrived: the loop never waits for the GPU to log, where a plain
+PyTorch loop's `loss.item()` does at every print. Between two flushes each name keeps one value and
+the step it was last logged at, so a metric logged every step costs one copy per flush, and one
+logged at an odd step (an evaluation) is still written, at its own step. Which value
+(`task.log_reduce`): the last one logged (MetricsLog, the default: a row is a sample of the window,
+as a printing loop shows), or the mean of all of them (WindowMeanLog: summed on the device as they
+come, divided when read).
 
 A row's `step` counts the steps done, as the checkpoint does: what is logged inside the body of
 `for step, batch in run.steps(...)` belongs to step + 1. metrics.jsonl holds one JSON row per
@@ -42,6 +45,44 @@ def scalar(name: str, value: Any) -> Any:
 def _number(value: Any) -> float | int:
     v = value.item() if hasattr(value, "item") else value
     return int(v) if isinstance(v, bool) else v   # NaN and inf stay: Python's json reads them back
+
+
+class _Copy:
+    """A GPU value on its way to the host: the copy and an event queued at the flush, read at the
+    write-out (a second or so later, long done: no wait for the GPU on the training loop's thread)."""
+
+    __slots__ = ("host", "event", "divisor")
+
+    def __init__(self, value: Any, divisor: int):
+        import torch
+
+        self.host = value.detach().to("cpu", non_blocking=True)   # into pinned memory: a true async copy
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(value.device))
+        self.divisor = divisor
+
+    def arrived(self) -> bool:
+        try:
+            return self.event.query()
+        except Exception:   # a broken CUDA context (after a crash): never
+            return False
+
+    def number(self) -> float | int:
+        self.event.synchronize()
+        v = _number(self.host)
+        return v if self.divisor == 1 else v / self.divisor
+
+
+def _read_later(value: Any, divisor: int = 1) -> Any:
+    """`value` / divisor as a number, or a GPU tensor's _Copy (read at the write-out)."""
+    if getattr(value, "is_cuda", False):
+        return _Copy(value, divisor)
+    v = _number(value)
+    return v if divisor == 1 else v / divisor
+
+
+def _read(value: Any) -> float | int:
+    return value.number() if isinstance(value, _Copy) else value
 
 
 def trim(path: Path, step: int) -> int:
@@ -84,12 +125,17 @@ def read_rows(path: Path) -> list[dict]:
 # a name of these would overwrite or be overwritten.
 ROW_KEYS = frozenset({"step", "epoch", "time", *FIELDS})
 
-# Rows reach the OS (a write call) at the first row, then at most this often, and at every
-# checkpoint and at the end: rows written out every log_every=10 steps cost a fast CPU loop ~1.5 %
-# (bench_run_api's interleaved loop on 1 rank, log_every=10 against 100000).
-# Rows still in this process's buffer when it is killed come after the last checkpoint, which a
-# resume trims and writes again anyway.
+# Rows are put into words, written and handed to the OS (and to the sinks, the progress display) at
+# the first row, then at most this often, and at every checkpoint, stop and end. At every flush
+# (log_every=10 steps) it cost a fast CPU loop 2-3 % of its steps/s, most of it the formatting
+# code run cold between steps (bench_run_api's interleaved loop on 1 rank); once a second, its
+# rows together, it is noise. A row a sink wants at once (Sink.prompt: a pruner's objective) is
+# written at its flush. Rows not yet written when the process is killed come after the last
+# checkpoint, which a resume trims and writes again anyway.
 WRITE_EVERY_S = 1.0
+
+# After a crash, how long the last rows wait for their GPU values (a broken CUDA context never delivers them).
+CRASH_WAIT_S = 2.0
 
 # How long ending the loggers' runs waits for another thread that is sending rows or ending them: the main
 # thread (its exception path) and the hang watchdog's (a peer failed, expgpu.train.watchdog) may both end
@@ -114,6 +160,10 @@ class MetricsLog:
         self.sinks = list(sinks)
         self.last_row: dict[str, Any] | None = None
         self.written_at: float | None = None   # when rows were last handed to the OS
+        # flushed, not yet written: ([(name, step, number or _Copy)], epoch, time, monotonic, to the sinks)
+        self.unwritten: list[tuple[list, int, float, float, bool]] = []
+        self._rows_lock = threading.Lock()   # the loop's flush, and write_out from the watchdog's thread
+        self._prompt = frozenset().union(*(getattr(s, "prompt", ()) for s in self.sinks))
         self._sinks_lock = threading.Lock()   # the sinks are fed by one thread at a time (SINKS_WAIT_S)
         self._sinks_ended = False
 
@@ -147,43 +197,82 @@ class MetricsLog:
         """(name, step, number) of each name logged since the last row: read back now."""
         return [(name, step, _number(scalar(name, value))) for name, (step, value) in self.pending.items()]
 
+    def _taken(self) -> list[tuple[str, int, Any]]:
+        """(name, step, number or _Copy) of each name logged since the last row: checked now, read later."""
+        return [(name, step, _read_later(scalar(name, value))) for name, (step, value) in self.pending.items()]
+
     def flush(self, epoch: int, to_sinks: bool = True) -> None:
+        """The names logged since the last row make a row (one per step they were logged at), written
+        now or at the next write-out. to_sinks=False: metrics.jsonl's alone."""
         if not self.pending:
             return
         if self.file is None:
             self.open(0, self.total)
-        rows: dict[int, dict[str, Any]] = {}
-        for name, step, value in self._values():
-            rows.setdefault(step, {})[name] = value
+        taken = self._taken()
         self.pending.clear()
-        now = round(time.time(), 3)
-        last = max(rows)
-        pace = self.pace.fields(last)
-        written = [{"step": step, **rows[step], "epoch": epoch, "time": now, **pace} for step in sorted(rows)]
-        for row in written:
-            self.file.write(json.dumps(row) + "\n")
-        if self.written_at is None or time.monotonic() - self.written_at >= WRITE_EVERY_S:
+        with self._rows_lock:
+            self.unwritten.append((taken, epoch, round(time.time(), 3), time.monotonic(), to_sinks))
+        if (self.written_at is None or time.monotonic() - self.written_at >= WRITE_EVERY_S
+                or (self._prompt and any(name in self._prompt for name, _, _ in taken))):
             self.write_out()
-        self.last_row = written[-1]
-        if to_sinks and self.sinks:
-            with self._sinks_lock:
-                if not self._sinks_ended:   # else another thread (the watchdog's) has ended their runs
-                    for sink in self.sinks:
-                        sink.write(written)
-        if self.display is not None:
-            self.display.update(last, rows[last], pace, epoch if self.pace.epochs else None, self.first_epoch)
 
     def append(self, rows: list[dict]) -> None:
         """Rows as they are (an earlier attempt's, kept), handed to the OS now; not sent to the sinks."""
+        self.write_out()
         for row in rows:
             self.file.write(json.dumps(row) + "\n")
         self.write_out()
 
-    def write_out(self) -> None:
-        """Hand the rows written so far to the OS (a checkpoint must not come before its rows)."""
-        if self.file is not None:
+    def write_out(self, wait: bool = True) -> None:
+        """The rows flushed so far written and handed to the OS, then sent to the sinks and the display (a
+        checkpoint must not come before its rows). wait=False (the watchdog's thread, the loop's may be stuck
+        on the GPU): only the rows whose values have arrived, in order."""
+        with self._rows_lock:
+            if self.file is None:
+                return
+            n = len(self.unwritten)
+            if not wait:
+                n = next((i for i, entry in enumerate(self.unwritten)
+                          if not all(v.arrived() for _, _, v in entry[0] if isinstance(v, _Copy))), n)
+            entries, self.unwritten = self.unwritten[:n], self.unwritten[n:]
+            made = [self._rows(*entry) for entry in entries]
+            for rows, _ in made:
+                for row in rows:
+                    self.file.write(json.dumps(row) + "\n")
             self.file.flush()
             self.written_at = time.monotonic()
+        if not made:
+            return
+        self.last_row = made[-1][0][-1]
+        sent = [row for rows, to_sinks in made if to_sinks for row in rows]
+        if sent and self.sinks:
+            with self._sinks_lock:
+                if not self._sinks_ended:   # else another thread (the watchdog's) has ended their runs
+                    for sink in self.sinks:
+                        sink.write(sent)
+        if self.display is not None:
+            row = self.last_row
+            values = {k: v for k, v in row.items() if k not in ROW_KEYS}
+            pace = {k: row[k] for k in FIELDS if k in row}
+            self.display.update(row["step"], values, pace, row["epoch"] if self.pace.epochs else None, self.first_epoch)
+
+    def _await_copies(self, seconds: float) -> None:
+        """Until every GPU value flushed has reached the host, or `seconds` have passed."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            with self._rows_lock:
+                copies = [v for entry in self.unwritten for _, _, v in entry[0] if isinstance(v, _Copy)]
+            if all(c.arrived() for c in copies):
+                return
+            time.sleep(0.01)
+
+    def _rows(self, taken: list, epoch: int, wall: float, at: float, to_sinks: bool) -> tuple[list[dict], bool]:
+        """One flush's rows, in words (its values read: arrived long ago)."""
+        rows: dict[int, dict[str, Any]] = {}
+        for name, step, value in taken:
+            rows.setdefault(step, {})[name] = _read(value)
+        pace = self.pace.fields(max(rows), at)
+        return [{"step": step, **rows[step], "epoch": epoch, "time": wall, **pace} for step in sorted(rows)], to_sinks
 
     def state_dict(self) -> list:
         """The values logged since the last row, for the checkpoint: a resumed run writes them at
@@ -201,6 +290,9 @@ class MetricsLog:
             # in metrics.jsonl, where a resume trims it, but not sent to loggers, which cannot take
             # a point back; a resume sends them the rows from the checkpoint on.
             self.flush(epoch, to_sinks=not crashed)
+        if crashed:   # the GPU may never deliver (a broken CUDA context): the rows whose values arrive soon
+            self._await_copies(CRASH_WAIT_S)
+        self.write_out(wait=not crashed)
         if self.file is not None:
             self.file.close()
             self.file = None
@@ -248,6 +340,9 @@ class WindowMeanLog(MetricsLog):
             value = _number(total)
             out.append((name, step, value if count == 1 else value / count))
         return out
+
+    def _taken(self) -> list[tuple[str, int, Any]]:
+        return [(name, step, _read_later(total, count)) for name, (step, total, count) in self.pending.items()]
 
     def state_dict(self) -> list:
         return [[name, step, _number(total), count] for name, (step, total, count) in self.pending.items()]

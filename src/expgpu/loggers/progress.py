@@ -48,9 +48,9 @@ class Pace:
         self.max_steps, self.epochs = max_steps, epochs
         self.points: collections.deque[tuple[float, int]] = collections.deque([(time.monotonic(), start_step)])
 
-    def fields(self, step: int) -> dict[str, Any]:
-        """This row's progress fields (those known)."""
-        now = time.monotonic()
+    def fields(self, step: int, now: float | None = None) -> dict[str, Any]:
+        """This row's progress fields (those known), for a row made at `now` (time.monotonic's; now if None)."""
+        now = time.monotonic() if now is None else now
         points = self.points
         if step < points[-1][1]:   # a step logged behind the last (an evaluation's own): no pace from it
             return self._known(step, None)

@@ -36,9 +36,10 @@ class RunEnd:
         return self.step, phase
 
     def write_out_rows(self) -> None:
-        """The metrics.jsonl rows made so far, handed to the OS (before a peer's failure ends this rank)."""
+        """The metrics.jsonl rows made so far, handed to the OS (before a peer's failure ends this rank, from
+        the watchdog's thread: the rows whose values the GPU has delivered)."""
         if self._metrics is not None:
-            self._metrics.write_out()
+            self._metrics.write_out(wait=False)
 
     def close(self, finished: bool) -> None:
         """After the function: the last rows, and a checkpoint if the loop ended early (a break)."""

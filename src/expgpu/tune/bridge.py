@@ -30,6 +30,7 @@ class TrialReporter(Sink):
     def __init__(self, spec: dict):
         self.spec = spec
         self.key = spec["objective"]
+        self.prompt = frozenset({self.key})   # its rows at once: the pruner's verdict waits for them
         self.trial = None
         self.done = False   # pruned, or the study unreachable: nothing more to report
 
