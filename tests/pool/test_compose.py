@@ -127,3 +127,23 @@ def test_each_job_gets_a_config_of_its_own(loader, tmp_path, monkeypatch):
     a.task.max_steps = 12345
     assert (a.task.seed, b.task.seed) == (1, 2) and b.task.max_steps != 12345
     assert list(b.hydra.overrides.task) == ["task.seed=2"] and b.hydra.job.override_dirname == "task.seed=2"
+
+
+def test_the_sweepers_check_of_a_batch_is_answered_by_the_composer_with_hydras_config_and_errors(loader, monkeypatch):
+    # Hydra's sweepers compose every job once more to check a batch (validate_batch_is_legal, through the
+    # launcher's loader): at an expgpu launcher's set-up that loader answers with sweep_config.
+    master = master_of(loader)
+    wanted = [OmegaConf.to_yaml(loader.load_sweep_config(master, job)) for job in JOBS[:6]]
+    compose.answer_checks(loader)
+    compose.answer_checks(loader)   # a second launcher's set-up: no stand-in for the stand-in
+    assert type(vars(loader)["load_sweep_config"]) is compose._Checks
+    full = []
+    hydras = type(loader).load_configuration
+    monkeypatch.setattr(type(loader), "load_configuration",
+                        lambda self, *a, **k: full.append(a) or hydras(self, *a, **k))
+    got = [OmegaConf.to_yaml(loader.load_sweep_config(master_config=master, sweep_overrides=job)) for job in JOBS[:6]]
+    assert got == wanted
+    assert len(full) == 3   # once per choice of groups (task=digits, b, a), not once per job
+    with pytest.raises(ConfigCompositionException) as caught:   # a mistake: Hydra's own error
+        loader.load_sweep_config(master_config=master, sweep_overrides=["gpu_map.no_such_key=1"])
+    assert "no_such_key" in str(caught.value)

@@ -15,6 +15,7 @@ or the search path, a config with hydra.job.env_copy, and any job this path cann
 by Hydra itself: its error, if any, is Hydra's. tests/pool/test_compose.py checks that both agree, override
 kind by kind. The config files are read once per sweep for each choice of groups (gpu_pool composed a
 whole batch up front before this too): a file edited mid-sweep does not change a study's later trials.
+Hydra's sweepers compose each job once more to check a batch; answer_checks has that done the same way.
 """
 
 from __future__ import annotations
@@ -42,6 +43,27 @@ def sweep_config(loader, master, overrides: Sequence[str]):
     return composer(list(overrides))
 
 
+def answer_checks(loader) -> None:
+    """Hydra's sweepers compose every job once more before they launch its batch, to check it
+    (Sweeper.validate_batch_is_legal, with the launcher's config loader): ~70 ms a job, 20 s of a
+    300-job grid's start on 2 cores. Called at an expgpu launcher's set-up: this sweep's loader answers
+    those with sweep_config too, the same config and the same error (Hydra's own, where this path gives
+    up) in a tenth of the time."""
+    if "load_sweep_config" not in vars(loader):
+        loader.load_sweep_config = _Checks(loader)
+
+
+class _Checks:
+    """loader.load_sweep_config, answered by sweep_config (a class, not a closure: the loader travels
+    pickled with Hydra's context to a SLURM allocation)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __call__(self, master_config, sweep_overrides):
+        return sweep_config(self.loader, master_config, sweep_overrides)
+
+
 def _touches_records(key: str) -> bool:
     return any(key == r or key.startswith(r + ".") or r.startswith(key + ".") for r in _RECORDS)
 
@@ -62,7 +84,14 @@ class _Composer:
             cfg = self._compose(self.hydra_overrides + overrides)
         except Exception:   # Hydra composes it, and says what is wrong if anything is
             cfg = None
-        return cfg if cfg is not None else self.loader.load_sweep_config(self.master, overrides)
+        return cfg if cfg is not None else self._hydras(overrides)
+
+    def _hydras(self, overrides: list[str]):
+        """Hydra's own composition of the job (its error, if any)."""
+        method = self.loader.load_sweep_config
+        if isinstance(method, _Checks):   # answer_checks' stand-in: Hydra's is the class's
+            return type(self.loader).load_sweep_config(self.loader, self.master, overrides)
+        return method(self.master, overrides)
 
     def _compose(self, every: list[str]):
         from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname

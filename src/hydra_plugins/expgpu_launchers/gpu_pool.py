@@ -77,9 +77,12 @@ class GpuPoolLauncher(Launcher):
         self.task_function = None
 
     def setup(self, *, hydra_context, task_function, config) -> None:
+        from expgpu.pool import compose
+
         self.config = config
         self.hydra_context = hydra_context
         self.task_function = task_function
+        compose.answer_checks(hydra_context.config_loader)   # the sweeper's check of each batch, composed fast
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
         from expgpu import pool

@@ -79,6 +79,12 @@ class _Expgpu:
     for lost jobs; a bad setting is one line and exit code 2 in any app) and, in the job, expgpu's
     resolvers before the config is read."""
 
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        from expgpu.pool import compose
+
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        compose.answer_checks(hydra_context.config_loader)   # the sweeper's check of each batch, composed fast
+
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
         from expgpu.errors import exit_on_user_error
         from expgpu.slurm import launch
