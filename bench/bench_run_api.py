@@ -4,13 +4,16 @@ written plainly against torch (2 ranks, gloo, CPU, task a's model and data).
     python bench/bench_run_api.py [--rounds 5] [--steps 6000] [--chunk 50] [--nproc 2] [--control] [OVERRIDE ...]
     python bench/bench_run_api.py --separate [--rounds 7] [--steps 3000]
     python bench/bench_run_api.py --gpu --nproc 1     # on a GPU node: both loops on the rank's GPU
+    python bench/bench_run_api.py --gpu --nproc 1 +task.hidden=16384   # a step the GPU's work decides
 
 Default (interleaved): both loops in one expgpu launch, in the same processes, taking turns every
 --chunk steps (user_loops.interleaved), so that a noisy machine slows both alike; each round is
 one launch, and gives the median of its per-pair ratios and the ratio of its totals.
 --gpu: the same on the node's GPUs (gpu_map=ranked, one per rank); the plain loop moves its model and
 pinned batches to the GPU as such a script does, and each chunk's time ends with a synchronize. The
-tiny model leaves the GPU idle most of a step, so any CPU work the Run API adds shows in full.
+tiny model leaves the GPU idle most of a step, so any CPU work the Run API adds shows in full;
++task.hidden=16384 makes the GPU's work the step's length instead, where a loop that waits for the GPU
+(the plain loop's loss.item() every 10 steps; run.log queues its copy without a wait) idles it.
 --separate: each loop in a launch of its own, alternating (the older form; on a shared 2-core
 machine two runs of one command differ by 10-40 %, far more than the cost measured here).
 

@@ -9,8 +9,9 @@
 # summary at the end says which passed. Parts: the machine; the main job on the GPU (fp32, bf16,
 # and launch.wrap=fsdp: on one rank that is FSDP2 without a process group, so nccl itself needs a
 # 2-GPU node); the tests marked gpu; bench_run_api on the GPU (the Run API's cost against a plain
-# loop on the same GPU); launch to first step on the GPU against a plain one-GPU script
-# (bench_ddp_overhead --gpu --nproc 1); the fast tier with a GPU visible.
+# loop on the same GPU, with a tiny model and with one whose GPU work decides the step); launch to
+# first step on the GPU against a plain one-GPU script (bench_ddp_overhead --gpu --nproc 1); the fast
+# tier with a GPU visible.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-/tmp/expgpu-gpu}}
@@ -50,6 +51,9 @@ part main main_fsdp 120 $PY -m expgpu task=a gpu_map=ranked task.max_steps=100 l
 part tests tests_gpu 300 $PY -m pytest -q -rs -m gpu -p no:cacheprovider --timeout 280 tests/e2e/test_gpu.py tests/gpus \
   tests/pool/test_gpu_pool.py tests/script/test_script_examples.py tests/slurm/test_slurm_submit.py tests/loggers/test_metrics.py
 part bench bench_run_api_gpu 240 $PY bench/bench_run_api.py --gpu --nproc 1 --rounds 3 --steps 3000 --control
+# the same with a step the GPU's work decides (~5 ms): a loop that waits for the GPU idles it
+part bench bench_run_api_gpu_bound 200 $PY bench/bench_run_api.py --gpu --nproc 1 --rounds 3 --steps 600 --chunk 50 \
+  --control +task.hidden=16384
 part bench bench_startup_gpu 150 $PY bench/bench_ddp_overhead.py --gpu --nproc 1 --rounds 0 --launches 3 \
   --launch-steps 300
 part fast fast_tier 150 $PY -m pytest -q --maxfail=40 -n 8 -p no:cacheprovider -m "not slow and not slurm and not gpu" --timeout 200

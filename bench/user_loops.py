@@ -68,7 +68,7 @@ def with_run(run: Run, steps: int = 3000):
 
 
 
-def _plain_half(run: Run, data, seed: int, precision: str = "32"):
+def _plain_half(run: Run, data, seed: int, precision: str = "32", hidden: int = 128):
     """A plainly written DDP loop over `data` (bench/plain_ddp.py's), run `chunk` steps at a time:
     (step(chunk)), on the run's device. precision bf16: the forward pass under torch.autocast, as such a
     script does."""
@@ -78,7 +78,7 @@ def _plain_half(run: Run, data, seed: int, precision: str = "32"):
 
     torch.manual_seed(seed)
     device = run.device   # as a plain script puts its model and batches on its GPU (the CPU in CPU runs)
-    model = MLP(32, 4, hidden=128).to(device)
+    model = MLP(32, 4, hidden=hidden).to(device)
     if run.world_size > 1:
         model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
     sampler = DistributedSampler(data, num_replicas=run.world_size, rank=run.rank, shuffle=True, seed=seed)
@@ -112,10 +112,10 @@ def _plain_half(run: Run, data, seed: int, precision: str = "32"):
     return steps
 
 
-def _run_half(run: Run, data, steps: int):
+def _run_half(run: Run, data, steps: int, hidden: int = 128):
     """The same loop through the Run API: one run.steps generator, advanced `chunk` steps at a time."""
     torch.manual_seed(1)
-    model = run.wrap(MLP(32, 4, hidden=128))
+    model = run.wrap(MLP(32, 4, hidden=hidden))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     run.track(model=model, opt=opt)
     loss_fn = torch.nn.MSELoss()
@@ -143,16 +143,18 @@ def _ratios(times: tuple[list, list], chunk: int) -> dict:
             "ratio_median": statistics.median(p / r for p, r in pairs)}
 
 
-def interleaved(run: Run, steps: int = 3000, chunk: int = 100, control: bool = False):
+def interleaved(run: Run, steps: int = 3000, chunk: int = 100, control: bool = False, hidden: int = 128):
     """Both loops in one process, taking turns every `chunk` steps (plain, Run, plain, ...): each
     pair of chunks runs within a fraction of a second, so machine noise (other processes, CPU
     frequency) hits both alike, where separate runs differ by 10-40 % on a small shared machine.
     The Run loop's stop poll, log flushes and progress lines fall in its chunks. control=True: the
     second loop is a plain one too (an A/A run: the noise floor of the ratio). Returns each loop's
-    steps/s over all its chunks (the first pair warms up) and the median of the per-pair ratios."""
+    steps/s over all its chunks (the first pair warms up) and the median of the per-pair ratios. `hidden`: the
+    MLP's width (128: the GPU idles, the CPU's work decides; 16384: the GPU's work does, so that a loop that
+    waits for it, as the plain one's loss.item() does, leaves it idle meanwhile)."""
     data = SmoothRegression(4096, 32, 4)
-    first = _plain_half(run, data, seed=0)
-    second = _plain_half(run, data, seed=1) if control else _run_half(run, data, steps)
+    first = _plain_half(run, data, seed=0, hidden=hidden)
+    second = _plain_half(run, data, seed=1, hidden=hidden) if control else _run_half(run, data, steps, hidden)
     times: tuple[list, list] = ([], [])
     wall0, watchdog0 = time.perf_counter(), _watchdog_cpu_s()
     for _ in range(steps // chunk):
