@@ -49,7 +49,7 @@ def answer_checks(loader) -> None:
     300-job grid's start on 2 cores. Called at an expgpu launcher's set-up: this sweep's loader answers
     those with sweep_config too, the same config and the same error (Hydra's own, where this path gives
     up) in a tenth of the time."""
-    if "load_sweep_config" not in vars(loader):
+    if loader is not None and "load_sweep_config" not in vars(loader):
         loader.load_sweep_config = _Checks(loader)
 
 

@@ -82,7 +82,8 @@ class GpuPoolLauncher(Launcher):
         self.config = config
         self.hydra_context = hydra_context
         self.task_function = task_function
-        compose.answer_checks(hydra_context.config_loader)   # the sweeper's check of each batch, composed fast
+        # the sweeper's check of each batch (it composes every job), composed fast
+        compose.answer_checks(getattr(hydra_context, "config_loader", None))
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
         from expgpu import pool

@@ -83,7 +83,8 @@ class _Expgpu:
         from expgpu.pool import compose
 
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
-        compose.answer_checks(hydra_context.config_loader)   # the sweeper's check of each batch, composed fast
+        # the sweeper's check of each batch (it composes every job), composed fast
+        compose.answer_checks(getattr(hydra_context, "config_loader", None))
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
         from expgpu.errors import exit_on_user_error
