@@ -184,6 +184,15 @@ def slurm_job(env=None) -> str | None:
     return job or None
 
 
+def allocation_job(sweep_dir: Path) -> str | None:
+    """The SLURM job of a slurm_pool sweep's allocation (rundir.allocation_record), None where it has none."""
+    try:
+        job = json.loads(rundir.allocation_record(sweep_dir).read_bytes()).get("job_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(job) if job else None
+
+
 def read_process(run_dir: Path) -> dict | None:
     """RUN_DIR/.expgpu/process.json, or None (none written, or not readable)."""
     try:

@@ -194,8 +194,8 @@ class MetricsLog:
             pending[name] = (step, value)
 
     def _values(self) -> list[tuple[str, int, Any]]:
-        """(name, step, number) of each name logged since the last row: read back now."""
-        return [(name, step, _number(scalar(name, value))) for name, (step, value) in self.pending.items()]
+        """(name, step, number) of each name logged since the last row: read back now (a checkpoint's)."""
+        return [(name, step, _read(value)) for name, step, value in self._taken()]
 
     def _taken(self) -> list[tuple[str, int, Any]]:
         """(name, step, number or _Copy) of each name logged since the last row: checked now, read later."""
@@ -218,7 +218,7 @@ class MetricsLog:
 
     def append(self, rows: list[dict]) -> None:
         """Rows as they are (an earlier attempt's, kept), handed to the OS now; not sent to the sinks."""
-        self.write_out()
+        self.write_out()   # the rows flushed before them go first
         for row in rows:
             self.file.write(json.dumps(row) + "\n")
         self.write_out()
@@ -333,13 +333,6 @@ class WindowMeanLog(MetricsLog):
                 pending[name] = [step, value, 1]
             else:
                 held[0], held[1], held[2] = step, _widened(held[1]) + _widened(value), held[2] + 1
-
-    def _values(self) -> list[tuple[str, int, Any]]:
-        out = []
-        for name, (step, total, count) in self.pending.items():
-            value = _number(total)
-            out.append((name, step, value if count == 1 else value / count))
-        return out
 
     def _taken(self) -> list[tuple[str, int, Any]]:
         return [(name, step, _read_later(total, count)) for name, (step, total, count) in self.pending.items()]

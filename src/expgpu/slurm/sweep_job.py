@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from expgpu import rundir
+from expgpu import results, rundir
 from expgpu.errors import RunDirBusy, UserError
 from expgpu.rundir import atomic_write_bytes
 from expgpu.slurm import cluster, resources
@@ -202,9 +202,8 @@ def refuse_live(sweep_dir: Path) -> None:
     running: a second allocation would run the same jobs into the same dirs. Its process runs on another
     node, where expgpu.status.busy cannot see it; SLURM can. A job that left the queue (ended, cancelled,
     timed out) or a queue that does not answer refuses nothing: a rerun resumes the sweep."""
-    try:
-        job = str(json.loads(rundir.allocation_record(sweep_dir).read_text())["job_id"])
-    except (OSError, ValueError, KeyError, TypeError):
+    job = results.allocation_job(sweep_dir)
+    if job is None:
         return
     try:
         state = state_of(job)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from expgpu import rundir
 from expgpu.report.collect import is_job_dir, is_sweep_dir, job_dirs
+from expgpu.results import allocation_job
 from expgpu.rundir import POOL_RECORD
 from expgpu.status import queue
 from expgpu.status.read import QUEUED_STATES, RunRow, read_run, settle
@@ -61,15 +62,6 @@ def _submitted(sweep: Path) -> list[str]:
         return [e.name for e in os.scandir(sweep / ".submitit") if e.is_dir() and e.name.replace("_", "").isdigit()]
     except OSError:
         return []
-
-
-def _allocation(sweep: Path) -> str | None:
-    """The SLURM job of a slurm_pool sweep's allocation (rundir.allocation_record), if it has one."""
-    try:
-        job = json.loads(rundir.allocation_record(sweep).read_bytes()).get("job_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return str(job) if job else None
 
 
 def _allocation_row(sweep: Path, job: str, state: str | None, jobs: list[RunRow]) -> RunRow | None:
@@ -134,7 +126,7 @@ def rows(top: Path, expand: bool | None = None, now: float | None = None) -> lis
     out = [read_run(p, now) for p in runs]
     by_sweep: list[tuple[Path, list[RunRow]]] = []
     unstarted: dict[str, Path] = {}
-    allocations = {sweep: job for sweep in sweeps if (job := _allocation(sweep))}
+    allocations = {sweep: job for sweep in sweeps if (job := allocation_job(sweep))}
     for sweep in sweeps:
         jobs, waiting = sweep_jobs(sweep, now)
         by_sweep.append((sweep, jobs))
