@@ -162,6 +162,20 @@ def test_under_the_basic_launcher_trials_run_in_batches_and_are_pruned_too(tmp_p
     assert json.loads((sweep / "2" / "result.json").read_text())["steps"] == 20
 
 
+@pytest.mark.timeout(150)
+def test_a_search_whose_every_trial_is_pruned_exits_1_with_one_line(tmp_path):
+    """No trial completed: there is no best to write, and a script that reads the exit code must know."""
+    sweep = tmp_path / "sweep"
+    every = THRESHOLD.replace("upper:0.5", "upper:-0.5")   # both scores (0.0 and 1.0) are above it
+    done = _sweep(PROBE + [every, "hydra.sweeper.n_trials=2", "task.max_steps=20"], sweep)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "expgpu: no trial completed: 2 pruned, the pruner (ThresholdPruner) stopped every trial before its last step")
+    assert "Traceback" not in done.stderr
+    assert _states_in_journal(sweep) == {0: "PRUNED", 1: "PRUNED"}
+    assert not (sweep / "optimization_results.yaml").exists()
+
+
 @pytest.mark.parametrize("args,says", [
     (["hydra.sweeper.pruner={_target_:optuna.pruners.MedianPruner,warmup:3}"],
      "hydra.sweeper.pruner._target_=optuna.pruners.MedianPruner: does not take (warmup=3)"),

@@ -38,7 +38,7 @@ WAIT_S = 1.0   # a wait for any job to end returns at least this often (stop req
 
 
 class SweepFailed(Exception):
-    """Too many trials failed: the search stopped (exit code 1)."""
+    """Too many trials failed, or none completed: the search ends without a best (exit code 1)."""
 
 
 class Sweep:
@@ -189,17 +189,31 @@ class Sweep:
 
     def _finish(self) -> None:
         doc = studies.write_results(self.study, self.sweep_dir)
-        if doc is None and self.first_failure is not None:   # nothing learnt, and not for want of trying
-            raise SweepFailed(f"no trial completed: {self.failures} failed, which max_failure_rate="
-                              f"{self.s.max_failure_rate:g} let the search go past (each trial's reason: the lines "
-                              f"above, and {self.sweep_dir / 'study.json'})")
-        if doc is None:
-            log.warning("study %s: no trial completed", self.study.study_name)
-        elif "best_value" in doc:
+        if doc is None:   # nothing learnt: no best to write, and a script reading the exit code must know
+            raise SweepFailed(self._nothing_completed())
+        if "best_value" in doc:
             log.info("best: %s=%g with %s", self.s.metric or "value", doc["best_value"],
                      " ".join(f"{k}={v}" for k, v in doc["best_params"].items()))
         else:
             log.info("Pareto front: %d trial(s)", len(doc["solutions"]))
+
+
+    def _nothing_completed(self) -> str:
+        """Why the search ends without a best: its trials' states, and what to change."""
+        from optuna.trial import TrialState
+
+        trials = self.study.get_trials(deepcopy=False)
+        failed = sum(t.state == TrialState.FAIL for t in trials)
+        pruned = sum(t.state == TrialState.PRUNED for t in trials)
+        counts = ", ".join(f"{n} {what}" for n, what in ((failed, "failed"), (pruned, "pruned")) if n)
+        if failed:
+            why = (f"which max_failure_rate={self.s.max_failure_rate:g} let the search go past (each trial's "
+                   "reason: the lines above")
+        else:
+            why = (f"the pruner ({type(self.study.pruner).__name__}) stopped every trial before its last step: "
+                   "loosen it (n_warmup_steps, min_resource) or check hydra.sweeper.direction against the "
+                   "objective (each trial's last report")
+        return f"no trial completed: {counts}, {why}, and {self.sweep_dir / 'study.json'}); no best to write"
 
 
 def outcome(ret, n_objectives: int, names: tuple[str, ...] | None = None) -> tuple[str, list[float] | None, str]:
