@@ -635,7 +635,8 @@ def test_an_optimizing_sweep_warms_one_fork_server_for_all_its_batches(tmp_path,
     ("hydra.launcher.gpus_per_job=-1", "hydra.launcher.gpus_per_job=-1 is not allowed: an integer >= 0 or null"),
     ("hydra.launcher.threads_per_job=0", "hydra.launcher.threads_per_job=0 is not allowed: an integer >= 1 or null"),
     ("hydra.launcher.max_requeues=-1", "hydra.launcher.max_requeues=-1 is not allowed: an integer >= 0"),
-    ("hydra.launcher.timeout_min=0", "hydra.launcher.timeout_min=0.0 is not allowed: minutes > 0 (e.g. 90 or 0.5)"),
+    ("hydra.launcher.timeout_min=-1", "hydra.launcher.timeout_min=-1.0 is not allowed: minutes > 0 (e.g. 90 or 0.5), "
+                                      "or 0 or null for no limit"),
 ])
 @pytest.mark.slow
 @pytest.mark.timeout(60)

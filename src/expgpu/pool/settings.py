@@ -73,10 +73,11 @@ def _seconds(p: Mapping[str, Any], key: str, none_ok: bool) -> float | None:
 
 def _minutes(p: Mapping[str, Any], key: str) -> float | None:
     value = p.get(key)
-    if value is None:
+    if value is None or (value == 0 and not isinstance(value, bool)):   # 0: none, as SLURM's --time=0
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-        raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: minutes > 0 (e.g. 90 or 0.5) or null")
+        raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: minutes > 0 (e.g. 90 or 0.5), or 0 or "
+                        "null for no limit")
     return float(value)
 
 

@@ -44,7 +44,7 @@ class GpuPoolLauncherConf:
     # A job's time limit, in minutes from its start (hydra-submitit-launcher's key; there SLURM's): a job
     # still running then gets SIGTERM (an expgpu job saves its checkpoint and ends; a rerun of the sweep
     # resumes it), SIGKILL grace_s later, and fails, naming this key. A hung trial frees its GPUs and
-    # counts as a failure for the sweeper. null: no limit.
+    # counts as a failure for the sweeper. null or 0: no limit (as SLURM's --time=0).
     timeout_min: Optional[float] = None
     # CPU threads per job (OMP_NUM_THREADS, MKL_NUM_THREADS, torch.set_num_threads). null: the
     # cores shared out among the jobs that can run at once, unless OMP/MKL_NUM_THREADS is set; torch

@@ -31,7 +31,7 @@ class PoolInsideConf:
     threads_per_job: Optional[int] = None
     wait_timeout_s: Optional[float] = None
     warm_starts: bool = True               # jobs forked by a warm process per node (gpu_pool's key)
-    timeout_min: Optional[float] = None    # each job's time limit from its start (minutes; null: none)
+    timeout_min: Optional[float] = None    # each job's time limit from its start (minutes; null or 0: none)
 
 
 @dataclass
