@@ -124,6 +124,8 @@ BASE = {"n_trials": 4, "n_jobs": None, "direction": "minimize"}
     ({"pruner": "median"}, "loss", "hydra.sweeper.pruner='median' is not allowed: {_target_: optuna.pruners.X"),
     ({"max_failure_rate": 1.5}, None, "hydra.sweeper.max_failure_rate=1.5 is not allowed: a fraction from 0 to 1"),
     ({"max_failure_rate": -0.1}, None, "hydra.sweeper.max_failure_rate=-0.1 is not allowed"),
+    ({"study_name": ""}, None, "hydra.sweeper.study_name='' is not allowed: a name, or null (the sweep dir's path"),
+    ({"study_name": [1]}, None, "hydra.sweeper.study_name=[1] is not allowed"),
 ])
 def test_bad_sweeper_keys_are_one_line(change, objective, says):
     with pytest.raises(UserError) as e:
@@ -136,6 +138,7 @@ def test_the_objective_is_optional_and_hydras_defaults_hold():
     assert s.objective is None and s.directions == ("minimize", "maximize") and s.metric is None
     assert s.max_failure_rate == 0.0   # Hydra's optuna sweeper's default: a failed trial stops the search
     assert settings.check(BASE, "accuracy").metric == "accuracy"
+    assert settings.check({**BASE, "study_name": 2024}, None).study_name == "2024"   # as Hydra reads it
 
 
 @pytest.mark.parametrize("node,says", [

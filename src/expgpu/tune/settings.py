@@ -84,8 +84,18 @@ def check(params: Mapping[str, Any], objective: Any) -> Settings:
     if custom is not None and not isinstance(custom, str):
         raise UserError(f"hydra.sweeper.custom_search_space={custom!r} is not allowed: the dotted path of a "
                         "function (cfg, trial) -> None, or null")
-    return Settings(n_trials, n_jobs, directions, names, p.get("study_name"), p.get("storage"),
+    return Settings(n_trials, n_jobs, directions, names, _study_name(p), p.get("storage"),
                     _target(p, "sampler"), pruner, space, custom, float(rate))
+
+
+def _study_name(p: Mapping[str, Any]) -> str | None:
+    name = p.get("study_name")
+    if isinstance(name, int) and not isinstance(name, bool):   # study_name=2024, as Hydra reads it
+        name = str(name)
+    if name is not None and not (isinstance(name, str) and name.strip()):
+        raise UserError(f"hydra.sweeper.study_name={name!r} is not allowed: a name, or null (the sweep dir's path, "
+                        "so that a rerun into it continues the study)")
+    return name
 
 
 def _space(p: Mapping[str, Any]) -> dict | None:
