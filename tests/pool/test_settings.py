@@ -3,10 +3,10 @@
 import dataclasses
 
 import pytest
-from hydra_plugins.expgpu_launchers.gpu_pool import GpuPoolLauncherConf
 
 from expgpu.errors import UserError
 from expgpu.pool.settings import settings
+from hydra_plugins.expgpu_launchers.gpu_pool import GpuPoolLauncherConf
 
 
 def _params(**changed) -> dict:
