@@ -27,6 +27,7 @@ from conftest import clean_env, expgpu
 from expgpu.gpus import inventory
 from expgpu.pool import Scheduler, leases
 from expgpu.pool.scheduler import at_once, thread_budget
+from expgpu.rundir import STATE
 
 SLEEP_TASK = '''
 import atexit, json, os, signal, time
@@ -356,6 +357,24 @@ def test_ctrl_c_stops_every_job_and_leaves_no_process_and_no_lease(tmp_path):
     assert not _processes_of(sweep.proc.pid), "a job process (or a warm spare) outlived the sweep"
     _all_leases_free(sweep, 2)
     assert sorted(status for _, status, _ in _report(sweep)) == ["not_started", "not_started", "stopped", "stopped"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_a_large_batch_is_composed_stops_it_there(tmp_path):
+    """Composing 3000 jobs takes tens of seconds: a Ctrl-C then ends the sweep at the next job's config,
+    not after the last one's, and nothing started or outlives it."""
+    sweep = Sweep(tmp_path)
+    sweep.start(["task=sleep", "task.model.seconds=1", "task.model.tag=range(3000)", simulate(2)])
+    _wait_for(lambda: (sweep.dir / STATE).is_dir(), 90, sweep)   # made just before the jobs are composed
+    sweep.proc.send_signal(signal.SIGINT)
+    done = sweep.wait(60)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == "expgpu: interrupted", done.stderr[-3000:]
+    said = re.search(r"gpu_pool: SIGINT while composing the batch \((\d+) of 3000 jobs\): none started", done.stdout)
+    assert said and int(said.group(1)) < 3000, done.stdout[-3000:]
+    assert "Traceback" not in done.stderr and not (sweep.dir / "pool.json").exists()
+    assert not _processes_of(sweep.proc.pid), "a warm spare or the fork server outlived the sweep"
 
 
 @pytest.mark.slow

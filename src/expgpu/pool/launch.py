@@ -176,7 +176,10 @@ def _compose_all(ctx, config, first: list[tuple[list[str], int]], s: Settings, g
     from expgpu import config as expgpu_config
     from expgpu.script import spec
 
-    jobs = [compose_job(ctx, config, overrides, num, s, gpus, alloc) for overrides, num in first]
+    jobs = []
+    for overrides, num in first:
+        _stop_if_asked(len(jobs), len(first))
+        jobs.append(compose_job(ctx, config, overrides, num, s, gpus, alloc))
     for job in jobs:
         if expgpu_config.is_expgpu(job.config):
             expgpu_config.check(job.config)
@@ -322,3 +325,16 @@ def _tidy(state: Path) -> None:
         state.rmdir()
     except OSError:
         pass
+
+
+def _stop_if_asked(done: int, batch: int) -> None:
+    """A Ctrl-C or SIGTERM while a large batch is composed (a 300-job grid: seconds), which the CLI's
+    StopSignals kept: acted on now, not after the last job's config. Nothing has started; the spares go
+    (open_pool). SLURM's SIGUSR2 waits for the pool, which saves and requeues (expgpu.pool.requeue)."""
+    from expgpu.procs import stop_signals
+
+    current = stop_signals.current()
+    if current is not None and current.received in ("SIGINT", "SIGTERM"):
+        log.info("gpu_pool: %s while composing the batch (%d of %d jobs): none started", current.received, done,
+                 batch)
+        raise KeyboardInterrupt
