@@ -14,6 +14,7 @@ import time
 _T0 = time.time()  # startup_s counts from here, in this process and in spawned workers
 
 import faulthandler  # noqa: E402
+import gc  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -204,6 +205,10 @@ def main() -> None:
         if code is None:
             raise
         sys.exit(code)
+    finally:
+        # What the run made lives until the process ends: the interpreter's last collections need not walk
+        # it (a sweep's thousands of composed configs, a million objects each thousand: seconds at exit)
+        gc.freeze()
 
 
 def _before_hydra() -> None:

@@ -7,6 +7,8 @@ to Hydra's path fails the speed half of the promise, not only the equal half."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -147,3 +149,42 @@ def test_the_sweepers_check_of_a_batch_is_answered_by_the_composer_with_hydras_c
     with pytest.raises(ConfigCompositionException) as caught:   # a mistake: Hydra's own error
         loader.load_sweep_config(master_config=master, sweep_overrides=["gpu_map.no_such_key=1"])
     assert "no_such_key" in str(caught.value)
+
+
+def test_gpu_pools_launch_takes_the_checked_config_instead_of_composing_the_job_again(loader, monkeypatch):
+    """answer_checks(keep=True), gpu_pool's: each config the sweeper's check composed is the one its launch
+    gets for those overrides, once; a job the check did not see (or a second launch of it) is composed."""
+    master = master_of(loader)
+    compose.answer_checks(loader, keep=True)
+    checked = [loader.load_sweep_config(master, job) for job in JOBS[:3]]   # the sweeper's check (Hydra drops them)
+    made = []
+    composing = compose._Composer.__call__
+    monkeypatch.setattr(compose._Composer, "__call__", lambda self, o: made.append(o) or composing(self, o))
+    launched = [compose.sweep_config(loader, master, job) for job in JOBS[:3]]
+    assert all(a is b for a, b in zip(launched, checked)) and made == []
+    again = compose.sweep_config(loader, master, JOBS[0])
+    assert again is not checked[0] and made == [JOBS[0]]
+    assert OmegaConf.to_yaml(again) == OmegaConf.to_yaml(checked[0])
+
+
+@pytest.mark.parametrize("subdir, want", [
+    (["hydra.sweep.subdir=${hydra.job.num}"], "7"),   # Hydra's and expgpu's default
+    (["hydra.sweep.subdir=${hydra:job.num}_${hydra:job.override_dirname}"], "7_task.seed=3"),
+    (["+mine=${hydra:job.num}", "hydra.sweep.subdir=${mine}"], "7"),   # a ${hydra:...} reached through a key
+])
+def test_a_jobs_dir_is_the_one_run_job_computes(loader, subdir, want):
+    """job_dir resolves the sweep dir as run_job will, with the job's own config as HydraConfig where the
+    dir reads it, and leaves the launcher's HydraConfig as it was."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from expgpu.pool.jobs import job_dir
+
+    master = master_of(loader)
+    cfg = compose.sweep_config(loader, master, [*subdir, "task.seed=3"])
+    with open_dict(cfg):
+        cfg.hydra.job.num = cfg.hydra.job.id = 7
+    HydraConfig.instance().set_config(master)   # the launcher's, as Hydra sets it
+    before = HydraConfig.instance().cfg
+    assert job_dir(cfg) == Path("/tmp/x") / want
+    assert HydraConfig.instance().cfg is before

@@ -97,16 +97,24 @@ def compose(ctx, master, overrides: Sequence[str], num: int, need) -> Job:
 
 
 def job_dir(cfg) -> Path:
-    """The job dir as run_job will compute it from the job's composed config (hydra.job.num set): a
-    subdir like ${hydra:job.override_dirname} reads HydraConfig. So a launcher knows it ahead."""
+    """The job dir as run_job will compute it from the job's composed config (hydra.job.num set), so that a
+    launcher knows it ahead. A subdir like ${hydra:job.override_dirname} reads HydraConfig, which run_job
+    sets to the job's config: a copy of its hydra node (~3 ms a job), made here only for such a dir."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
+    def path() -> Path:
+        return Path(str(OmegaConf.select(cfg, "hydra.sweep.dir"))) / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+
     hc = HydraConfig.instance()
     saved = hc.cfg
-    hc.set_config(cfg)
     try:
-        return Path(str(OmegaConf.select(cfg, "hydra.sweep.dir"))) / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+        hc.cfg = None   # unset: a ${hydra:...} the dir reaches fails, rather than read the launcher's own config
+        try:
+            return path()
+        except Exception:
+            hc.set_config(cfg)
+            return path()
     finally:
         hc.cfg = saved
 

@@ -17,6 +17,7 @@ from expgpu.errors import UserError
 from expgpu.pool import allocation
 from expgpu.pool import jobs as jobfiles
 from expgpu.pool.allocation import Allocation
+from expgpu.pool.compose import stop_if_asked
 from expgpu.pool.jobs import Job, Record
 from expgpu.pool.kept import keep_finished
 from expgpu.pool.scheduler import at_once, thread_budget
@@ -178,7 +179,7 @@ def _compose_all(ctx, config, first: list[tuple[list[str], int]], s: Settings, g
 
     jobs = []
     for overrides, num in first:
-        _stop_if_asked(len(jobs), len(first))
+        stop_if_asked(f"composing the batch ({len(jobs)} of {len(first)} jobs)")
         jobs.append(compose_job(ctx, config, overrides, num, s, gpus, alloc))
     for job in jobs:
         if expgpu_config.is_expgpu(job.config):
@@ -326,15 +327,3 @@ def _tidy(state: Path) -> None:
     except OSError:
         pass
 
-
-def _stop_if_asked(done: int, batch: int) -> None:
-    """A Ctrl-C or SIGTERM while a large batch is composed (a 300-job grid: seconds), which the CLI's
-    StopSignals kept: acted on now, not after the last job's config. Nothing has started; the spares go
-    (open_pool). SLURM's SIGUSR2 waits for the pool, which saves and requeues (expgpu.pool.requeue)."""
-    from expgpu.procs import stop_signals
-
-    current = stop_signals.current()
-    if current is not None and current.received in ("SIGINT", "SIGTERM"):
-        log.info("gpu_pool: %s while composing the batch (%d of %d jobs): none started", current.received, done,
-                 batch)
-        raise KeyboardInterrupt

@@ -82,8 +82,9 @@ class GpuPoolLauncher(Launcher):
         self.config = config
         self.hydra_context = hydra_context
         self.task_function = task_function
-        # the sweeper's check of each batch (it composes every job), composed fast
-        compose.answer_checks(getattr(hydra_context, "config_loader", None))
+        # the sweeper's check of each batch (it composes every job), composed fast, and each checked
+        # config kept for the job's launch
+        compose.answer_checks(getattr(hydra_context, "config_loader", None), keep=True)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
         from expgpu import pool
