@@ -250,7 +250,7 @@ def test_its_dry_run_prints_the_allocations_script_and_where_the_first_jobs_go(t
     (["hydra.launcher.pool.gpus=[0]"], "hydra.launcher.pool.gpus: unknown key; allowed under hydra.launcher.pool: "
                                        "gpus_per_job, max_parallel, nodes, grace_s"),
     (["hydra.launcher.pool.max_parallel=0"], "hydra.launcher.pool.max_parallel=0 is not allowed: an integer >= 1"),
-    (["hydra.launcher.pool.timeout_min=0"], "hydra.launcher.pool.timeout_min=0.0 is not allowed: minutes > 0"),
+    (["hydra.launcher.pool.timeout_min=-1"], "hydra.launcher.pool.timeout_min=-1.0 is not allowed: minutes > 0"),
     (["hydra.launcher.max_requeues=-1"], "hydra.launcher.max_requeues=-1 is not allowed: an integer >= 0 (how often "
                                          "the allocation may requeue itself before its time limit)"),
     (["hydra.launcher.signal_delay_s=0"], "hydra.launcher.signal_delay_s=0 is not allowed: an integer >= 1"),
