@@ -232,7 +232,7 @@ def _before_hydra() -> None:
 def _report(e: BaseException) -> int | None:
     """Print what ended the run as one line; its exit code, or None for a real bug (traceback)."""
     from expgpu.checkpoint.verify import NotExact
-    from expgpu.errors import Hung, Stopped, WorkerFailed, no_room, no_room_line
+    from expgpu.errors import Hung, PeerLost, Stopped, WorkerFailed, no_room, no_room_line
 
     if isinstance(e, UserError):
         print(f"expgpu: error: {e}", file=sys.stderr)
@@ -242,7 +242,7 @@ def _report(e: BaseException) -> int | None:
         print("expgpu: the sweep failed (its failed jobs are listed above)" if getattr(e, "reported", False)
               else f"expgpu: {e}", file=sys.stderr)
         return 1
-    if isinstance(e, (Stopped, Hung)):
+    if isinstance(e, (Stopped, Hung, PeerLost)):
         print(f"expgpu: {e}", file=sys.stderr)
         return e.exit_code
     if isinstance(e, NotExact):

@@ -21,9 +21,9 @@ from omegaconf import DictConfig
 
 from expgpu import config, envvars, loggers, ranks, rundir, script
 from expgpu.checkpoint import verify
-from expgpu.errors import Hung, RunDirBusy, Stopped, UserError, WorkerFailed, first_line
+from expgpu.errors import Hung, PeerLost, RunDirBusy, Stopped, UserError, WorkerFailed, first_line, lost_peer
 from expgpu.gpus import memory_estimate, placement
-from expgpu.launch import requeue, restarts, spawn, worker
+from expgpu.launch import failures, requeue, restarts, spawn, worker
 from expgpu.procs import stop_signals
 from expgpu.results import finished_earlier, is_script, write_job_failure
 from expgpu.rundir import atomic_write_bytes
@@ -75,6 +75,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         raise
     except BaseException as e:
         _record_failure(run_dir, e)
+        rank = _rank_of_several()
+        echo = failures.echo_of(run_dir, rank, e) if rank is not None and run_dir.is_dir() else None
+        if echo is not None:   # a peer's end torn this rank's collective: one line naming it, not a traceback
+            raise PeerLost(echo) from None
         raise
 
 
@@ -90,7 +94,7 @@ def _record_failure(run_dir: Path, e: BaseException, step: int | None = None) ->
     rank = None if said else _rank_of_several()
     try:
         write_job_failure(run_dir, str(e) if said else f"{type(e).__name__}: {first_line(e)}",
-                          isinstance(e, UserError), rank=rank, step=step)
+                          isinstance(e, UserError), rank=rank, step=step, lost_peer=not said and lost_peer(e))
     except OSError:   # a full disk: the record is lost, not the error it records (raised on by the caller)
         pass
 

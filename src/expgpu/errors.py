@@ -138,6 +138,15 @@ class Hung(_Outcome):
         self.exit_code = EXIT_HUNG
 
 
+class PeerLost(_Outcome):
+    """A rank of srun's or torchrun's (no expgpu supervisor) whose collective lost a peer: the echo of that
+    peer's end, said in one line naming it where it can (expgpu.launch.failures.echo_of), not a traceback."""
+
+    def __init__(self, line: str):
+        super().__init__(line)
+        self.exit_code = EXIT_PEER_FAILED
+
+
 class WorkerFailed(_Outcome):
     """A worker (a rank, or a sweep's job) failed: shown as `expgpu: <message>`, exit code 1.
 

@@ -269,14 +269,16 @@ def failure_record(run_dir: Path, rank: int) -> dict:
 
 
 def write_job_failure(run_dir: Path, message: str, user_error: bool = False, rank: int | None = None,
-                      step: int | None = None) -> None:
+                      step: int | None = None, lost_peer: bool = False) -> None:
     """Why the job (not one rank) failed, in one line, for `expgpu-report` whatever the launcher; `rank`: the
     rank whose own error it is (srun's tasks, each a rank, write it), None when the message names it; `step`:
-    the steps that rank's run had done."""
+    the steps that rank's run had done; `lost_peer`: the error is that rank's collective losing a peer (the
+    echo of another rank's end: the first record only when that one, killed outright, wrote none)."""
     path = job_failure_file(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps({"message": " ".join(message.split()), "user_error": user_error,
-                                         "rank": rank, "step": step, "node": node_name()}).encode())
+                                         "rank": rank, "step": step, "node": node_name(),
+                                         "lost_peer": lost_peer}).encode())
 
 
 def read_job_failure(run_dir: Path) -> dict | None:

@@ -10,7 +10,7 @@ import time
 
 from expgpu import results
 from expgpu.errors import lost_peer
-from expgpu.launch.failures import failed_before, lost_to
+from expgpu.launch.failures import echo_of, failed_before, lost_to
 
 GLOO = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:35526")
 
@@ -54,3 +54,32 @@ def test_with_no_better_cause_in_time_the_earlier_echoes_are_named(tmp_path):
     results.write_failure(tmp_path, 0, f"RuntimeError: {GLOO}", lost_peer=True)
     assert lost_to(tmp_path, 0, failed_before(tmp_path, 0), wait_s=0.1) == [2]
     assert lost_to(tmp_path, 2, failed_before(tmp_path, 2), wait_s=0.1) == []   # the first: its traceback
+
+
+# srun's and torchrun's ranks have no supervisor of expgpu's: one record for the job (RUN_DIR/.expgpu/failure.json),
+# the first rank's to fail. End to end: tests/slurm/test_slurm_bad_node.py -k killed_outright.
+
+def test_an_srun_rank_that_lost_its_peer_names_the_rank_that_recorded_its_own_error(tmp_path):
+    results.write_job_failure(tmp_path, "RuntimeError: injected crash", rank=1, step=5)
+    assert echo_of(tmp_path, 0, GLOO) == "rank 0: stopping: rank 1 failed: RuntimeError: injected crash"
+    assert echo_of(tmp_path, 0, RuntimeError("injected crash")) is None   # an error of its own: its traceback
+
+
+def test_when_only_echoes_recorded_an_srun_rank_says_a_peer_was_killed_outright(tmp_path):
+    # the first echo's record (rank 2's), marked as one: no rank names it, itself included
+    results.write_job_failure(tmp_path, f"RuntimeError: {GLOO}", rank=2, step=5, lost_peer=True)
+    for rank in (0, 2):
+        line = echo_of(tmp_path, rank, GLOO, wait_s=0.1)
+        assert line == (f"rank {rank}: stopping: its process group lost a peer (Connection closed by peer "
+                        "[127.0.0.1]:35526), and no rank recorded an error of its own: a rank was killed outright "
+                        "(kill -9, the OOM killer, its node lost); the launcher's lines name it (srun: 'task N: "
+                        "Killed')")
+
+
+def test_an_srun_rank_waits_a_moment_for_the_cause_to_record(tmp_path):
+    def cause():
+        time.sleep(0.1)
+        results.write_job_failure(tmp_path, "RuntimeError: injected crash", rank=3, step=5)
+
+    threading.Thread(target=cause).start()
+    assert echo_of(tmp_path, 0, GLOO) == "rank 0: stopping: rank 3 failed: RuntimeError: injected crash"

@@ -100,6 +100,25 @@ def test_a_crash_on_a_one_node_jobs_node_requeues_the_job_without_it(slurm_clust
 
 
 @pytest.mark.timeout(300)
+def test_a_rank_killed_outright_is_named_by_its_peers_in_one_line_and_no_node_is_blamed(slurm_cluster_2n, tmp_path):
+    """Rank 1 (the second node's) SIGKILLed: it records nothing, and rank 0's collective fails on the first node.
+    Rank 0 says one line, not a traceback; the first failure record is its echo, marked so: the restart's
+    reason says a rank was killed outright, and rank 0's node is not left out for it."""
+    cluster = slurm_cluster_2n
+    job, log = _run(cluster, tmp_path, ["-N", "2", "--ntasks-per-node=1"], [*CRASHES_ONCE, "faults.kind=kill"])
+    assert log.startswith("COMPLETED\n"), log[-4000:]
+    assert ("expgpu: rank 0: stopping: its process group lost a peer (" in log and "and no rank recorded an error of "
+            "its own: a rank was killed outright" in log), log[-4000:]
+    assert "Traceback" not in log and not re.search(r"^expgpu: node ", log, re.M), log[-4000:]
+    res = json.loads((tmp_path / "outputs" / "slurm" / job / "result.json").read_text())
+    assert [(a["attempt"], a["kind"], a["ranks"]) for a in res["attempts"]] == \
+        [(1, "crash", None), (2, "finished", None)]
+    assert res["attempts"][0]["reason"].startswith("a rank was killed outright (no rank recorded an error of its own; "
+                                                   "rank 0's collective lost its peer: "), res["attempts"][0]
+    assert not res["excluded_nodes"] and res["status"] == "finished"
+
+
+@pytest.mark.timeout(300)
 def test_a_hang_on_one_node_of_a_two_node_step_restarts_on_the_same_nodes_when_no_node_is_left(slurm_cluster_2n,
                                                                                                tmp_path):
     cluster = slurm_cluster_2n

@@ -9,11 +9,12 @@ own (expgpu.launch.worker.main); the supervisor's last line names the cause too.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
 from expgpu import results, rundir
-from expgpu.errors import UserError, WorkerFailed, lost_peer, no_room, no_room_line
+from expgpu.errors import UserError, WorkerFailed, first_line, lost_peer, no_room, no_room_line
 from expgpu.results import write_failure
 
 # How long a rank whose collective lost its peer waits for the supervisor's record of a peer killed outright
@@ -43,6 +44,31 @@ def lost_to(run_dir: Path, rank: int, before: list[int], wait_s: float = CAUSE_W
         if killed or own or time.monotonic() >= deadline:
             return killed or own or before
         time.sleep(0.02)
+
+
+def echo_of(run_dir: Path, rank: int, e: BaseException, wait_s: float = CAUSE_WAIT_S) -> str | None:
+    """What a rank of srun's or torchrun's says instead of its traceback when its collective lost a peer
+    (lost_peer): the rank that recorded an error of its own (RUN_DIR/.expgpu/failure.json, written before that
+    rank's process group went down; this waits up to wait_s for it), else that a peer was killed outright,
+    which nobody records there. None for an error of its own."""
+    if not lost_peer(e):
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        job = results.read_job_failure(run_dir) or {}
+        if job.get("rank") not in (None, rank) and not job.get("lost_peer"):
+            return f"rank {rank}: stopping: rank {job['rank']} failed: {job['message']}"
+        if time.monotonic() >= deadline:
+            return (f"rank {rank}: stopping: its process group lost a peer ({_short(e)}), and no rank "
+                    "recorded an error of its own: a rank was killed outright (kill -9, the OOM killer, its node "
+                    "lost); the launcher's lines name it (srun: 'task N: Killed')")
+        time.sleep(0.05)
+
+
+def _short(e: BaseException) -> str:
+    """gloo's words without its source path and advice: 'Read error [10.0.0.2]:43124: Connection reset by peer'."""
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first_line(e))
+    return text.split(". This is typically")[0][:160]
 
 
 def record(run_dir: Path, rank: int, e: BaseException, step: int | None = None) -> None:

@@ -259,6 +259,10 @@ def after_step(run_dir: Path, attempt: int, code: int, started: float,
         return code   # a stop signal (its checkpoint saved, perhaps a requeue under way), no failure
     message = job["message"] if job is not None else f"the srun step exited with code {code}"
     rank = job.get("rank") if job is not None else None
+    if job is not None and job.get("lost_peer"):   # the first record is an echo: the cause, killed, wrote none
+        message = (f"a rank was killed outright (no rank recorded an error of its own; rank {rank}'s collective "
+                   f"lost its peer: {message})")
+        rank = None   # nor its node: the echo's is not the one to leave out
     said = re.fullmatch(r"rank (\d+) failed: (.*)", message)
     if rank is None and said:   # an expgpu spawn's line, inside the step (launch.nproc_per_node)
         rank, message = int(said.group(1)), said.group(2)
