@@ -21,6 +21,7 @@ Hydra's sweepers compose each job once more to check a batch; answer_checks has 
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import os
 import pickle
@@ -53,7 +54,18 @@ def sweep_config(loader, master, overrides: Sequence[str], keep: bool = False):
     cfg = composer.checked[key] = composer(list(overrides))
     while len(composer.checked) > _CHECKED:   # a sweeper that checks batches it never launches
         del composer.checked[next(iter(composer.checked))]
+    settle()
     return cfg
+
+
+def settle() -> None:
+    """After each job of a batch is composed: what its composition left behind collected, and the rest
+    frozen (gc.freeze), so that the collector's passes while a large batch grows do not walk the configs
+    composed before, again and again (~1,200 objects a job: a third of a 1000-job batch's composition).
+    Cheap: the collection walks only what came since the last freeze. The pool unfreezes them when it
+    ends (close_pool), so that a sweeper's later batches do not keep the earlier ones."""
+    gc.collect()
+    gc.freeze()
 
 
 def answer_checks(loader, keep: bool = False) -> None:
