@@ -329,4 +329,3 @@ def _tidy(state: Path) -> None:
         state.rmdir()
     except OSError:
         pass
-

@@ -197,7 +197,6 @@ class Sweep:
         else:
             log.info("Pareto front: %d trial(s)", len(doc["solutions"]))
 
-
     def _nothing_completed(self) -> str:
         """Why the search ends without a best: its trials' states, and what to change."""
         from optuna.trial import TrialState
