@@ -188,3 +188,23 @@ def test_a_jobs_dir_is_the_one_run_job_computes(loader, subdir, want):
     before = HydraConfig.instance().cfg
     assert job_dir(cfg) == Path("/tmp/x") / want
     assert HydraConfig.instance().cfg is before
+
+
+def test_only_a_large_batchs_configs_are_frozen_for_the_collector_and_thawed_by_the_pool(monkeypatch):
+    """settle(n) freezes from the SETTLE_FROM-th job of a batch on (its first collection walks the whole process:
+    an optimizing sweeper's batches of n_jobs must not pay it); thaw() unfreezes only what it froze."""
+    import gc
+
+    monkeypatch.setattr(compose, "_frozen", False)
+    before = gc.get_freeze_count()
+    compose.settle(compose.SETTLE_FROM - 1)
+    assert gc.get_freeze_count() == before
+    compose.thaw()   # froze nothing: leaves what another part of the process froze
+    assert gc.get_freeze_count() == before
+    try:
+        kept = [[i] for i in range(1000)]   # made after the last freeze: frozen by the next settle
+        compose.settle(compose.SETTLE_FROM)
+        assert gc.get_freeze_count() >= before + len(kept)
+    finally:
+        compose.thaw()
+    assert gc.get_freeze_count() == 0

@@ -33,6 +33,8 @@ _RECORDS = ("hydra.searchpath", "hydra.runtime", "hydra.overrides", "hydra.job.n
             "hydra.job.config_name", "hydra.job.env_copy")
 _KEPT = 4   # sweeps' composers a process keeps (one per master config: a sweep)
 _CHECKED = 100_000   # checked configs a composer keeps for its launcher (answer_checks' keep)
+SETTLE_FROM = 200    # jobs of a batch from which each composed config is frozen for the collector (settle)
+_frozen = False      # whether settle() froze what is in the collector's permanent generation
 
 _composers: dict[int, "_Composer"] = {}
 log = logging.getLogger("expgpu.pool")
@@ -54,18 +56,30 @@ def sweep_config(loader, master, overrides: Sequence[str], keep: bool = False):
     cfg = composer.checked[key] = composer(list(overrides))
     while len(composer.checked) > _CHECKED:   # a sweeper that checks batches it never launches
         del composer.checked[next(iter(composer.checked))]
-    settle()
+    settle(len(composer.checked))
     return cfg
 
 
-def settle() -> None:
-    """After each job of a batch is composed: what its composition left behind collected, and the rest
-    frozen (gc.freeze), so that the collector's passes while a large batch grows do not walk the configs
-    composed before, again and again (~1,200 objects a job: a third of a 1000-job batch's composition).
-    Cheap: the collection walks only what came since the last freeze. The pool unfreezes them when it
-    ends (close_pool), so that a sweeper's later batches do not keep the earlier ones."""
-    gc.collect()
-    gc.freeze()
+def settle(composed: int) -> None:
+    """After the `composed`-th job of a batch: from SETTLE_FROM on, what its composition left behind is
+    collected and the rest frozen (gc.freeze), so that the collector's passes while a large batch grows do
+    not walk the configs composed before, again and again (~1,200 objects a job: a third of a 1000-job
+    batch's composition). Cheap after the first (which walks the whole process, ~0.15 s): each walks only
+    what came since the last freeze; a small batch (an optimizing sweeper's n_jobs) is left alone. thaw()
+    unfreezes them when the pool ends, so that a sweeper's later batches do not keep the earlier ones."""
+    global _frozen
+    if composed >= SETTLE_FROM:
+        gc.collect()
+        gc.freeze()
+        _frozen = True
+
+
+def thaw() -> None:
+    """What settle() froze, collectable again once nothing holds it (the pool's end)."""
+    global _frozen
+    if _frozen:
+        gc.unfreeze()
+        _frozen = False
 
 
 def answer_checks(loader, keep: bool = False) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import gc
 import logging
 import math
 import os
@@ -18,7 +17,7 @@ from expgpu.errors import UserError
 from expgpu.pool import allocation
 from expgpu.pool import jobs as jobfiles
 from expgpu.pool.allocation import Allocation
-from expgpu.pool.compose import settle, stop_if_asked
+from expgpu.pool.compose import settle, stop_if_asked, thaw
 from expgpu.pool.jobs import Job, Record
 from expgpu.pool.kept import keep_finished
 from expgpu.pool.scheduler import at_once, thread_budget
@@ -182,7 +181,7 @@ def _compose_all(ctx, config, first: list[tuple[list[str], int]], s: Settings, g
     for overrides, num in first:
         stop_if_asked(f"composing the batch ({len(jobs)} of {len(first)} jobs)")
         jobs.append(compose_job(ctx, config, overrides, num, s, gpus, alloc))
-        settle()
+        settle(len(jobs))
     for job in jobs:
         if expgpu_config.is_expgpu(job.config):
             expgpu_config.check(job.config)
@@ -271,7 +270,7 @@ def _pool(jobs: list[Job], gpus: list, s: Settings, sweep_dir: Path, lease_dir, 
 def close_pool(pool) -> None:
     """After the pool's last job: its spares go, the context file too, the fork server is kept for
     the next launch() of this sweep."""
-    gc.unfreeze()   # the batch's configs (compose.settle): collectable again once nothing holds them
+    thaw()   # the batch's configs (compose.settle): collectable again once nothing holds them
     for spare in pool.spares:
         spare.dismiss()
     pool.context.unlink(missing_ok=True)
