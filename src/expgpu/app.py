@@ -66,6 +66,11 @@ def _write_plan(run_dir: Path, node, info: ranks.RankInfo, extra: dict | None = 
     return rows
 
 
+# Errors whose own line already says what happened (a supervisor's "rank N failed: ...", a hang's verdict):
+# recorded as they are, never taken for a lost peer's echo.
+_SAID = (UserError, WorkerFailed, Hung)
+
+
 def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     """Train as the config says (see the module's docstring); a failure leaves its one-line reason
     in the run dir (.expgpu/failure.json), where the report reads it under any launcher."""
@@ -75,7 +80,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         raise
     except BaseException as e:
         _record_failure(run_dir, e)
-        rank = _rank_of_several()
+        rank = None if isinstance(e, _SAID) else _rank_of_several()
         echo = failures.echo_of(run_dir, rank, e) if rank is not None and run_dir.is_dir() else None
         if echo is not None:   # a peer's end torn this rank's collective: one line naming it, not a traceback
             raise PeerLost(echo) from None
@@ -89,7 +94,7 @@ def _record_failure(run_dir: Path, e: BaseException, step: int | None = None) ->
     if isinstance(e, (Stopped, KeyboardInterrupt, SystemExit, RunDirBusy)) or not run_dir.is_dir() or \
             rundir.job_failure_file(run_dir).exists():
         return
-    said = isinstance(e, (UserError, WorkerFailed, Hung))   # their own line already says what happened
+    said = isinstance(e, _SAID)
     # a rank's own error (an srun task's): which rank, for the restart's line
     rank = None if said else _rank_of_several()
     try:

@@ -196,10 +196,12 @@ def test_only_a_large_batchs_configs_are_frozen_for_the_collector_and_thawed_by_
     import gc
 
     monkeypatch.setattr(compose, "_frozen", False)
+    gc.freeze()   # what another part of the process froze
     before = gc.get_freeze_count()
+    assert before > 0
     compose.settle(compose.SETTLE_FROM - 1)
     assert gc.get_freeze_count() == before
-    compose.thaw()   # froze nothing: leaves what another part of the process froze
+    compose.thaw()   # froze nothing: leaves the other part's frozen
     assert gc.get_freeze_count() == before
     try:
         kept = [[i] for i in range(1000)]   # made after the last freeze: frozen by the next settle
