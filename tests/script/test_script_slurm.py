@@ -94,14 +94,16 @@ def test_sigusr2_stops_the_script_rank_0_requeues_and_it_resumes(slurm_cluster, 
     job = slurm_cluster.sbatch(["--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1", SBATCH, *CONF,
                                 "task=script_probe_resume",
                                 f"task.script={REPO / 'tests' / 'scripts' / 'probe_script.py'}",
-                                "task.args.steps=100", "task.args.step-s=0.1"], cwd=tmp_path)
+                                "task.args.steps=300", "task.args.step-s=0.1", "+task.resume_args.step-s=0.01"],
+                             cwd=tmp_path)
     run_dir = tmp_path / "outputs" / "slurm" / job
     deadline = time.monotonic() + 120
     while not ((run_dir / "at-rank0").exists() and int((run_dir / "at-rank0").read_text() or 0) >= 3):
         ended = slurm_cluster.state(job) in FINAL
         assert time.monotonic() < deadline and not ended, job_log(tmp_path, job)
         time.sleep(0.1)
-    # 100 steps of 0.1 s: ~10 s for the signal to reach the script (with 40, a loaded CI's run once ended first)
+    # 300 steps of 0.1 s: ~30 s for the signal to reach the script (with 40, a loaded CI's run once ended
+    # first); the resumed run's steps take 0.01 s (resume_args' value wins over args')
     slurm_cluster.run(["scancel", "--signal=USR2", job])
     assert slurm_cluster.wait_job(job, timeout=200) == "COMPLETED", job_log(tmp_path, job)
     log = job_log(tmp_path, job)
@@ -109,6 +111,6 @@ def test_sigusr2_stops_the_script_rank_0_requeues_and_it_resumes(slurm_cluster, 
     seen = json.loads((run_dir / "started-rank0.json").read_text())
     assert seen["argv"][-1] == "--resume"
     saved = int((run_dir / "ckpt.txt").read_text())
-    assert json.loads((run_dir / "done-rank0.json").read_text()) == {"steps": 100, "first": saved}
+    assert json.loads((run_dir / "done-rank0.json").read_text()) == {"steps": 300, "first": saved}
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "finished" and result["resumed"] is True and result["attempt"] == 1
