@@ -57,7 +57,8 @@ PRECISIONS = ("32", "16", "bf16")
 # What a metrics.jsonl row holds for a name logged several times since the last row (expgpu.loggers.jsonl).
 LOG_REDUCES = ("last", "mean")
 # Settings a resume may change: the rest must match the checkpoint's (its fingerprint).
-MAY_CHANGE = ("max_steps", "log_every", "log_reduce", "name", "eval_every", "eval_dataset", "compile")
+MAY_CHANGE = ("max_steps", "log_every", "log_reduce", "name", "eval_every", "eval_dataset", "eval_batch_size",
+              "compile")
 _SIMPLE = (int, float, bool, str)
 
 

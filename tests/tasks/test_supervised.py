@@ -1,5 +1,5 @@
 """The built-in loop's settings (precision, scheduler, accumulate, clip_grad_norm, eval_every,
-compile), each checked by an outcome a user would notice, through the real CLI."""
+eval_batch_size, compile), each checked by an outcome a user would notice, through the real CLI."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from conftest import Run, expgpu, finish, start, wait_for_progress
+from conftest import HELPERS, Run, clean_env, expgpu, finish, start, wait_for_progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -43,6 +43,25 @@ def test_eval_every_reports_the_loss_and_accuracy_of_the_whole_eval_set(tmp_path
     assert math.isclose(m["eval_loss"], float(torch.nn.functional.cross_entropy(out, data.targets)), rel_tol=1e-5)
     assert m["accuracy"] == float((out.argmax(1) == data.targets).float().mean())
     assert m["eval_loss"] == rows[20]["eval_loss"]
+
+
+def test_eval_batch_size_sets_the_evaluations_batches_and_not_its_result(tmp_path):
+    """digits' 359 test examples on 2 ranks (180 and 179 each): batches of task.batch_size (32) unless
+    task.eval_batch_size says otherwise; the same trained model gets the same accuracy either way."""
+    runs = {}
+    for name, extra in (("default", []), ("100", ["task.eval_batch_size=100"])):
+        sizes = tmp_path / f"sizes-{name}"
+        sizes.mkdir()
+        env = clean_env(PYTHONPATH=str(HELPERS), EVAL_SIZES_DIR=str(sizes))
+        runs[name] = expgpu(["task=digits", "task.max_steps=20", "launch.nproc_per_node=2",
+                             "task.model._target_=eval_probe.EvalSizes", *extra], tmp_path / name, env=env)
+        assert runs[name].returncode == 0, runs[name].stderr[-3000:]
+        runs[name].sizes = [[int(n) for n in (sizes / f"rank{r}.txt").read_text().split()] for r in (0, 1)]
+    assert runs["default"].sizes == [[32] * 5 + [20], [32] * 5 + [19]]
+    assert runs["100"].sizes == [[100, 80], [100, 79]]
+    default, bigger = runs["default"].result["metrics"], runs["100"].result["metrics"]
+    assert default["accuracy"] == bigger["accuracy"] and default["final_loss"] == bigger["final_loss"]
+    assert math.isclose(default["eval_loss"], bigger["eval_loss"], rel_tol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +162,7 @@ def test_compile_trains_as_eager_does_and_resumes(tmp_path, eager_a):
     (["task.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_sise:5}"],
      "task.scheduler: StepLR refused its settings"),
     (["task.loss=hinge"], "task.loss='hinge' is not allowed: mse, cross_entropy or {_target_: ...}"),
+    (["task.eval_batch_size=0"], "task.eval_batch_size=0 is not allowed: null (task.batch_size) or an integer >= 1"),
 ])
 def test_bad_loop_settings_are_one_line_and_exit_2(tmp_path, args, says):
     run = expgpu(["task=a", "task.max_steps=5", *args], tmp_path / "run")

@@ -8,6 +8,7 @@ A task file without `_target_` is this function's parameters (conf/task/a.yaml, 
     loss: mse | cross_entropy | {_target_: ...}   (a callable (output, target) -> loss)
     batch_size, max_steps            per rank; a step is one optimizer step on every rank
     eval_dataset, eval_every         held-out split; every rank evaluates its share (all-reduced)
+    eval_batch_size                  per rank, for the evaluation (null: batch_size)
     precision (32 | bf16 | 16), scheduler, accumulate, clip_grad_norm, compile
 
 Nothing on the hot path that a plain PyTorch DDP loop would not do: the loss is read back only
@@ -29,10 +30,11 @@ from expgpu.train.run import Run
 
 def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, max_steps: int,
           loss: Any = "mse", eval_dataset: Any = None, scheduler: Any = None, accumulate: int = 1,
-          clip_grad_norm: Optional[float] = None, eval_every: int = 0, compile: bool = False) -> dict:
+          clip_grad_norm: Optional[float] = None, eval_every: int = 0, compile: bool = False,
+          eval_batch_size: Optional[int] = None) -> dict:
     import torch
 
-    _check(batch_size, max_steps, accumulate, clip_grad_norm, eval_every)
+    _check(batch_size, max_steps, accumulate, clip_grad_norm, eval_every, eval_batch_size)
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"task.model: built a {type(model).__name__}, not a torch.nn.Module")
     loss_fn, classification = _loss(loss)
@@ -56,7 +58,8 @@ def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, m
                                       f"{f' x accumulate {accumulate}' if accumulate > 1 else ''} x {ws} rank(s) = "
                                       f"{batch_size * accumulate * ws} examples")
     held_out = eval_dataset if eval_dataset is not None else (dataset if classification else None)
-    evaluator = _Evaluator(run, model, held_out, loss_fn, classification, given,
+    # no gradients kept: a larger batch than training's fits, and evaluates in fewer, fuller passes
+    evaluator = _Evaluator(run, model, held_out, loss_fn, classification, eval_batch_size or given,
                            prefix="eval_" if eval_dataset is not None else "train_")
     last, results = None, {}
     try:
@@ -86,7 +89,7 @@ def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, m
     return {"final_loss": _global_loss(run, last, local), **results}
 
 
-def _check(batch_size, max_steps, accumulate, clip, eval_every) -> None:
+def _check(batch_size, max_steps, accumulate, clip, eval_every, eval_batch_size) -> None:
     def need(ok: bool, key: str, value: Any, allowed: str) -> None:
         if not ok:
             raise UserError(f"task.{key}={value!r} is not allowed: {allowed}")
@@ -96,6 +99,8 @@ def _check(batch_size, max_steps, accumulate, clip, eval_every) -> None:
     need(accumulate >= 1, "accumulate", accumulate, "an integer >= 1 (micro-batches per optimizer step)")
     need(clip is None or clip > 0, "clip_grad_norm", clip, "null or a max norm > 0")
     need(eval_every >= 0, "eval_every", eval_every, "0 (only at the end) or a step count")
+    need(eval_batch_size is None or eval_batch_size >= 1, "eval_batch_size", eval_batch_size,
+         "null (task.batch_size) or an integer >= 1")
 
 
 def _loss(loss: Any) -> tuple[Any, bool]:
