@@ -75,9 +75,9 @@ class Starter:
     def _prime(self, queued: list[Job]) -> None:
         """Each ready spare takes one of the next queued jobs (sweep order: the order they start in)
         and does Hydra's set-up of it while the slots are still busy (Spare.prime). At once, even beside
-        a job that has just started its own set-up: waiting 0.3 s after a start, as before, left trials that
-        end every few tenths of a second (a pruner's) unprimed, ~0.02 s more of each one's slot; it saved
-        nothing on 2 cores (12 CPU-bound jobs on 2 slots: the same makespan either way)."""
+        a job that has just started its own set-up: trials that end every few tenths of a second (a
+        pruner's) would otherwise start unprimed, ~0.02 s more of each one's slot, and priming at once did
+        not slow a grid of CPU-bound jobs on 2 cores (12 on 2 slots: the same makespan)."""
         primed = {sp.job.num for sp in self.spares if sp.job is not None}
         todo = iter(j for j in queued if j.num not in primed)
         for spare in self.spares:
