@@ -284,7 +284,7 @@ def _goals(out: dict[str, dict], runs: dict[str, list[dict]]) -> None:
                 points = 100 * (p["best"] - b["best"])
                 per_seed = [x["wall"] / y["wall"] for x, y in zip(runs[pruned], runs[base])]
                 cpu = [x["cpu"] / y["cpu"] for x, y in zip(runs[pruned], runs[base])]
-                print(f"{pruned} / {base}: wall {p['wall'] / b['wall']:.2f}"
+                print(f"{pruned} / {base}: wall {p['wall'] / b['wall']:.3f}"
                       + (f" (goal <= {wall_goal})" if wall_goal else "")
                       + f" (per seed {' '.join(f'{x:.2f}' for x in per_seed)}, median "
                         f"{statistics.median(per_seed):.2f}; cpu time {' '.join(f'{x:.2f}' for x in cpu)})"
