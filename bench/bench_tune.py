@@ -273,6 +273,27 @@ def main() -> None:
     _goals(out, runs)
 
 
+def _interval(pruned: list[dict], base: list[dict], rounds: int = 2000) -> tuple[tuple, tuple]:
+    """90 % bootstrap intervals over the seeds (resampled with replacement, each seed's two runs kept together)
+    of the wall ratio of medians and of the median best's difference in points: how far which seeds ran
+    moves the two figures the goal reads."""
+    import random
+
+    rng, pairs = random.Random(0), list(zip(pruned, base))
+    walls, points = [], []
+    for _ in range(rounds):
+        pick = [rng.choice(pairs) for _ in pairs]
+        walls.append(statistics.median(p["wall"] for p, _ in pick) / statistics.median(b["wall"] for _, b in pick))
+        points.append(100 * (statistics.median(p["best"] for p, _ in pick)
+                             - statistics.median(b["best"] for _, b in pick)))
+
+    def ends(xs: list[float]) -> tuple[float, float]:
+        cuts = statistics.quantiles(xs, n=20)   # the 5th and the 95th percentile
+        return cuts[0], cuts[-1]
+
+    return ends(walls), ends(points)
+
+
 def _goals(out: dict[str, dict], runs: dict[str, list[dict]]) -> None:
     pruned_ways = [n for n in out if n not in ("hydra_basic", "hydra_basic_1t", "hydra_pool", "expgpu", "ray_asha")]
     for pruned in pruned_ways:
@@ -292,6 +313,10 @@ def _goals(out: dict[str, dict], runs: dict[str, list[dict]]) -> None:
                       + f" (the best's hyperparameters trained again: {100 * (p['found'] - b['found']):+.2f})"
                       + (f": goal {'met' if points >= -0.5 and p['wall'] / b['wall'] <= wall_goal else 'NOT met'}"
                          if wall_goal else ""))
+                if wall_goal and len(runs[pruned]) >= 3:
+                    (w_lo, w_hi), (p_lo, p_hi) = _interval(runs[pruned], runs[base])
+                    print(f"  90 % bootstrap interval over the seeds: wall {w_lo:.3f}-{w_hi:.3f}, median best "
+                          f"{p_lo:+.2f} to {p_hi:+.2f} points")
     for name in ("expgpu", *pruned_ways):
         if name in out:
             print(f"{name}: idle before the tail {100 * out[name]['idle']:.1f} % (goal < 5 %), tail "
