@@ -102,8 +102,8 @@ def test_sigusr2_stops_the_script_rank_0_requeues_and_it_resumes(slurm_cluster, 
         ended = slurm_cluster.state(job) in FINAL
         assert time.monotonic() < deadline and not ended, job_log(tmp_path, job)
         time.sleep(0.1)
-    # 300 steps of 0.1 s: ~30 s for the signal to reach the script (with 40, a loaded CI's run once ended
-    # first); the resumed run's steps take 0.01 s (resume_args' value wins over args')
+    # 300 steps of 0.1 s: ~30 s for the signal to reach the script (with 40, a CI run once ended before the
+    # script had it); the resumed run's steps take 0.01 s (resume_args' value wins over args')
     slurm_cluster.run(["scancel", "--signal=USR2", job])
     assert slurm_cluster.wait_job(job, timeout=200) == "COMPLETED", job_log(tmp_path, job)
     log = job_log(tmp_path, job)
