@@ -1,4 +1,4 @@
-"""What a gpu_pool's fork server imports ahead for its jobs (pool.spares.task_modules)."""
+"""What a gpu_pool's fork server imports ahead for its jobs (pool.spares.task_modules), and when it starts."""
 
 from __future__ import annotations
 
@@ -26,3 +26,29 @@ def test_on_real_gpus_the_users_modules_are_left_to_the_job():
     user = composed("task=digits", "task.model._target_=mypkg.models.Net")
     assert "mypkg.models" in task_modules(user, own_code=True)
     assert "mypkg.models" not in task_modules(user, own_code=False)
+
+
+def test_the_fork_server_starts_at_the_launchers_set_up_and_the_first_launch_takes_it(tmp_path):
+    """Hydra's sweepers work between the launcher's set-up and its first batch (the basic sweeper composes
+    every job of a grid to check it; expgpu_optuna opens its study): the server imports torch meanwhile."""
+    import dataclasses
+    import importlib
+
+    from expgpu.rundir import STATE
+    from hydra_plugins.expgpu_launchers.gpu_pool import GpuPoolLauncher, GpuPoolLauncherConf
+
+    launch = importlib.import_module("expgpu.pool.launch")   # the module (expgpu.pool.launch is also its function)
+
+    sweep = tmp_path / "sweep"
+    cfg = composed("task=digits", f"hydra.sweep.dir={sweep}", hydra=True)
+    params = {k: v for k, v in dataclasses.asdict(GpuPoolLauncherConf()).items() if k != "_target_"}
+    GpuPoolLauncher(**params).setup(hydra_context=None, task_function=None, config=cfg)
+    try:
+        ahead = launch._kept[(sweep / STATE, False)]
+        assert ahead.alive()
+        assert launch._server(sweep / STATE, False, ["torch"]) is ahead   # what launch() does first
+        launch._keep(ahead, sweep / STATE, False)
+    finally:
+        launch._close_kept()   # at exit: a sweep that ended before its first launch (a bad override)
+    assert ahead.proc.poll() is not None   # closed with its process group
+    assert not sweep.exists()   # made for the server, and left empty: gone

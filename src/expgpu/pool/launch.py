@@ -42,6 +42,33 @@ def launch(params: Mapping[str, Any], hydra_context, task_function, config,
     return [job.ret for job in pool.jobs]
 
 
+def start_server_ahead(params: Mapping[str, Any], config) -> None:
+    """At the launcher's set-up: the sweep's fork server starts importing torch now (seconds), and the first
+    launch() takes it (_server). Hydra's sweepers do their own work between the set-up and the first batch:
+    the basic sweeper composes every job of a grid to check it (a 300-job grid: ~2 s), expgpu_optuna opens
+    its study and asks the first trials; the server used to start only after that. Nothing is said here:
+    a bad setting is launch()'s to report, and inside a SLURM allocation there is no fork server."""
+    from omegaconf import OmegaConf
+
+    try:
+        if allocation.detect(os.environ) is not None:
+            return
+        simulate = OmegaConf.select(config, "inventory.simulate", default=None)
+        if OmegaConf.is_config(simulate):
+            simulate = OmegaConf.to_container(simulate, resolve=True)
+        gpus = pool_gpus(settings(params), simulate)
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        state = sweep_dir / jobfiles.STATE
+        made = not sweep_dir.exists()
+        state.mkdir(parents=True, exist_ok=True)
+        server = _server(state, bool(gpus), task_modules(config, not gpus or simulate is not None))
+    except Exception:   # launch() meets it again and says what it is
+        return
+    _keep(server, state, bool(gpus))
+    if made:
+        _made.add(sweep_dir)
+
+
 def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, first: list[tuple[list[str], int]],
               max_parallel: int | None = None, planned: int = 0):
     """A Pool with the jobs `first` ((overrides, job number) each) queued, its fork server and the first
@@ -285,6 +312,7 @@ def close_pool(pool) -> None:
 # sweeper calls launch() once per batch of trials (Optuna: n_jobs at a time), and a new server
 # would import torch again for every batch (seconds each; Hydra's basic launcher pays it once).
 _kept: dict[tuple[Path, bool], ForkServer] = {}
+_made: set[Path] = set()   # sweep dirs start_server_ahead made
 
 
 def _server(state: Path, hide_gpus: bool, warm: list[str]) -> ForkServer:
@@ -296,6 +324,7 @@ def _server(state: Path, hide_gpus: bool, warm: list[str]) -> ForkServer:
         return server
     if server is not None:
         _close(server, state)
+        state.mkdir(parents=True, exist_ok=True)   # _close tidied it away
     return ForkServer(state / SPARES_LOG, spare_env(hide_gpus), warm)
 
 
@@ -312,6 +341,12 @@ def _close_kept() -> None:
     while _kept:
         (state, _), server = _kept.popitem()
         _close(server, state)
+    while _made:   # a sweep that ended before its first launch() (a bad override) leaves no empty dir
+        sweep_dir = _made.pop()
+        try:
+            sweep_dir.rmdir()
+        except OSError:   # something is in it: the sweep's
+            pass
 
 
 def _close(server: ForkServer, state: Path) -> None:

@@ -78,6 +78,7 @@ class GpuPoolLauncher(Launcher):
 
     def setup(self, *, hydra_context, task_function, config) -> None:
         from expgpu.pool import compose
+        from expgpu.pool.launch import start_server_ahead
 
         self.config = config
         self.hydra_context = hydra_context
@@ -85,6 +86,8 @@ class GpuPoolLauncher(Launcher):
         # the sweeper's check of each batch (it composes every job), composed fast, and each checked
         # config kept for the job's launch
         compose.answer_checks(getattr(hydra_context, "config_loader", None), keep=True)
+        # torch imported in the sweep's fork server while the sweeper checks the jobs or opens its study
+        start_server_ahead(self.params, config)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
         from expgpu import pool
