@@ -214,3 +214,25 @@ def test_only_a_large_batchs_configs_are_frozen_for_the_collector_and_thawed_by_
         compose.thaw()
     assert not frozen(theirs) and not frozen(ours)
     assert gc.get_freeze_count() == 0
+
+
+def test_an_override_is_parsed_once_for_every_job_that_repeats_it_but_shuffle_each_time(loader, monkeypatch):
+    from collections import Counter
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parse = OverridesParser.parse_overrides
+    parsed: list[str] = []
+    monkeypatch.setattr(OverridesParser, "parse_overrides",
+                        lambda self, overrides: parsed.extend(overrides) or parse(self, overrides))
+    master = master_of(loader)
+    counting = Counting(loader)
+    jobs = [["task.model={_target_:x.Y,hidden:8}", "+extra=[1,2]", "task.seed=1"],
+            ["task.model={_target_:x.Y,hidden:8}", "+extra=[1,2]", "task.seed=2"]]
+    for overrides in jobs * 2:   # a dict and a list parsed once, as Hydra parses them, and never changed by a job
+        same(loader, master, counting, overrides)
+    hydras = Counter(o for job in jobs * 2 for o in job)   # Hydra's: each job parses its own
+    assert Counter(o for o in parsed if o in hydras) == hydras + Counter(hydras.keys())   # ours: each spelling once
+    orders = {tuple(compose.sweep_config(loader, master, ["+order=shuffle([1,2,3,4,5,6,7,8,9,10])"]).order)
+              for _ in range(4)}
+    assert len(orders) > 1
