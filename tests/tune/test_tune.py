@@ -162,6 +162,37 @@ def test_under_the_basic_launcher_trials_run_in_batches_and_are_pruned_too(tmp_p
     assert json.loads((sweep / "2" / "result.json").read_text())["steps"] == 20
 
 
+@pytest.mark.timeout(200)
+def test_status_shows_each_trial_by_the_searchs_objective_first(tmp_path):
+    """`expgpu status SWEEP`: a trial's row leads with the objective (its table shows a row's first 3 values;
+    the built-in loop logs loss, lr and eval_loss before accuracy). A trial between evaluations, whose last row
+    does not hold it, shows the latest value it reported to the study."""
+    sweep = tmp_path / "sweep"
+    done = _sweep(["hydra/sweeper=expgpu_optuna", "hydra.sweeper.sampler.seed=0", "hydra.sweeper.n_trials=3",
+                   "hydra/sweeper/pruner=successive_halving", "hydra.sweeper.pruner.min_resource=100",
+                   "task.optimizer.lr=tag(log,interval(1e-3,1e-1))", "task=digits", "task.max_steps=200",
+                   "task.eval_every=100", "objective=accuracy", "hydra.sweeper.direction=maximize"], sweep)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def rows() -> dict[str, dict]:
+        shown = subprocess.run([sys.executable, "-m", "expgpu.status", str(sweep), "--json"], cwd=REPO,
+                               env=clean_env(), capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        return {Path(r["dir"]).name: r for r in json.loads(shown.stdout)}
+
+    study = _study(sweep)
+    assert [next(iter(r["metrics"])) for r in rows().values()] == ["accuracy"] * 3
+    # trial 0 as it was between its evaluations at steps 100 and 200: its result not yet written
+    job = sweep / "0"
+    (job / "result.json").unlink()
+    kept = [line for line in (job / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 150]
+    (job / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    assert "accuracy" not in json.loads(kept[-1])
+    row = rows()["0"]
+    assert row["step"] == 150 and list(row["metrics"])[:2] == ["accuracy", "loss"]
+    assert row["metrics"]["accuracy"] == study[0]["last_value"]
+
+
 @pytest.mark.timeout(150)
 def test_a_search_whose_every_trial_is_pruned_exits_1_with_one_line(tmp_path):
     """No trial completed: there is no best to write, and a script that reads the exit code must know."""

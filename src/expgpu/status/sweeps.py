@@ -18,7 +18,7 @@ from pathlib import Path
 from expgpu import rundir
 from expgpu.report.collect import is_job_dir, is_sweep_dir, job_dirs
 from expgpu.results import allocation_job
-from expgpu.rundir import POOL_RECORD
+from expgpu.rundir import POOL_RECORD, STUDY
 from expgpu.status import queue
 from expgpu.status.read import QUEUED_STATES, RunRow, read_run, settle
 
@@ -74,11 +74,37 @@ def _allocation_row(sweep: Path, job: str, state: str | None, jobs: list[RunRow]
                   note=f"the sweep's allocation: {state.lower()}", started=rundir.mtime(sweep))
 
 
+def _study(sweep: Path) -> tuple[list[str], dict[Path, dict]]:
+    """An optimizing sweeper's objective names and its trials by job dir, from its study.json (expgpu_optuna's,
+    rewritten at most once a second while trials run): ([], {}) for any other sweep."""
+    try:
+        doc = json.loads((sweep / STUDY).read_bytes())
+        objective = [str(name) for name in doc["objective"]]
+        trials = {Path(str(t["job_dir"])).resolve(): t for t in doc["trials"]
+                  if isinstance(t, dict) and t.get("job_dir")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return [], {}
+    return objective, trials
+
+
+def _objective_first(row: RunRow, objective: list[str], trial: dict | None) -> None:
+    """A trial's row leads with the search's objective: the value it was judged by. Its last row of metrics.jsonl
+    may not hold it (a running trial between evaluations): the latest value it reported to the study then."""
+    last = trial.get("last_value") if trial else None
+    if len(objective) == 1 and objective[0] not in row.metrics and isinstance(last, (int, float)):
+        row.metrics[objective[0]] = last
+    first = {k: row.metrics[k] for k in objective if k in row.metrics}
+    row.metrics = {**first, **{k: v for k, v in row.metrics.items() if k not in first}}
+
+
 def sweep_jobs(sweep: Path, now: float) -> tuple[list[RunRow], list[str]]:
     """A sweep's jobs' rows, and the SLURM job ids submitted for it with no run dir yet (squeue decides those)."""
     rows = [read_run(path, now) for _, path in job_dirs(sweep)]
+    objective, trials = _study(sweep)
     for row in rows:
         row.kind = "job"
+        if objective:
+            _objective_first(row, objective, trials.get(Path(row.dir).resolve()))
     seen = {Path(r.dir).resolve() for r in rows}
     for entry in _pool(sweep):
         job_dir = Path(str(entry.get("dir", "")))
