@@ -1,5 +1,5 @@
 """The report of a hydra/sweeper=expgpu_optuna sweep, from what its jobs and study.json leave: trials
-ranked by the objective, a pruned one shown with its step, optimization.png (the objective by trial,
+ranked by the objective, a pruned one shown with its step and the value it was pruned at, optimization.png (the objective by trial,
 pruned trials marked; each parameter against the objective) and the command that reruns the best."""
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def test_trials_ranked_pruned_marked_history_drawn_best_rerun(tmp_path, capsys, 
     table = {line.split()[1]: line.split() for line in out.splitlines()[2:8] if line[:1] in "1-2"}
     assert table["2"][:3] == ["1*", "2", "finished"] and table["0"][:3] == ["2", "0", "finished"]
     assert table["1"][2] == "pruned@100" and table["4"][2] == "pruned@100"
+    # a pruned trial: the value its pruner judged (its last reported), in the objective's column, and not ranked
+    assert table["1"][:4] == ["-", "1", "pruned@100", "0.12"] and table["4"][:4] == ["-", "4", "pruned@100", "0.2"]
     assert ("rerun the best (job 2): python -m expgpu task.optimizer.lr=0.01 task.layers=b task=digits "
             "objective=accuracy") in out   # neither the launcher nor the trial's own variable
     assert (sweep / "optimization.png").exists() and "optimization.png" in (sweep / "report.html").read_text()

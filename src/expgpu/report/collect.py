@@ -241,9 +241,13 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
             sim = " (sim)" if pool.get("simulated") else ""
             row.devices = (f"GPU {','.join(map(str, gpus))}{sim}" if gpus
                            else f"cpu slot {pool['slot']}" if pool.get("slot") is not None else "")
-    if row.final_loss is None and row.curve and row.status != "finished":
-        row.metrics["final_loss"] = row.curve[-1][1]   # where an unfinished run got to
-        row.steps = row.steps if row.steps is not None else row.curve[-1][0]
+    if row.status != "finished":   # where an unfinished run got to (it is not ranked by these)
+        if row.final_loss is None and row.curve:
+            row.metrics["final_loss"] = row.curve[-1][1]
+            row.steps = row.steps if row.steps is not None else row.curve[-1][0]
+        for name in row.objective:   # a pruned trial: the value its pruner judged
+            if name not in row.metrics and row.series.get(name):
+                row.metrics[name] = row.series[name][-1][1]
     if row.wall_s is None and span is not None:
         row.wall_s = round(span, 3)
     return row
