@@ -1,6 +1,7 @@
 """The report of a hydra/sweeper=expgpu_optuna sweep, from what its jobs and study.json leave: trials
-ranked by the objective, a pruned one shown with its step and the value it was pruned at, optimization.png (the objective by trial,
-pruned trials marked; each parameter against the objective) and the command that reruns the best."""
+ranked by the objective, a pruned one shown with its step and the value it was pruned at, optimization.png
+(the objective by trial, pruned trials marked; each parameter against the objective) and the command that
+reruns the best."""
 
 from __future__ import annotations
 
