@@ -52,3 +52,27 @@ def test_the_fork_server_starts_at_the_launchers_set_up_and_the_first_launch_tak
         launch._close_kept()   # at exit: a sweep that ended before its first launch (a bad override)
     assert ahead.proc.poll() is not None   # closed with its process group
     assert not sweep.exists()   # made for the server, and left empty: gone
+
+
+def test_a_kept_server_found_dead_is_replaced_with_its_log_in_the_sweep_dir(tmp_path):
+    """Closing the dead one tidies its state dir away (nothing in its log): the new one must not lose it."""
+    import importlib
+    import os
+    import signal
+
+    from expgpu.pool.spares import SPARES_LOG
+    from expgpu.rundir import STATE
+
+    launch = importlib.import_module("expgpu.pool.launch")
+    state = tmp_path / "sweep" / STATE
+    state.mkdir(parents=True)
+    dead = launch._server(state, False, [])
+    launch._keep(dead, state, False)
+    os.killpg(dead.proc.pid, signal.SIGKILL)   # as the kernel's OOM killer would, between two launches
+    dead.proc.wait()
+    try:
+        new = launch._server(state, False, [])
+        launch._keep(new, state, False)
+        assert new is not dead and new.alive() and (state / SPARES_LOG).exists()
+    finally:
+        launch._close_kept()
