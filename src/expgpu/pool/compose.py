@@ -201,7 +201,7 @@ class _Composer:
         todo = [o for o in dict.fromkeys(overrides) if o not in self.parsed]
         fresh = dict(zip(todo, OverridesParser.create().parse_overrides(overrides=todo))) if todo else {}
         self.parsed.update((o, p) for o, p in fresh.items() if "shuffle(" not in o)
-        return [self.parsed.get(o) or fresh[o] for o in overrides]
+        return [self.parsed[o] if o in self.parsed else fresh[o] for o in overrides]
 
     def _is_group(self, key: str) -> bool:
         if key not in self.groups:
