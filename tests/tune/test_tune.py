@@ -166,7 +166,7 @@ def test_under_the_basic_launcher_trials_run_in_batches_and_are_pruned_too(tmp_p
 def test_status_shows_each_trial_by_the_searchs_objective_first(tmp_path):
     """`expgpu status SWEEP`: a trial's row leads with the objective (its table shows a row's first 3 values;
     the built-in loop logs loss, lr and eval_loss before accuracy). A trial between evaluations, whose last row
-    does not hold it, shows the latest value it reported to the study."""
+    does not hold it, shows the latest value it reported to the study. The search's own row: its best so far."""
     sweep = tmp_path / "sweep"
     done = _sweep(["hydra/sweeper=expgpu_optuna", "hydra.sweeper.sampler.seed=0", "hydra.sweeper.n_trials=3",
                    "hydra/sweeper/pruner=successive_halving", "hydra.sweeper.pruner.min_resource=100",
@@ -182,6 +182,12 @@ def test_status_shows_each_trial_by_the_searchs_objective_first(tmp_path):
 
     study = _study(sweep)
     assert [next(iter(r["metrics"])) for r in rows().values()] == ["accuracy"] * 3
+    # the search as one row (its parent dir listed): finished, and its best value so far
+    [whole] = json.loads(subprocess.run([sys.executable, "-m", "expgpu.status", str(tmp_path), "--json"], cwd=REPO,
+                                        env=clean_env(), capture_output=True, text=True, timeout=60).stdout)
+    completed = [t["values"][0] for t in study.values() if t["state"] == "COMPLETE"]
+    assert whole["kind"] == "sweep" and whole["status"] == "finished"
+    assert whole["metrics"] == {"accuracy": max(completed)}
     # trial 0 as it was between its evaluations at steps 100 and 200: its result not yet written
     job = sweep / "0"
     (job / "result.json").unlink()

@@ -23,8 +23,9 @@ from expgpu.status import queue
 from expgpu.status.read import QUEUED_STATES, RunRow, read_run, settle
 
 DEPTH = 4
-# Which status a sweep row shows, from its jobs': the first that any job has
-_SWEEP_ORDER = ("running", "queued", "waiting", "lost", "failed", "hung", "broken", "stopped", "pruned", "finished")
+# Which status a sweep row shows, from its jobs': the first that any job has (a search whose trials finished
+# or were pruned is finished; one whose every trial was pruned, pruned)
+_SWEEP_ORDER = ("running", "queued", "waiting", "lost", "failed", "hung", "broken", "stopped", "finished", "pruned")
 
 
 def find(top: Path) -> tuple[list[Path], list[Path]]:
@@ -74,17 +75,29 @@ def _allocation_row(sweep: Path, job: str, state: str | None, jobs: list[RunRow]
                   note=f"the sweep's allocation: {state.lower()}", started=rundir.mtime(sweep))
 
 
-def _study(sweep: Path) -> tuple[list[str], dict[Path, dict]]:
-    """An optimizing sweeper's objective names and its trials by job dir, from its study.json (expgpu_optuna's,
-    rewritten at most once a second while trials run): ([], {}) for any other sweep."""
+def _study(sweep: Path) -> tuple[list[str], list[str], dict[Path, dict]]:
+    """An optimizing sweeper's objective names, directions and trials by job dir, from its study.json
+    (expgpu_optuna's, rewritten at most once a second while trials run): ([], [], {}) for any other sweep."""
     try:
         doc = json.loads((sweep / STUDY).read_bytes())
         objective = [str(name) for name in doc["objective"]]
+        directions = [str(way) for way in doc.get("directions") or []]
         trials = {Path(str(t["job_dir"])).resolve(): t for t in doc["trials"]
                   if isinstance(t, dict) and t.get("job_dir")}
     except (OSError, ValueError, KeyError, TypeError):
-        return [], {}
-    return objective, trials
+        return [], [], {}
+    return objective, directions, trials
+
+
+def _best(objective: list[str], directions: list[str], trials: dict[Path, dict]) -> dict[str, float]:
+    """A single-objective search's best value so far, over its completed trials ({} before one, and for several
+    objectives, which have no single best): what its sweep's row shows."""
+    values = [t["values"][0] for t in trials.values() if t.get("state") == "COMPLETE"
+              and isinstance(t.get("values"), list) and t["values"] and isinstance(t["values"][0], (int, float))]
+    if len(objective) != 1 or not values:
+        return {}
+    pick = max if directions[:1] == ["maximize"] else min
+    return {objective[0]: pick(values)}
 
 
 def _objective_first(row: RunRow, objective: list[str], trial: dict | None) -> None:
@@ -97,10 +110,11 @@ def _objective_first(row: RunRow, objective: list[str], trial: dict | None) -> N
     row.metrics = {**first, **{k: v for k, v in row.metrics.items() if k not in first}}
 
 
-def sweep_jobs(sweep: Path, now: float) -> tuple[list[RunRow], list[str]]:
-    """A sweep's jobs' rows, and the SLURM job ids submitted for it with no run dir yet (squeue decides those)."""
+def sweep_jobs(sweep: Path, now: float, study: tuple = ([], [], {})) -> tuple[list[RunRow], list[str]]:
+    """A sweep's jobs' rows, and the SLURM job ids submitted for it with no run dir yet (squeue decides those);
+    `study`: its _study()."""
     rows = [read_run(path, now) for _, path in job_dirs(sweep)]
-    objective, trials = _study(sweep)
+    objective, _, trials = study
     for row in rows:
         row.kind = "job"
         if objective:
@@ -126,8 +140,9 @@ def sweep_jobs(sweep: Path, now: float) -> tuple[list[RunRow], list[str]]:
     return rows, [j for j in _submitted(sweep) if j not in started]
 
 
-def sweep_row(sweep: Path, jobs: list[RunRow]) -> RunRow:
-    """A sweep as one row: its jobs by status, the most pressing of them (or of its allocation's) as its own."""
+def sweep_row(sweep: Path, jobs: list[RunRow], best: dict[str, float] | None = None) -> RunRow:
+    """A sweep as one row: its jobs by status, the most pressing of them (or of its allocation's) as its own;
+    `best`: an optimizing sweep's best value so far (_best)."""
     counts = Counter(r.status for r in jobs if r.kind != "allocation")
     every = Counter(r.status for r in jobs)
     status = next((s for s in _SWEEP_ORDER if every.get(s)), next(iter(every), "empty"))
@@ -140,7 +155,7 @@ def sweep_row(sweep: Path, jobs: list[RunRow]) -> RunRow:
     return RunRow(kind="sweep", dir=str(sweep), status=status, jobs=dict(sorted(counts.items())),
                   started=started, elapsed_s=round(max(elapsed), 1) if elapsed else None,
                   eta_s=max(etas) if etas and not counts.get("queued") and not counts.get("waiting") else None,
-                  gpus=gpus)
+                  gpus=gpus, metrics=dict(best or {}))
 
 
 def rows(top: Path, expand: bool | None = None, now: float | None = None) -> list[RunRow]:
@@ -153,8 +168,11 @@ def rows(top: Path, expand: bool | None = None, now: float | None = None) -> lis
     by_sweep: list[tuple[Path, list[RunRow]]] = []
     unstarted: dict[str, Path] = {}
     allocations = {sweep: job for sweep in sweeps if (job := allocation_job(sweep))}
+    bests: dict[Path, dict[str, float]] = {}
     for sweep in sweeps:
-        jobs, waiting = sweep_jobs(sweep, now)
+        study = _study(sweep)
+        bests[sweep] = _best(*study)
+        jobs, waiting = sweep_jobs(sweep, now, study)
         by_sweep.append((sweep, jobs))
         unstarted.update({j: sweep for j in waiting})
     every = out + [r for _, jobs in by_sweep for r in jobs]
@@ -176,7 +194,7 @@ def rows(top: Path, expand: bool | None = None, now: float | None = None) -> lis
             row = _allocation_row(sweep, allocations[sweep], (answer or {}).get(allocations[sweep]), jobs)
             jobs += [row] if row else []
         if expand:
-            out += jobs or [sweep_row(sweep, jobs)]   # none yet: the sweep itself, empty
+            out += jobs or [sweep_row(sweep, jobs, bests[sweep])]   # none yet: the sweep itself, empty
         else:
-            out.append(sweep_row(sweep, jobs))
+            out.append(sweep_row(sweep, jobs, bests[sweep]))
     return sorted(out, key=lambda r: -(r.started or 0.0))

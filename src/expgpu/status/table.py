@@ -36,8 +36,9 @@ def step(row: RunRow) -> str:
 
 
 def metrics(row: RunRow) -> str:
-    if row.kind == "sweep":
-        return ", ".join(f"{n} {s}" for s, n in sorted((row.jobs or {}).items(), key=lambda kv: -kv[1]))
+    if row.kind == "sweep":   # its jobs by status; an optimizing sweep's best value so far
+        counts = ", ".join(f"{n} {s}" for s, n in sorted((row.jobs or {}).items(), key=lambda kv: -kv[1]))
+        return counts + "".join(f"; best {k} {number(v)}" for k, v in row.metrics.items())
     if row.kind == "allocation":
         return row.note
     shown = [f"{k} {number(v)}" for k, v in list(row.metrics.items())[:METRICS_SHOWN]]
