@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import re
 import sys
 
@@ -65,6 +66,15 @@ def exit_on_user_error():
     except UserError as e:
         print(f"expgpu: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USER_ERROR) from None
+
+
+def stdout_gone() -> None:
+    """The reader of this process's output left before the end (`expgpu status | head`): from now on what it
+    prints goes to /dev/null, as Python's docs advise (else the flush at exit raises BrokenPipeError again).
+    The command then ends quietly, with no traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def first_line(e: BaseException) -> str:

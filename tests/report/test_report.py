@@ -293,3 +293,16 @@ def test_a_single_run_dir_and_bad_arguments(basic_sweep, tmp_path):
                               "sys.argv[0] = 'expgpu'; main()", "report", str(run), "--no-plot"], cwd=REPO,
                              env=clean_env(), capture_output=True, text=True, timeout=120)
     assert command.returncode == 0 and command.stdout == done.stdout, command.stderr
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback_and_the_files_are_written(tmp_path):
+    """`expgpu-report DIR | head -1`: the table is longer than a pipe holds (64 KiB)."""
+    for i in range(600):
+        write_job(tmp_path / str(i), [f"task.seed={i}", "task=a"], {"final_loss": 1.0 / (i + 1)})
+    proc = subprocess.Popen([sys.executable, "-m", "expgpu.report", str(tmp_path), "--no-plot"], cwd=REPO,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and first.startswith("ranked by final_loss") and err == "", err[-2000:]
+    assert len(rows_of(tmp_path / "report.csv")) == 600   # written after the table, all the same

@@ -245,6 +245,25 @@ def test_bad_dir_is_one_line_exit_2(tmp_path, what):
     assert status("--watch", "0", str(target)).returncode == 2
 
 
+def left_early(cmd: list[str]) -> subprocess.CompletedProcess:
+    """`CMD | head -1`: the reader takes one line of a long output (over a pipe's 64 KiB) and leaves."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.wait(timeout=60)
+    return subprocess.CompletedProcess(cmd, proc.returncode, first, err)
+
+
+def test_a_reader_that_leaves_early_ends_it_quietly(tmp_path):
+    for i in range(700):   # ~100 bytes a row of the table: 70 KB
+        write_run(tmp_path / f"run-{i:04d}", result={"status": "finished", "steps": 10, "metrics": {"final_loss": 0.5}})
+    for args in ([], ["--json"], ["--watch", "1"]):   # watching too: it stops, not loops into the void
+        done = left_early([sys.executable, "-m", "expgpu.status", str(tmp_path), *args])
+        assert done.returncode == 0 and done.stdout.strip() and done.stderr == "", (args, done.stderr[-2000:])
+
+
 def test_watch_refreshes_until_ctrl_c(tmp_path):
     write_run(tmp_path / "r", [{"step": 1}], result={"status": "finished", "steps": 1})
     # Ctrl-C as a terminal gives it: SIGINT at its default (a test before may have left it ignored in this

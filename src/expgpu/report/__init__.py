@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from expgpu.errors import EXIT_USER_ERROR, UserError
+from expgpu.errors import EXIT_USER_ERROR, UserError, stdout_gone
 from expgpu.report.best import Ranking, rank
 from expgpu.report.collect import Row, collect, read_job
 from expgpu.report.state import Progress
@@ -77,17 +77,26 @@ def main(argv: list[str] | None = None, prog: str = "expgpu-report") -> int:
     except UserError as e:
         print(f"expgpu-report: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    print(table(rows, ranking))
+    _say(table(rows, ranking))
     try:
         written = write(args.sweep_dir, rows, ranking, plot=not args.no_plot)
     except OSError as e:
         print(f"expgpu-report: error: cannot write into {args.sweep_dir} ({e.strerror}); "
               "copy the sweep dir somewhere writable", file=sys.stderr)
         return EXIT_USER_ERROR
-    print(f"\n{len(rows)} job(s); wrote " + ", ".join(str(p) for p in written))
+    _say(f"\n{len(rows)} job(s); wrote " + ", ".join(str(p) for p in written))
     if not args.no_plot and args.sweep_dir / PNG_FILE not in written:
-        print("no curves: no job has a metrics.jsonl")
+        _say("no curves: no job has a metrics.jsonl")
     return 0
+
+
+def _say(text: str) -> None:
+    """print(), where the reader may leave before the end (`expgpu-report DIR | head`): the report's files
+    are written all the same."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        stdout_gone()
 
 
 def cli() -> None:

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from expgpu.errors import EXIT_USER_ERROR
+from expgpu.errors import EXIT_USER_ERROR, stdout_gone
 from expgpu.status.read import RunRow, read_run
 from expgpu.status.sweeps import find, rows
 from expgpu.status.table import table
@@ -60,13 +60,15 @@ def main(argv: list[str] | None = None, prog: str = "expgpu status") -> int:
     if isinstance(found, str):
         print(f"{prog}: error: {found}", file=sys.stderr)
         return EXIT_USER_ERROR
-    if args.watch is None:
-        _show(found, args.json)
-        return 0
     try:
-        _watch(args.dir, args.watch, args.json, found)
+        if args.watch is None:
+            _show(found, args.json)
+        else:
+            _watch(args.dir, args.watch, args.json, found)
     except KeyboardInterrupt:
         pass   # the way to stop watching: no traceback, exit 0
+    except BrokenPipeError:   # the reader left (`| head`): done, watching too
+        stdout_gone()
     return 0
 
 
