@@ -48,14 +48,10 @@ def start_server_ahead(params: Mapping[str, Any], config) -> None:
     the basic sweeper composes every job of a grid to check it (a 300-job grid: ~2 s), expgpu_optuna opens
     its study and asks the first trials; the server used to start only after that. Nothing is said here:
     a bad setting is launch()'s to report, and inside a SLURM allocation there is no fork server."""
-    from omegaconf import OmegaConf
-
     try:
         if allocation.detect(os.environ) is not None:
             return
-        simulate = OmegaConf.select(config, "inventory.simulate", default=None)
-        if OmegaConf.is_config(simulate):
-            simulate = OmegaConf.to_container(simulate, resolve=True)
+        simulate = _simulated(config)
         gpus = pool_gpus(settings(params), simulate)
         sweep_dir = Path(str(config.hydra.sweep.dir))
         state = sweep_dir / jobfiles.STATE
@@ -69,6 +65,14 @@ def start_server_ahead(params: Mapping[str, Any], config) -> None:
         _made.add(sweep_dir)
 
 
+def _simulated(config):
+    """The sweep's inventory.simulate (GPUs made up for a CPU machine), as plain data; None: the real ones."""
+    from omegaconf import OmegaConf
+
+    simulate = OmegaConf.select(config, "inventory.simulate", default=None)
+    return OmegaConf.to_container(simulate, resolve=True) if OmegaConf.is_config(simulate) else simulate
+
+
 def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, first: list[tuple[list[str], int]],
               max_parallel: int | None = None, planned: int = 0):
     """A Pool with the jobs `first` ((overrides, job number) each) queued, its fork server and the first
@@ -76,7 +80,6 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
     hydra.launcher.max_parallel (an optimizing sweeper's n_jobs); `planned`: the jobs to come in all,
     like the first (the threads per job are shared out for them)."""
     from hydra.core.utils import configure_log, setup_globals
-    from omegaconf import OmegaConf
 
     from expgpu.pool import leases
 
@@ -90,9 +93,7 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
     if alloc is not None:
         return _open_in_allocation(alloc, s, hydra_context, task_function, config, first)
     _say_what_only_an_allocation_reads(s)
-    simulate = OmegaConf.select(config, "inventory.simulate", default=None)
-    if OmegaConf.is_config(simulate):
-        simulate = OmegaConf.to_container(simulate, resolve=True)
+    simulate = _simulated(config)
     gpus = pool_gpus(s, simulate)
     sweep_dir = Path(str(config.hydra.sweep.dir))
     state = sweep_dir / jobfiles.STATE

@@ -110,7 +110,7 @@ def _objective_first(row: RunRow, objective: list[str], trial: dict | None) -> N
     row.metrics = {**first, **{k: v for k, v in row.metrics.items() if k not in first}}
 
 
-def sweep_jobs(sweep: Path, now: float, study: tuple = ([], [], {})) -> tuple[list[RunRow], list[str]]:
+def sweep_jobs(sweep: Path, now: float, study: tuple) -> tuple[list[RunRow], list[str]]:
     """A sweep's jobs' rows, and the SLURM job ids submitted for it with no run dir yet (squeue decides those);
     `study`: its _study()."""
     rows = [read_run(path, now) for _, path in job_dirs(sweep)]
