@@ -3,15 +3,18 @@
 # expgpu's other dependencies (a lent machine with no network: they travel as wheels in .whl/).
 #
 #     bash bench/gpu_session.sh [OUT_DIR]
-#     PARTS="tests bench" bash bench/gpu_session.sh      # some of: main tests bench fast
+#     PARTS="main tests fast" bash bench/gpu_session.sh  # some of: main tests fast bench
+#
+# All four parts take ~11 min on an H100 node (bench ~6, fast ~3): more than one 10-minute device call, so
+# run them as two calls, "main tests fast" and then "bench".
 #
 # Each part has its own time limit and its own log under OUT_DIR (default /tmp/expgpu-gpu); the
 # summary at the end says which passed. Parts: the machine; the main job on the GPU (fp32, bf16,
 # and launch.wrap=fsdp: on one rank that is FSDP2 without a process group, so nccl itself needs a
-# 2-GPU node); the tests marked gpu; bench_run_api on the GPU (the Run API's cost against a plain
-# loop on the same GPU, with a tiny model and with one whose GPU work decides the step); launch to
-# first step on the GPU against a plain one-GPU script (bench_ddp_overhead --gpu --nproc 1); the fast
-# tier with a GPU visible.
+# 2-GPU node); the tests marked gpu; the fast tier with a GPU visible; bench_run_api on the GPU (the
+# Run API's cost against a plain loop on the same GPU, with a tiny model and with one whose GPU work
+# decides the step); launch to first step on the GPU against a plain one-GPU script
+# (bench_ddp_overhead --gpu --nproc 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-/tmp/expgpu-gpu}}
@@ -23,7 +26,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-PARTS=" ${PARTS:-main tests bench fast} "
+PARTS=" ${PARTS:-main tests fast bench} "
 summary=()
 
 part() {   # part GROUP NAME SECONDS CMD...: its output in OUT/NAME.log, its outcome in the summary
@@ -50,11 +53,14 @@ part main main_fsdp 120 $PY -m expgpu task=a gpu_map=ranked task.max_steps=100 l
   hydra.run.dir="$run_dir/fsdp"
 part tests tests_gpu 300 $PY -m pytest -q -rs -m gpu -p no:cacheprovider --timeout 280 tests/e2e/test_gpu.py tests/gpus \
   tests/pool/test_gpu_pool.py tests/script/test_script_examples.py tests/slurm/test_slurm_submit.py tests/loggers/test_metrics.py
+# Before the benchmarks: what must pass comes first. -v: a line per test as it ends, so a log cut off at the
+# part's limit still names each failure (-q's dots did not, 2026-11-27); --durations: what took long there.
+part fast fast_tier 240 $PY -m pytest -v -rfE --durations=15 --maxfail=40 -n 8 -p no:cacheprovider \
+  -m "not slow and not slurm and not gpu" --timeout 120
 part bench bench_run_api_gpu 240 $PY bench/bench_run_api.py --gpu --nproc 1 --rounds 3 --steps 3000 --control
 # the same with a step the GPU's work decides (~5 ms): a loop that waits for the GPU idles it
 part bench bench_run_api_gpu_bound 200 $PY bench/bench_run_api.py --gpu --nproc 1 --rounds 3 --steps 600 --chunk 50 \
   --control +task.hidden=16384
 part bench bench_startup_gpu 150 $PY bench/bench_ddp_overhead.py --gpu --nproc 1 --rounds 0 --launches 3 \
   --launch-steps 300
-part fast fast_tier 150 $PY -m pytest -q --maxfail=40 -n 8 -p no:cacheprovider -m "not slow and not slurm and not gpu" --timeout 200
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.log"

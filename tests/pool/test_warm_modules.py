@@ -44,10 +44,11 @@ def test_the_fork_server_starts_at_the_launchers_set_up_and_the_first_launch_tak
     params = {k: v for k, v in dataclasses.asdict(GpuPoolLauncherConf()).items() if k != "_target_"}
     GpuPoolLauncher(**params).setup(hydra_context=None, task_function=None, config=cfg)
     try:
-        ahead = launch._kept[(sweep / STATE, False)]
-        assert ahead.alive()
-        assert launch._server(sweep / STATE, False, ["torch"]) is ahead   # what launch() does first
-        launch._keep(ahead, sweep / STATE, False)
+        # kept by its state dir and whether its jobs' GPUs are hidden from it (on a GPU node they are)
+        [((state, hide_gpus), ahead)] = launch._kept.items()
+        assert state == sweep / STATE and ahead.alive()
+        assert launch._server(state, hide_gpus, ["torch"]) is ahead   # what launch() does first
+        launch._keep(ahead, state, hide_gpus)
     finally:
         launch._close_kept()   # at exit: a sweep that ended before its first launch (a bad override)
     assert ahead.proc.poll() is not None   # closed with its process group

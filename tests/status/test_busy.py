@@ -78,8 +78,10 @@ def test_two_jobs_a_sweep_gives_one_dir_cannot_both_run_there(tmp_path):
     """A subdir pattern that gives two jobs one dir, on a pool that starts both at once: one trains there, the
     other is refused (its claim and the first's cannot both pass: expgpu.status.busy.claim)."""
     sweep = tmp_path / "sweep"
+    # Both on CPU slots, on a GPU node too: there a job on the GPU claims the dir only after CUDA's start
+    # (seconds), and the CPU slot's job may have finished by then, which leaves nothing to refuse.
     done = multirun(["hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2", "task=a", "task.max_steps=2000",
-                     "task.seed=0,1", "hydra.sweep.subdir=same"], sweep, clean_env())
+                     "task.seed=0,1", "hydra.sweep.subdir=same"], sweep, clean_env(CUDA_VISIBLE_DEVICES=""))
     assert done.returncode == 2, done.stderr   # a job's user error: the sweep's code
     pool = json.loads((sweep / "pool.json").read_text())
     assert sorted(j["state"] for j in pool["jobs"]) == ["failed", "finished"], pool["jobs"]
