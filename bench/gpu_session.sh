@@ -5,7 +5,7 @@
 #     bash bench/gpu_session.sh [OUT_DIR]
 #     PARTS="main tests fast" bash bench/gpu_session.sh  # some of: main tests fast bench
 #
-# All four parts take ~11 min on an H100 node (bench ~6, fast ~3): more than one 10-minute device call, so
+# All four parts take ~11 min on an H100 node (bench ~6, fast 3 or more): more than one 10-minute device call, so
 # run them as two calls, "main tests fast" and then "bench".
 #
 # Each part has its own time limit and its own log under OUT_DIR (default /tmp/expgpu-gpu); the
