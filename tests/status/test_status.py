@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, expgpu, multirun, start, wait_for_progress, wait_until
+from conftest import REPO, clean_env, expgpu, multirun, start, wait_for_progress, wait_until, write_job
+from expgpu.status.table import number
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("test_status")]
 
@@ -58,8 +59,12 @@ def test_runs_and_sweeps_newest_first(outputs):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].split() == ["STATUS", "STEP", "METRICS", "GPUS", "ELAPSED", "ETA", "DIR"]
-    # the sweep, started after the run, first; one row, its jobs counted
-    assert lines[1].split()[:6] == ["sweep:", "finished", "2", "jobs", "2", "finished"]
+    # the sweep, started after the run, first; one row, its jobs counted, and its best job's value by the
+    # sweep report's rule (its report.csv): the training loss both jobs returned, the lower
+    sweep = outputs / "multirun" / "2025-01-01" / "11-00-00"
+    best = min(json.loads((sweep / job / "result.json").read_text())["metrics"]["final_loss"] for job in "01")
+    assert lines[1].split()[:9] == ["sweep:", "finished", "2", "jobs", "2", "finished;", "best", "final_loss",
+                                    number(best)]
     assert lines[1].endswith("outputs/multirun/2025-01-01/11-00-00")
     assert lines[2].split()[:3] == ["finished", "20/20", "(100"]
     assert "final_loss" in lines[2] and lines[2].endswith("outputs/2025-01-01/10-00-00")
@@ -68,6 +73,7 @@ def test_runs_and_sweeps_newest_first(outputs):
     rows = rows_of(str(outputs))
     assert [r["kind"] for r in rows] == ["sweep", "run"]
     assert rows[0]["jobs"] == {"finished": 2} and rows[0]["status"] == "finished"
+    assert rows[0]["metrics"] == {"final_loss": best}
     run = rows[1]
     assert (run["status"], run["step"], run["max_steps"], run["gpus"]) == ("finished", 20, 20, "cpu")
     assert run["pid"] and run["host"] == socket.gethostname() and run["elapsed_s"] > 0
@@ -109,6 +115,33 @@ def test_a_running_run_then_killed_is_lost(tmp_path):
     assert row["status"] == "lost" and row["eta_s"] is None
     assert "is gone, without a result.json" in row["note"]
     assert f"{run_dir.name}: its process ({proc.pid}) is gone" in status(str(tmp_path / "outputs")).stdout
+
+
+def test_a_sweeps_row_shows_its_best_by_the_reports_ranking_once_a_job_has_the_metric(tmp_path):
+    """Grid sweeps too: the report marks the best job in its report.csv (as jobs end, while it is live)."""
+    from expgpu import report
+    from expgpu.status.sweeps import rows
+
+    def reported(sweep: Path) -> dict:
+        ranked = report.collect(sweep)
+        report.write(sweep, ranked, report.rank(ranked), plot=False)
+        [row] = rows(sweep.parent, expand=False)
+        return row.metrics
+
+    sweep = tmp_path / "grid"
+    sweep.mkdir()
+    (sweep / "multirun.yaml").write_text("{}\n")
+    write_job(sweep / "0", ["lr=0.1"], {}, status="running")   # nothing returned yet: no best
+    assert reported(sweep) == {}
+    write_job(sweep / "0", ["lr=0.1"], {"accuracy": 0.91, "final_loss": 0.2})
+    write_job(sweep / "1", ["lr=0.01"], {"accuracy": 0.95, "final_loss": 0.3})
+    assert reported(sweep) == {"accuracy": 0.95}   # a score: higher is better, as the report ranks it
+    (sweep / report.CSV_FILE).write_text("not,the,report\n")
+    assert rows(tmp_path, expand=False)[0].metrics == {}
+    # A search of two objectives has no single best: its study says so, whatever the report ranks by
+    (sweep / "study.json").write_text(json.dumps(
+        {"objective": ["accuracy", "final_loss"], "directions": ["maximize", "minimize"], "trials": []}))
+    assert reported(sweep) == {}
 
 
 # Synthetic run dirs: what a kill mid-write, another host or SLURM's queue leave

@@ -9,6 +9,7 @@ slurm_pool sweep's allocation while SLURM queues it (.slurm_pool/job.json).
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import time
@@ -16,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from expgpu import rundir
+from expgpu.report import CSV_FILE
 from expgpu.report.collect import is_job_dir, is_sweep_dir, job_dirs
 from expgpu.results import allocation_job
 from expgpu.rundir import POOL_RECORD, STUDY
@@ -100,6 +102,21 @@ def _best(objective: list[str], directions: list[str], trials: dict[Path, dict])
     return {objective[0]: pick(values)}
 
 
+def _reported_best(sweep: Path) -> dict[str, float]:
+    """Any other sweep's best so far, by the sweep report's rule (expgpu.report.best): its report.csv (rewritten
+    as jobs end while the sweep runs) marks the best job, and its first column after `status` is the ranking
+    metric. {} without a report, or before a job has the metric."""
+    try:
+        with open(sweep / CSV_FILE, newline="") as f:
+            table = csv.reader(f)
+            header = next(table)
+            at, mark = header.index("status") + 1, header.index("best")
+            best = next((r for r in table if len(r) == len(header) and r[mark] == "yes"), None)
+        return {header[at]: float(best[at])} if best is not None and header[at] != "steps" else {}
+    except (OSError, ValueError, StopIteration, csv.Error):   # torn, or not the report's: no best to show
+        return {}
+
+
 def _objective_first(row: RunRow, objective: list[str], trial: dict | None) -> None:
     """A trial's row leads with the search's objective: the value it was judged by. Its last row of metrics.jsonl
     may not hold it (a running trial between evaluations): the latest value it reported to the study then."""
@@ -142,7 +159,7 @@ def sweep_jobs(sweep: Path, now: float, study: tuple) -> tuple[list[RunRow], lis
 
 def sweep_row(sweep: Path, jobs: list[RunRow], best: dict[str, float] | None = None) -> RunRow:
     """A sweep as one row: its jobs by status, the most pressing of them (or of its allocation's) as its own;
-    `best`: an optimizing sweep's best value so far (_best)."""
+    `best`: its best value so far (_best, _reported_best)."""
     counts = Counter(r.status for r in jobs if r.kind != "allocation")
     every = Counter(r.status for r in jobs)
     status = next((s for s in _SWEEP_ORDER if every.get(s)), next(iter(every), "empty"))
@@ -171,7 +188,8 @@ def rows(top: Path, expand: bool | None = None, now: float | None = None) -> lis
     bests: dict[Path, dict[str, float]] = {}
     for sweep in sweeps:
         study = _study(sweep)
-        bests[sweep] = _best(*study)
+        # a search's from its study (for several objectives, none: no single best), else the report's
+        bests[sweep] = _best(*study) if study[0] else _reported_best(sweep)
         jobs, waiting = sweep_jobs(sweep, now, study)
         by_sweep.append((sweep, jobs))
         unstarted.update({j: sweep for j in waiting})

@@ -36,7 +36,7 @@ def step(row: RunRow) -> str:
 
 
 def metrics(row: RunRow) -> str:
-    if row.kind == "sweep":   # its jobs by status; an optimizing sweep's best value so far
+    if row.kind == "sweep":   # its jobs by status; its best value so far
         counts = ", ".join(f"{n} {s}" for s, n in sorted((row.jobs or {}).items(), key=lambda kv: -kv[1]))
         return counts + "".join(f"; best {k} {number(v)}" for k, v in row.metrics.items())
     if row.kind == "allocation":
