@@ -5,8 +5,8 @@
 #     bash bench/gpu_session.sh [OUT_DIR]
 #     PARTS="main tests fast" bash bench/gpu_session.sh  # some of: main tests fast bench
 #
-# All four parts take ~11 min on an H100 node (bench ~6, fast 3 or more): more than one 10-minute device call, so
-# run them as two calls, "main tests fast" and then "bench".
+# All four parts take ~11 min on an H100 node (bench ~6, fast 3 or more): more than one 10-minute call
+# of a lent machine, so run them as two calls, "main tests fast" and then "bench".
 #
 # Each part has its own time limit and its own log under OUT_DIR (default /tmp/expgpu-gpu); the
 # summary at the end says which passed. Parts: the machine; the main job on the GPU (fp32, bf16,
