@@ -87,6 +87,11 @@ def test_a_sweep_dir_shows_its_jobs(outputs):
     assert all(r["kind"] == "job" and r["status"] == "finished" and r["step"] == 20 for r in rows)
     text = status(str(sweep), via_main=True).stdout
     assert text.count("finished") == 2 and "sweep:" not in text
+    # the best job, by the sweep report's ranking, says so under the table
+    best = min(rows, key=lambda r: r["metrics"]["final_loss"])
+    assert [r["note"] for r in rows if r is not best] == [""]
+    assert best["note"] == f"the sweep's best so far: final_loss {number(best['metrics']['final_loss'])}"
+    assert f"/{Path(best['dir']).name}: {best['note']}" in text
     # a run dir alone: its one row
     assert [r["status"] for r in rows_of(str(outputs / "2025-01-01" / "10-00-00"))] == ["finished"]
 
@@ -136,12 +141,23 @@ def test_a_sweeps_row_shows_its_best_by_the_reports_ranking_once_a_job_has_the_m
     write_job(sweep / "0", ["lr=0.1"], {"accuracy": 0.91, "final_loss": 0.2})
     write_job(sweep / "1", ["lr=0.01"], {"accuracy": 0.95, "final_loss": 0.3})
     assert reported(sweep) == {"accuracy": 0.95}   # a score: higher is better, as the report ranks it
+    notes = {Path(r.dir).name: r.note for r in rows(sweep)}   # the sweep's own listing: its best job says so
+    assert notes == {"0": "", "1": "the sweep's best so far: accuracy 0.95"}
     (sweep / report.CSV_FILE).write_text("not,the,report\n")
     assert rows(tmp_path, expand=False)[0].metrics == {}
-    # A search of two objectives has no single best: its study says so, whatever the report ranks by
-    (sweep / "study.json").write_text(json.dumps(
-        {"objective": ["accuracy", "final_loss"], "directions": ["maximize", "minimize"], "trials": []}))
-    assert reported(sweep) == {}
+    # A search's best is its study's: the best complete trial's value, and its job
+    def study(objective: list[str], directions: list[str]) -> None:
+        trials = [{"job_dir": str(sweep / job), "state": "COMPLETE", "values": [value]}
+                  for job, value in (("0", 0.2), ("1", 0.3))]
+        (sweep / "study.json").write_text(json.dumps(
+            {"objective": objective, "directions": directions, "trials": trials}))
+
+    study(["final_loss"], ["minimize"])
+    assert reported(sweep) == {"final_loss": 0.2}
+    assert {Path(r.dir).name: r.note for r in rows(sweep)}["0"] == "the sweep's best so far: final_loss 0.2"
+    # ... and one of two objectives has no single best, whatever the report ranks by
+    study(["accuracy", "final_loss"], ["maximize", "minimize"])
+    assert reported(sweep) == {} and not any(r.note for r in rows(sweep))
 
 
 # Synthetic run dirs: what a kill mid-write, another host or SLURM's queue leave

@@ -23,6 +23,7 @@ from expgpu.results import allocation_job
 from expgpu.rundir import POOL_RECORD, STUDY
 from expgpu.status import queue
 from expgpu.status.read import QUEUED_STATES, RunRow, read_run, settle
+from expgpu.status.table import number
 
 DEPTH = 4
 # Which status a sweep row shows, from its jobs': the first that any job has (a search whose trials finished
@@ -91,18 +92,23 @@ def _study(sweep: Path) -> tuple[list[str], list[str], dict[Path, dict]]:
     return objective, directions, trials
 
 
-def _best(objective: list[str], directions: list[str], trials: dict[Path, dict]) -> dict[str, float]:
+# A sweep's best value so far ({name: value}, or {}) and the dir of the job that has it (None: no job named)
+Best = tuple[dict[str, float], Path | None]
+
+
+def _best(objective: list[str], directions: list[str], trials: dict[Path, dict]) -> Best:
     """A single-objective search's best value so far, over its completed trials ({} before one, and for several
     objectives, which have no single best): what its sweep's row shows."""
-    values = [t["values"][0] for t in trials.values() if t.get("state") == "COMPLETE"
-              and isinstance(t.get("values"), list) and t["values"] and isinstance(t["values"][0], (int, float))]
-    if len(objective) != 1 or not values:
-        return {}
+    done = [(t["values"][0], path) for path, t in trials.items() if t.get("state") == "COMPLETE"
+            and isinstance(t.get("values"), list) and t["values"] and isinstance(t["values"][0], (int, float))]
+    if len(objective) != 1 or not done:
+        return {}, None
     pick = max if directions[:1] == ["maximize"] else min
-    return {objective[0]: pick(values)}
+    value, path = pick(done, key=lambda vp: vp[0])
+    return {objective[0]: value}, path
 
 
-def _reported_best(sweep: Path) -> dict[str, float]:
+def _reported_best(sweep: Path) -> Best:
     """Any other sweep's best so far, by the sweep report's rule (expgpu.report.best): its report.csv (rewritten
     as jobs end while the sweep runs) marks the best job, and its first column after `status` is the ranking
     metric. {} without a report, or before a job has the metric."""
@@ -110,11 +116,21 @@ def _reported_best(sweep: Path) -> dict[str, float]:
         with open(sweep / CSV_FILE, newline="") as f:
             table = csv.reader(f)
             header = next(table)
-            at, mark = header.index("status") + 1, header.index("best")
+            at, mark, where = header.index("status") + 1, header.index("best"), header.index("dir")
             best = next((r for r in table if len(r) == len(header) and r[mark] == "yes"), None)
-        return {header[at]: float(best[at])} if best is not None and header[at] != "steps" else {}
+        if best is None or header[at] == "steps":
+            return {}, None
+        return {header[at]: float(best[at])}, Path(best[where]).resolve() if best[where] else None
     except (OSError, ValueError, StopIteration, csv.Error):   # torn, or not the report's: no best to show
-        return {}
+        return {}, None
+
+
+def _mark_best(jobs: list[RunRow], best: Best) -> None:
+    """In a sweep's own listing, the job with its best value says so (a line under the table)."""
+    values, where = best
+    row = next((r for r in jobs if where is not None and Path(r.dir).resolve() == where), None)
+    if row is not None and values and not row.note:
+        row.note = "the sweep's best so far: " + ", ".join(f"{k} {number(v)}" for k, v in values.items())
 
 
 def _objective_first(row: RunRow, objective: list[str], trial: dict | None) -> None:
@@ -185,7 +201,7 @@ def rows(top: Path, expand: bool | None = None, now: float | None = None) -> lis
     by_sweep: list[tuple[Path, list[RunRow]]] = []
     unstarted: dict[str, Path] = {}
     allocations = {sweep: job for sweep in sweeps if (job := allocation_job(sweep))}
-    bests: dict[Path, dict[str, float]] = {}
+    bests: dict[Path, Best] = {}
     for sweep in sweeps:
         study = _study(sweep)
         # a search's from its study (for several objectives, none: no single best), else the report's
@@ -212,7 +228,8 @@ def rows(top: Path, expand: bool | None = None, now: float | None = None) -> lis
             row = _allocation_row(sweep, allocations[sweep], (answer or {}).get(allocations[sweep]), jobs)
             jobs += [row] if row else []
         if expand:
-            out += jobs or [sweep_row(sweep, jobs, bests[sweep])]   # none yet: the sweep itself, empty
+            _mark_best(jobs, bests[sweep])   # after settle(), which may set a row's note
+            out += jobs or [sweep_row(sweep, jobs, bests[sweep][0])]   # none yet: the sweep itself, empty
         else:
-            out.append(sweep_row(sweep, jobs, bests[sweep]))
+            out.append(sweep_row(sweep, jobs, bests[sweep][0]))
     return sorted(out, key=lambda r: -(r.started or 0.0))
