@@ -191,6 +191,18 @@ def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 90) -> Run:
     return Run(proc.returncode, out, err, run_dir)
 
 
+def left_early(cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    """`CMD | head -1`: the reader takes the first line of a long output (over a pipe's 64 KiB) and leaves;
+    the command's exit code, that line and its stderr."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.wait(timeout=timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, first, err)
+
+
 def write_job(job_dir: Path, overrides: list[str], metrics: dict,
               series: dict[str, list[tuple[int, float]]] | None = None, status: str = "finished",
               objective: str | None = None) -> Path:

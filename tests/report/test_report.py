@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, write_job
+from conftest import REPO, clean_env, left_early, write_job
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("test_report")]
 
@@ -299,10 +299,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback_and_the_files_are_written(
     """`expgpu-report DIR | head -1`: the table is longer than a pipe holds (64 KiB)."""
     for i in range(600):
         write_job(tmp_path / str(i), [f"task.seed={i}", "task=a"], {"final_loss": 1.0 / (i + 1)})
-    proc = subprocess.Popen([sys.executable, "-m", "expgpu.report", str(tmp_path), "--no-plot"], cwd=REPO,
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    first = proc.stdout.readline()
-    proc.stdout.close()
-    err = proc.stderr.read()
-    assert proc.wait(timeout=120) == 0 and first.startswith("ranked by final_loss") and err == "", err[-2000:]
+    done = left_early([sys.executable, "-m", "expgpu.report", str(tmp_path), "--no-plot"], timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("ranked by final_loss") and done.stderr == "", \
+        done.stderr[-2000:]
     assert len(rows_of(tmp_path / "report.csv")) == 600   # written after the table, all the same

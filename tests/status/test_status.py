@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, expgpu, multirun, start, wait_for_progress, wait_until, write_job
+from conftest import REPO, clean_env, expgpu, left_early, multirun, start, wait_for_progress, wait_until, write_job
 from expgpu.status.table import number
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("test_status")]
@@ -292,17 +292,6 @@ def test_bad_dir_is_one_line_exit_2(tmp_path, what):
         assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
         assert done.stderr.startswith(f"expgpu status: error: {target}: ")
     assert status("--watch", "0", str(target)).returncode == 2
-
-
-def left_early(cmd: list[str]) -> subprocess.CompletedProcess:
-    """`CMD | head -1`: the reader takes one line of a long output (over a pipe's 64 KiB) and leaves."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    first = proc.stdout.readline()
-    proc.stdout.close()
-    err = proc.stderr.read()
-    proc.wait(timeout=60)
-    return subprocess.CompletedProcess(cmd, proc.returncode, first, err)
 
 
 def test_a_reader_that_leaves_early_ends_it_quietly(tmp_path):

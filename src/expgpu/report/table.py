@@ -84,3 +84,20 @@ def write_csv(rows: list[Row], ranking: Ranking, path: Path) -> None:
                     *("" if r.metrics.get(m) is None else repr(r.metrics[m]) for m in metrics), fmt(r.steps),
                     "" if r.wall_s is None else r.wall_s, r.devices, " ".join(r.overrides), r.dir or "", r.error])
     atomic_write_bytes(path, out.getvalue().encode())
+
+
+def best_in_csv(path: Path) -> tuple[str, float, Path | None] | None:
+    """What write_csv wrote about the best job: (the ranking metric, the job's value of it, its dir); None without
+    a best (nothing ranked yet) or a file of this layout (torn, or not the report's)."""
+    try:
+        with open(path, newline="") as f:
+            table = csv.reader(f)
+            header = next(table)
+            # the ranking metric is the first metric column: the first after `status`
+            at, mark, where = header.index("status") + 1, header.index("best"), header.index("dir")
+            best = next((r for r in table if len(r) == len(header) and r[mark] == "yes"), None)
+        if best is None or header[at] == "steps":
+            return None
+        return header[at], float(best[at]), Path(best[where]) if best[where] else None
+    except (OSError, ValueError, StopIteration, csv.Error):
+        return None

@@ -9,7 +9,6 @@ slurm_pool sweep's allocation while SLURM queues it (.slurm_pool/job.json).
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 from expgpu import rundir
 from expgpu.report import CSV_FILE
 from expgpu.report.collect import is_job_dir, is_sweep_dir, job_dirs
+from expgpu.report.table import best_in_csv
 from expgpu.results import allocation_job
 from expgpu.rundir import POOL_RECORD, STUDY
 from expgpu.status import queue
@@ -109,27 +109,22 @@ def _best(objective: list[str], directions: list[str], trials: dict[Path, dict])
 
 
 def _reported_best(sweep: Path) -> Best:
-    """Any other sweep's best so far, by the sweep report's rule (expgpu.report.best): its report.csv (rewritten
-    as jobs end while the sweep runs) marks the best job, and its first column after `status` is the ranking
-    metric. {} without a report, or before a job has the metric."""
-    try:
-        with open(sweep / CSV_FILE, newline="") as f:
-            table = csv.reader(f)
-            header = next(table)
-            at, mark, where = header.index("status") + 1, header.index("best"), header.index("dir")
-            best = next((r for r in table if len(r) == len(header) and r[mark] == "yes"), None)
-        if best is None or header[at] == "steps":
-            return {}, None
-        return {header[at]: float(best[at])}, Path(best[where]).resolve() if best[where] else None
-    except (OSError, ValueError, StopIteration, csv.Error):   # torn, or not the report's: no best to show
+    """Any other sweep's best so far, by the sweep report's rule (expgpu.report.best), as its report.csv marks it
+    (rewritten as jobs end while the sweep runs). {} without a report, or before a job has the metric."""
+    found = best_in_csv(sweep / CSV_FILE)
+    if found is None:
         return {}, None
+    metric, value, where = found
+    return {metric: value}, where.resolve() if where is not None else None
 
 
 def _mark_best(jobs: list[RunRow], best: Best) -> None:
     """In a sweep's own listing, the job with its best value says so (a line under the table)."""
     values, where = best
-    row = next((r for r in jobs if where is not None and Path(r.dir).resolve() == where), None)
-    if row is not None and values and not row.note:
+    if not values or where is None:
+        return
+    row = next((r for r in jobs if Path(r.dir).resolve() == where), None)
+    if row is not None and not row.note:
         row.note = "the sweep's best so far: " + ", ".join(f"{k} {number(v)}" for k, v in values.items())
 
 
