@@ -1,6 +1,8 @@
 # make run   -> set up .venv on first use, then: python -m expgpu task=a gpu_map=ranked
 # make test  -> set up .venv on first use, then: make docs, the whole test suite (.ci/run runs this)
 # make check -> ruff, then the fast tier: every module's logic in this process, no ranks, sweeps or SLURM
+# make check-gpu-node -> the fast tier as if this machine had one GPU (NVML's answers only): a test that would
+#               put a job on a GPU node's GPU fails here (this torch has no CUDA); no GPU needed
 # make docs  -> the documentation site (mkdocs.yml, docs/) into site/, --strict: a broken link fails
 # make lint  -> ruff (lint + import order, 120 columns): also the first step of make test and make check
 # Extra arguments: make run ARGS="launch.nproc_per_node=2"   make test ARGS="-k ranks"
@@ -13,7 +15,7 @@ STAMP := $(VENV)/.expgpu-setup
 # worker, and so its expensive module-scoped fixture (an uninterrupted reference run, a real sweep).
 TEST_WORKERS ?= 3
 
-.PHONY: run test check lint docs setup bench slurm-up slurm-down
+.PHONY: run test check check-gpu-node lint docs setup bench slurm-up slurm-down
 run: $(STAMP)
 	$(PY) -m expgpu task=a gpu_map=ranked $(ARGS)
 
@@ -22,6 +24,10 @@ test: lint docs
 
 check: lint
 	$(PY) -m pytest -q -m "not slow and not slurm and not gpu" $(ARGS)
+
+check-gpu-node: $(STAMP)
+	PYTHONPATH=tests/helpers/one_gpu_nvml$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(PY) -m pytest -q -rfE -m "not slow and not slurm and not gpu" $(ARGS)
 
 # Not --quiet: it hides the warnings that --strict counts (a broken link would pass). NO_MKDOCS_2_WARNING:
 # material's notice about its end of life, once a build, is no finding of ours.

@@ -69,6 +69,14 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def cpu_env(**extra: str) -> dict[str, str]:
+    """clean_env for runs whose subject is not the GPU: on the CPU on a GPU node too, as on a CPU machine.
+    There a node's GPU changes what such a test sees: gpu_pool runs one job per GPU instead of on its CPU
+    slots (two jobs no longer train at once), a job's start waits for CUDA's, and the plan and the log lines
+    name the GPU. GPUs simulated by inventory.simulate are hidden too (the mask narrows them): not for those."""
+    return clean_env(CUDA_VISIBLE_DEVICES="", **extra)
+
+
 def pythonpath(*first) -> str:
     """`first` (paths), then the test run's own PYTHONPATH, as one PYTHONPATH."""
     return os.pathsep.join([*map(str, first), *filter(None, [os.environ.get("PYTHONPATH")])])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, expgpu, finish, multirun, start, wait_for_progress, wait_until
+from conftest import clean_env, cpu_env, expgpu, finish, multirun, start, wait_for_progress, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,30 +29,31 @@ def _files(where: Path) -> dict[str, bytes]:
 def test_a_second_run_in_a_live_runs_dir_is_refused_and_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
     args = ["task=a", "task.max_steps=100000", "task.log_every=5", "faults.device_ms_per_example=0.5"]
-    proc = start(args, run_dir)
+    env = cpu_env()
+    proc = start(args, run_dir, env)
     try:
         wait_for_progress(proc, run_dir)
         before = _files(run_dir)
-        second = expgpu([*args, "task.optimizer.lr=0.5"], run_dir)
+        second = expgpu([*args, "task.optimizer.lr=0.5"], run_dir, env)
         assert second.returncode == 2, second.stderr
         line = second.stderr.strip().splitlines()[-1]
         assert line.startswith(f"expgpu: error: {run_dir}: a run is in progress there (pid {proc.pid} on ")
         assert "another hydra.run.dir (a sweep job: hydra.sweep.subdir" in line and "Traceback" not in second.stderr
         # its config, the process record, no failure record: the live run's files as they were
         assert _files(run_dir) == before and not (run_dir / ".expgpu" / "failure.json").exists()
-        dry = expgpu([*args, "dry_run=true"], run_dir)
+        dry = expgpu([*args, "dry_run=true"], run_dir, env)
         assert dry.returncode == 2 and "a run is in progress there" in dry.stderr
     finally:
         os.killpg(proc.pid, signal.SIGINT)   # stops and saves
     stopped = finish(proc, run_dir)
     assert stopped.returncode == 130, stopped.stderr
-    again = expgpu([*args, "dry_run=true"], run_dir)   # gone, the same command runs there
+    again = expgpu([*args, "dry_run=true"], run_dir, env)   # gone, the same command runs there
     assert again.returncode == 0, again.stderr
 
 
 def test_a_second_sweep_in_a_live_sweeps_dir_is_refused(tmp_path):
     sweep = tmp_path / "sweep"
-    env = clean_env()
+    env = cpu_env()   # both jobs at once on the CPU slots (a GPU node's one GPU would run them in turn)
     args = ["hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2", "task=a", "task.max_steps=100000",
             "faults.device_ms_per_example=0.5", "task.seed=0,1"]
     first = subprocess.Popen([sys.executable, "-m", "expgpu", "-m", *args, f"hydra.sweep.dir={sweep}"],
@@ -78,10 +79,10 @@ def test_two_jobs_a_sweep_gives_one_dir_cannot_both_run_there(tmp_path):
     """A subdir pattern that gives two jobs one dir, on a pool that starts both at once: one trains there, the
     other is refused (its claim and the first's cannot both pass: expgpu.status.busy.claim)."""
     sweep = tmp_path / "sweep"
-    # Both on CPU slots, on a GPU node too: there a job on the GPU claims the dir only after CUDA's start
-    # (seconds), and the CPU slot's job may have finished by then, which leaves nothing to refuse.
+    # Both on CPU slots, on a GPU node too (cpu_env): there a job on the GPU claims the dir only after CUDA's
+    # start (seconds), and the CPU slot's job may have finished by then, which leaves nothing to refuse.
     done = multirun(["hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2", "task=a", "task.max_steps=2000",
-                     "task.seed=0,1", "hydra.sweep.subdir=same"], sweep, clean_env(CUDA_VISIBLE_DEVICES=""))
+                     "task.seed=0,1", "hydra.sweep.subdir=same"], sweep, cpu_env())
     assert done.returncode == 2, done.stderr   # a job's user error: the sweep's code
     pool = json.loads((sweep / "pool.json").read_text())
     assert sorted(j["state"] for j in pool["jobs"]) == ["failed", "finished"], pool["jobs"]

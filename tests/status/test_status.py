@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, expgpu, left_early, multirun, start, wait_for_progress, wait_until, write_job
+from conftest import REPO, clean_env, cpu_env, expgpu, left_early, multirun, start, wait_for_progress, wait_until, write_job
 from expgpu.status.table import number
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("test_status")]
@@ -44,12 +44,11 @@ def by_dir(rows: list[dict]) -> dict[str, dict]:
 def outputs(tmp_path_factory) -> Path:
     """outputs/ as a user's: one finished run, and a gpu_pool sweep of two jobs on CPU slots."""
     top = tmp_path_factory.mktemp("status") / "outputs"
-    run = expgpu(["task=a", "task.max_steps=20"], top / "2025-01-01" / "10-00-00",
-                 env=clean_env(CUDA_VISIBLE_DEVICES=""))   # on the CPU on a GPU node too
+    run = expgpu(["task=a", "task.max_steps=20"], top / "2025-01-01" / "10-00-00", env=cpu_env())
     assert run.returncode == 0, run.stderr
     sweep = top / "multirun" / "2025-01-01" / "11-00-00"
     done = multirun(["hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2", "task=a", "task.max_steps=20",
-                     "task.seed=0,1"], sweep, clean_env())
+                     "task.seed=0,1"], sweep, cpu_env())
     assert done.returncode == 0, done.stderr
     return top
 
@@ -100,7 +99,7 @@ def test_a_running_run_then_killed_is_lost(tmp_path):
     run_dir = tmp_path / "outputs" / "2025-01-02" / "09-00-00"
     # its ranks in its own process group (no warm server's), so that one SIGKILL ends them all
     proc = start(["task=a", "task.max_steps=100000", "task.log_every=5", "faults.device_ms_per_example=0.5"],
-                 run_dir, env=clean_env(EXPGPU_WARM_SERVER=""))
+                 run_dir, env=cpu_env(EXPGPU_WARM_SERVER=""))
     try:
         wait_for_progress(proc, run_dir)
 
