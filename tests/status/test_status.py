@@ -16,7 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, cpu_env, expgpu, left_early, multirun, start, wait_for_progress, wait_until, write_job
+from conftest import (
+    REPO,
+    clean_env,
+    cpu_env,
+    expgpu,
+    left_early,
+    multirun,
+    start,
+    wait_for_progress,
+    wait_until,
+    write_job,
+)
 from expgpu.status.table import number
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("test_status")]
