@@ -161,6 +161,10 @@ def test_compile_trains_as_eager_does_and_resumes(tmp_path, eager_a):
      "task.scheduler: cannot build torch.optim.lr_scheduler.StepLR"),
     (["task.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_sise:5}"],
      "task.scheduler: StepLR refused its settings"),
+    # a value the constructor checks (torch's ValueError), as a keyword it does not take
+    (["task.optimizer.lr=-1"], "task.optimizer: Adam refused its settings (ValueError: Invalid learning rate: -1)"),
+    (["task.scheduler={_target_:torch.optim.lr_scheduler.CosineAnnealingWarmRestarts,_partial_:true,T_0:0}"],
+     "task.scheduler: CosineAnnealingWarmRestarts refused its settings (ValueError: Expected positive integer T_0"),
     (["task.loss=hinge"], "task.loss='hinge' is not allowed: mse, cross_entropy or {_target_: ...}"),
     (["task.eval_batch_size=0"], "task.eval_batch_size=0 is not allowed: null (task.batch_size) or an integer >= 1"),
 ])

@@ -117,23 +117,26 @@ def _loss(loss: Any) -> tuple[Any, bool]:
 
 
 def _build(factory: Any, key: str, arg: Any) -> Any:
-    """optimizer(params) / scheduler(optimizer) from a `_partial_: true` config; a keyword it does
-    not take is one line naming it (e.g. +task.optimizer.momentum=0.9 on Adam)."""
+    """optimizer(params) / scheduler(optimizer) from a `_partial_: true` config. What its constructor
+    refuses is one line, as a model or dataset that cannot be built (expgpu.task.build_params): a keyword
+    it does not take, with the ones it does (e.g. +task.optimizer.momentum=0.9 on Adam), or a value it
+    checks (torch's optimizers raise ValueError, e.g. task.optimizer.lr=-1)."""
     if not callable(factory):
         raise UserError(f"task.{key}: needs `_partial_: true` so that expgpu can pass the "
                         f"{'parameters' if key == 'optimizer' else 'optimizer'}")
     try:
         return factory(arg)
-    except TypeError as e:
+    except Exception as e:
         func = getattr(factory, "func", None)
-        takes = ""
-        try:
-            names = [p for p in inspect.signature(func).parameters if p not in ("self", "params", "optimizer")]
-            takes = f"; it takes {', '.join(names)}"
-        except (TypeError, ValueError):
-            pass
-        raise UserError(f"task.{key}: {getattr(func, '__name__', key)} refused its settings "
-                        f"({first_line(e)}){takes}") from None
+        name, takes = getattr(func, "__name__", key), ""
+        if isinstance(e, TypeError):
+            try:
+                names = [p for p in inspect.signature(func).parameters if p not in ("self", "params", "optimizer")]
+                takes = f"; it takes {', '.join(names)}"
+            except (TypeError, ValueError):
+                pass
+            raise UserError(f"task.{key}: {name} refused its settings ({first_line(e)}){takes}") from None
+        raise UserError(f"task.{key}: {name} refused its settings ({type(e).__name__}: {first_line(e)})") from None
 
 
 def _data(run: Run, dataset, given: int, batch_size: int, loss_fn, ddp: bool, accumulate: int):
