@@ -669,6 +669,18 @@ def test_bad_launcher_settings_are_one_line_errors(tmp_path, override, message):
     assert not sweep.records("start"), "no job may start"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_gpu_listed_where_there_is_none_is_one_line(tmp_path):
+    sweep = Sweep(tmp_path)
+    done = sweep.run(["task=sleep", "task.model.tag=0,1", "inventory.simulate=[]", "hydra.launcher.gpus=[3]"],
+                     timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == ("expgpu: error: hydra.launcher.gpus: GPU 3 is not on this machine, "
+                                                    "which shows no GPU; allowed: all (here: the CPU slots)")
+    assert not sweep.records("start"), "no job may start"
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_real_gpus_one_job_per_gpu(tmp_path):

@@ -105,9 +105,13 @@ def pool_gpus(s: Settings, simulate: Any = None) -> list:
     by_index = {g.index: g for g in visible}
     for i in s.gpus:
         if i not in by_index:
-            seen = ", ".join(str(g) for g in sorted(by_index)) or "none"
             mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if not by_index:   # `all` then runs the jobs on CPU slots (hydra.launcher.cpu_slots)
+                shown = f" (CUDA_VISIBLE_DEVICES={mask!r})" if mask is not None else ""
+                raise UserError(f"hydra.launcher.gpus: GPU {i} is not on this machine, which shows no GPU{shown}; "
+                                "allowed: all (here: the CPU slots)")
             why = f" (CUDA_VISIBLE_DEVICES={mask!r} hides the others)" if mask is not None else ""
+            seen = ", ".join(str(g) for g in sorted(by_index))
             raise UserError(f"hydra.launcher.gpus: GPU {i} is not on this machine; allowed: all, or "
                             f"a list of {seen}{why}")
     return [by_index[i] for i in s.gpus]
