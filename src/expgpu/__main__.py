@@ -55,6 +55,8 @@ def _one_line(e: BaseException) -> str | None:
         key = getattr(cause, "full_key", None) or ""
         msg = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
         if type(cause).__name__ in ("ConfigKeyError", "ConfigAttributeError") and key:
+            if key == "experiment":
+                return _no_experiment_group(e)
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             allowed = schema_keys(parent)
             node = getattr(cause, "parent_node", None)
@@ -138,6 +140,17 @@ def _completion_for_python_m(args: list[str]) -> bool:
                 print("unset _HYDRA_OLD_COMP")
                 return True
     return False
+
+
+def _no_experiment_group(e: BaseException) -> str:
+    """`experiment=X` where no config dir has an experiment/ group (expgpu ships none): Hydra takes it for a
+    key of the config, and its advice (+experiment=X) would only add an unknown key."""
+    hint = _append_hint(e)
+    given = hint.split("+", 1)[1].rstrip(")") if "+" in hint else "experiment=NAME"
+    name = given.split("=", 1)[1] if "=" in given else "NAME"
+    return (f"{given}: no experiment/ group on the config search path; an experiment is a file "
+            f"experiment/{name}.yaml (first line `# @package _global_`) in a dir of your own, given with "
+            f"--config-dir (python -m expgpu --config-dir my_conf {given})")
 
 
 def _append_hint(e: BaseException) -> str:

@@ -192,6 +192,9 @@ def test_user_task_from_own_config_dir(tmp_path):
     (["task.optimizer._target_=torch.optim.SGDD"], "torch.optim has no attribute 'SGDD'"),
     (["task.batch_size=abc"], "task.batch_size"),
     (["task=nope"], "task/nope"),
+    (["experiment=short"], "experiment=short: no experiment/ group on the config search path; an experiment is a "
+                           "file experiment/short.yaml (first line `# @package _global_`) in a dir of your own, "
+                           "given with --config-dir (python -m expgpu --config-dir my_conf experiment=short)"),
     (["gpu_map=ranked", "gpu_map.strategy=fastest"], "gpu_map.strategy"),
     (["task.batch_size=0"], "task.batch_size=0"),
     (["gpu_map=custom", "gpu_map.gpus=[0,0]", "launch.nproc_per_node=2", "dry_run=true",

@@ -106,9 +106,11 @@ def test_the_logger_group_composes_one_or_several_or_none(tmp_path):
 
 def test_csv_holds_the_rows_of_metrics_jsonl_and_grows_columns(tmp_path):
     # task b logs loss and lr every step and evaluates every 10 steps: eval_loss and accuracy appear later.
-    run = expgpu(["task=b", "task.max_steps=30", "task.log_every=5", "task.eval_every=10"], tmp_path / "run")
+    # logger.csv.file in a dir of its own, which the logger makes
+    run = expgpu(["task=b", "task.max_steps=30", "task.log_every=5", "task.eval_every=10",
+                  "logger.csv.file=csv/metrics.csv"], tmp_path / "run")
     assert run.returncode == 0, run.stderr[-3000:]
-    with open(run.run_dir / "metrics.csv", newline="") as f:
+    with open(run.run_dir / "csv" / "metrics.csv", newline="") as f:
         reader = csv.DictReader(f)
         columns, rows = reader.fieldnames, list(reader)
     assert columns[0] == "step" and columns[-2:] == ["epoch", "time"]

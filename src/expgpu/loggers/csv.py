@@ -31,6 +31,7 @@ class CsvLogger:
         self.written_at = 0.0   # when rows were last handed to the OS
 
     def start(self, resumed: bool, step: int, flushed_before: int) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)   # logger.csv.file=csv/metrics.csv: its dir too
         kept: list[dict] = []
         if resumed and self.path.exists():
             with open(self.path, newline="") as f:
