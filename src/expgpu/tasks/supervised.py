@@ -126,6 +126,8 @@ def _build(factory: Any, key: str, arg: Any) -> Any:
                         f"{'parameters' if key == 'optimizer' else 'optimizer'}")
     try:
         return factory(arg)
+    except UserError:
+        raise
     except Exception as e:
         func = getattr(factory, "func", None)
         name, takes = getattr(func, "__name__", key), ""
