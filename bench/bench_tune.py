@@ -9,6 +9,7 @@ a held-out 20 %) on 2 CPU slots, four ways, with fixed seeds:
   3. expgpu        hydra/sweeper=expgpu_optuna on gpu_pool, no pruning (a trial starts when a slot frees)
   4. expgpu_prune  the same with a pruner (median of the earlier trials' accuracy at each evaluation)
      expgpu_asha   the same with asynchronous successive halving (rungs at 200, 600, 1800 steps, 1/3 go on)
+     expgpu_asha100 the same from step 100 (rungs at 100, 300, 900, 2700 steps, 1/3 go on)
      expgpu_asha2  the same, halving (rungs at 200, 400, 800, 1600 steps, 1/2 go on)
   5. ray_asha      Ray Tune's ASHA with TPE (OptunaSearch), the same loop in a Ray trainable
                    (bench/tune_ray_asha.py), run by --ray-python (a venv with ray[tune]: Ray pins its own
@@ -89,6 +90,11 @@ WAYS = {
     "expgpu_asha": ["hydra/sweeper=expgpu_optuna", "hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2",
                     "hydra/sweeper/pruner=successive_halving", "hydra.sweeper.pruner.min_resource=200",
                     "hydra.sweeper.pruner.reduction_factor=3"],
+    # the same by thirds from the first evaluation: rungs at 100, 300, 900, 2700 steps (a pruned trial costs less,
+    # a rung's judgement is noisier)
+    "expgpu_asha100": ["hydra/sweeper=expgpu_optuna", "hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2",
+                       "hydra/sweeper/pruner=successive_halving", "hydra.sweeper.pruner.min_resource=100",
+                       "hydra.sweeper.pruner.reduction_factor=3"],
     # the original successive halving: the better half of a rung's trials go on (rungs at 200, 400, 800, 1600)
     "expgpu_asha2": ["hydra/sweeper=expgpu_optuna", "hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=2",
                      "hydra/sweeper/pruner=successive_halving", "hydra.sweeper.pruner.min_resource=200",
