@@ -184,6 +184,8 @@ def _bad(good: bytes, kind: str) -> bytes:
     ("world size not dividing the global batch", ["task=a", "launch.nproc_per_node=3"],
      "= a global batch of 64, which 3 ranks cannot share equally"),
     ("other task settings", ["task=a", "task.batch_size=32"], "was written with other task settings"),
+    ("a setting inside a section", ["task=a", "task.model.hidden=64"],   # the key in it, not the whole section
+     "was written with other task settings (task.model.hidden=128, now 64); resume with the same settings"),
 ])
 def test_bad_checkpoint_is_one_line_naming_the_file(tmp_path, good_checkpoint, kind, args, says):
     run_dir = tmp_path / "run"

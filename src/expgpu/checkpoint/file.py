@@ -170,8 +170,20 @@ def _settings_diff(saved: str | None, now: dict[str, Any] | None) -> list[tuple[
 def _described(diffs: list[tuple[str, Any, Any]] | None) -> str:
     if diffs is None:
         return "the settings are not recorded"
-    shown = [f"task.{k}={old!r}, now {new!r}" for k, old, new in diffs]
+    shown = [f"task.{k}={old!r}, now {new!r}" for k, old, new in _leaves(diffs)]
     return "; ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+
+
+def _leaves(diffs: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
+    """A differing section (task.model) as the keys in it that differ (task.model.hidden=128, now 64)."""
+    out = []
+    for key, old, new in diffs:
+        if isinstance(old, dict) and isinstance(new, dict):
+            inner = [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+            out += _leaves([(f"{key}.{k}", o, n) for k, o, n in inner])
+        else:
+            out.append((key, old, new))
+    return out
 
 
 def _length_hint(lengths: dict[str, Any] | None) -> str:
