@@ -225,6 +225,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     assert len(lines) == 1 and needle in lines[0], run.stderr
 
 
+def test_the_sbatch_script_run_outside_a_slurm_job_is_one_line_and_exit_2():
+    done = subprocess.run(["bash", str(REPO / "scripts" / "expgpu.sbatch"), "task=a"], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout, done.stderr)
+    assert done.stderr == ("expgpu.sbatch: error: not inside a SLURM job (SLURM_JOB_ID is not set): submit it with "
+                           "sbatch scripts/expgpu.sbatch task=a; on this machine, python -m expgpu task=a\n")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("var, value", [("SLURM_PROCID", "x"), ("SLURM_NTASKS", "-2"), ("SLURM_PROCID", "7")])
 def test_bad_environment_is_one_line_and_exit_2(tmp_path, var, value):
