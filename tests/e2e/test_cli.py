@@ -225,6 +225,25 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     assert len(lines) == 1 and needle in lines[0], run.stderr
 
 
+@pytest.mark.slow
+def test_a_gpu_node_with_torchs_cpu_build_is_one_line_and_exit_2(tmp_path):
+    # NVML answering as a node with one H100 (tests/helpers/one_gpu_nvml), this machine's torch a CPU build:
+    # the GPU is planned, and torch could only fail at the task's first .to(device), deep in a traceback
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("this torch is a CUDA build: the case is torch's CPU build on a node with GPUs")
+    env = clean_env(PYTHONPATH=str(HELPERS / "one_gpu_nvml"), EXPGPU_WARM_SERVER="")
+    run = expgpu(["task=a", "task.max_steps=3"], tmp_path / "run", env=env)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        "expgpu: error: this node has GPUs (rank 0 was planned GPU 0: NVIDIA H100 80GB HBM3), but this torch "
+        f"{torch.__version__} is a CPU-only build: install a CUDA build of torch (EXPGPU_TORCH, docs/quick-start.md), "
+        "or train on the CPU with CUDA_VISIBLE_DEVICES=''")
+    hidden = expgpu(["task=a", "task.max_steps=3"], tmp_path / "cpu", env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    assert hidden.returncode == 0, hidden.stderr[-3000:]   # what the line says to do
+
+
 def test_the_sbatch_script_run_outside_a_slurm_job_is_one_line_and_exit_2():
     done = subprocess.run(["bash", str(REPO / "scripts" / "expgpu.sbatch"), "task=a"], cwd=REPO, env=clean_env(),
                           capture_output=True, text=True, timeout=30)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from expgpu import envvars, results, rundir
+from expgpu.errors import UserError
 from expgpu.gpus import NodePlan, apply, placement
 from expgpu.launch import failures
 from expgpu.procs import stop_signals
@@ -94,6 +95,12 @@ def _own_gpus(cfg: dict, info: RankInfo, node: NodePlan):
 
     if simulated:
         device = torch.device("cpu")
+    elif device.type == "cuda" and torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        # A GPU node with torch's CPU wheel: NVML sees the GPUs, torch cannot use them ("Torch not compiled
+        # with CUDA enabled" deep in the task's first .to(device))
+        raise UserError(f"this node has GPUs (rank {info.rank} was planned GPU {my_gpus[0].index}: {my_gpus[0].name}), "
+                        f"but this torch {torch.__version__} is a CPU-only build: install a CUDA build of torch "
+                        "(EXPGPU_TORCH, docs/quick-start.md), or train on the CPU with CUDA_VISIBLE_DEVICES=''")
     host = socket.gethostname()
     log.info("rank %d/%d on %s -> %s%s", info.rank, info.world_size, host, device,
              f" (GPU {','.join(str(g.index) for g in my_gpus)}: {my_gpus[0].name})" if my_gpus else "")
@@ -244,7 +251,6 @@ def _metrics(returned, target: str) -> dict:
     """A task function's return value as result.json's metrics: a dict of numbers, or nothing."""
     from collections.abc import Mapping
 
-    from expgpu.errors import UserError
 
     if returned is None:
         return {}

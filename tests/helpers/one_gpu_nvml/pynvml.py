@@ -1,4 +1,5 @@
-"""nvidia-ml-py's pynvml as on a node with one H100, for `make check-gpu-node` only (never on a test's path).
+"""nvidia-ml-py's pynvml as on a node with one H100: for `make check-gpu-node`, and for the one test of a GPU
+node whose torch is the CPU build (tests/e2e/test_cli.py), which this machine is then.
 
 A diagnostic without a GPU: on PYTHONPATH, expgpu's inventory (and each process a test starts) finds one
 GPU, so a fast-tier test that would put a job on a GPU node's GPU does so here, where this torch has no
