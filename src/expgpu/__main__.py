@@ -147,7 +147,7 @@ def _no_experiment_group(e: BaseException) -> str:
     key of the config, and its advice (+experiment=X) would only add an unknown key."""
     hint = _append_hint(e)
     given = hint.split("+", 1)[1].rstrip(")") if "+" in hint else "experiment=NAME"
-    name = given.split("=", 1)[1] if "=" in given else "NAME"
+    name = given.split("=", 1)[1]
     return (f"{given}: no experiment/ group on the config search path; an experiment is a file "
             f"experiment/{name}.yaml (first line `# @package _global_`) in a dir of your own, given with "
             f"--config-dir (python -m expgpu --config-dir my_conf {given})")

@@ -251,7 +251,6 @@ def _metrics(returned, target: str) -> dict:
     """A task function's return value as result.json's metrics: a dict of numbers, or nothing."""
     from collections.abc import Mapping
 
-
     if returned is None:
         return {}
     if not isinstance(returned, Mapping):

@@ -130,15 +130,15 @@ def _build(factory: Any, key: str, arg: Any) -> Any:
         raise
     except Exception as e:
         func = getattr(factory, "func", None)
-        name, takes = getattr(func, "__name__", key), ""
-        if isinstance(e, TypeError):
+        why, takes = f"{type(e).__name__}: {first_line(e)}", ""
+        if isinstance(e, TypeError):   # a keyword it does not take: Python's own message names it
+            why = first_line(e)
             try:
                 names = [p for p in inspect.signature(func).parameters if p not in ("self", "params", "optimizer")]
                 takes = f"; it takes {', '.join(names)}"
             except (TypeError, ValueError):
                 pass
-            raise UserError(f"task.{key}: {name} refused its settings ({first_line(e)}){takes}") from None
-        raise UserError(f"task.{key}: {name} refused its settings ({type(e).__name__}: {first_line(e)})") from None
+        raise UserError(f"task.{key}: {getattr(func, '__name__', key)} refused its settings ({why}){takes}") from None
 
 
 def _data(run: Run, dataset, given: int, batch_size: int, loss_fn, ddp: bool, accumulate: int):
