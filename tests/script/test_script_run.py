@@ -242,6 +242,24 @@ def test_bad_input_is_one_line_before_any_rank_starts(tmp_path):
         assert not list((tmp_path / "run").glob("started-rank*.json"))
 
 
+def test_arguments_the_scripts_parser_refuses_are_one_line_exit_2_and_never_restarted(tmp_path):
+    # argparse's refusal of a task.args value is the user's input, as expgpu's own refusal of a key is
+    run = expgpu([*CONF, "task=script_probe", "launch.nproc_per_node=2", "launch.max_restarts=2",
+                  "task.args.lr=fast"], tmp_path / "run")
+    assert run.returncode == 2, run.stderr
+    line = one_error_line(run)
+    assert line.startswith("expgpu: error: task.args: the script refused its arguments: probe_script.py: error: "
+                           "argument --lr: invalid float value: 'fast' (its arguments, from task.args: --steps 3 "
+                           "--lr fast); its usage: "), line
+    assert "restarting" not in run.stderr and not (run.run_dir / ".expgpu" / "attempts.json").exists()
+    assert run.result["status"] == "failed" and run.result["exit_codes"] == [2, 2]
+    assert "usage: probe_script.py" in (run.run_dir / "logs" / "rank0.script.log").read_text()
+    # exit code 2 alone is no refusal: a script that fails with it, after no usage line, crashed
+    crash = expgpu([*CONF, "task=script_probe", "task.args.fail-rank=0", "task.args.fail-code=2"], tmp_path / "crash")
+    assert crash.returncode == 1, crash.stderr
+    assert "rank 0 failed: its script exited with code 2" in crash.stderr
+
+
 def test_expgpu_log_outside_expgpu_writes_nothing(tmp_path):
     code = "import expgpu\nfor i in range(3): expgpu.log(loss=1.0, step=i)\nprint('ok')\n"
     for env in ({}, {"RANK": "1", "EXPGPU_SCRIPT_RUN_DIR": str(tmp_path)}):   # plain python; a rank other than 0

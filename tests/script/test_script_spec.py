@@ -346,3 +346,17 @@ def test_expgpu_log_refuses_a_rows_own_keys(tmp_path):
         _ScriptLog(tmp_path, False).log(None, {"time": 1.0})
     with pytest.raises(ValueError, match=r"expgpu\.log\(step=1\.5\): an integer"):
         _ScriptLog(tmp_path, False).log(1.5, {"loss": 1.0})
+
+
+@pytest.mark.parametrize("code, tail, refused", [
+    (2, ["usage: train.py [-h] [--lr LR]", "train.py: error: unrecognized arguments: --bogus 3"],
+     "train.py: error: unrecognized arguments: --bogus 3"),                         # argparse
+    (2, ["Usage: train.py [OPTIONS]", "Try 'train.py --help' for help.", "", "Error: No such option: --bogus"],
+     "Error: No such option: --bogus"),                                                # click
+    (2, ["Traceback (most recent call last):", "ValueError: error: bad shape"], None),  # a crash that exits 2
+    (1, ["usage: train.py [-h]", "train.py: error: the following arguments are required: --data"], None),
+    (2, ["usage: train.py [-h]", "train.py: error: bad", "then it went on and failed"], None),
+])
+def test_a_refusal_by_the_scripts_argument_parser_is_told_from_a_crash(code, tail, refused):
+    from expgpu.script.result import refused_arguments
+    assert refused_arguments({"exit_code": code, "signal": None, "stderr_tail": tail}) == refused

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import time
@@ -82,8 +83,15 @@ def first_failure(records: list[dict | None]) -> dict | None:
     return min(bad, key=lambda r: r["ended"]) if bad else None
 
 
-def failure(record: dict, run_dir: Path, spec=None) -> Failure:
-    """The failed rank's line; with the task's spec, the fix for a file it opened relative to the launch dir."""
+def failure(record: dict, run_dir: Path, spec=None, args: list[str] | None = None) -> Failure:
+    """The failed rank's line; with the task's spec, the fix for a file it opened relative to the launch dir.
+    A script whose own parser refused the arguments expgpu gave it (`args`, from task.args) failed on the
+    user's input: a user error (exit 2, never restarted), as expgpu's own refusal of a key would be."""
+    refused = refused_arguments(record)
+    if refused is not None:
+        given = f" (its arguments, from task.args: {shlex.join(args) or 'none'})" if args is not None else ""
+        return Failure(record["rank"], f"task.args: the script refused its arguments: {refused}{given}; its usage: "
+                                       f"{rundir.script_log(run_dir, record['rank'])}", True, 2)
     code = record["exit_code"]
     how = f"was killed by {record['signal']}" if record.get("signal") else f"exited with code {code}"
     tail = " | ".join(line.strip() for line in record["stderr_tail"][-5:] if line.strip())
@@ -92,6 +100,21 @@ def failure(record: dict, run_dir: Path, spec=None) -> Failure:
     fix = missing_input(record["stderr_tail"], run_dir, spec) if spec is not None else None
     return Failure(record["rank"], f"its script {how}{told} (all its output: {where})" + (f". {fix}" if fix else ""),
                    False, code)
+
+
+# A command-line parser's refusal, exit code 2 after its usage: argparse's parser.error ("usage: train.py ...",
+# then "train.py: error: unrecognized arguments: --bogus 3") and click's ("Usage: train.py [OPTIONS]", then
+# "Error: No such option: --bogus").
+_USAGE = re.compile(r"^usage: ", re.IGNORECASE)
+_REFUSAL = re.compile(r"^(?:\S+: error|Error): .+")
+
+
+def refused_arguments(record: dict) -> str | None:
+    """The line in which the script's argument parser refused its command line, if that is how it ended."""
+    lines = [line.strip() for line in record["stderr_tail"] if line.strip()]
+    if record["exit_code"] != 2 or record.get("signal") or not lines or not any(map(_USAGE.match, lines)):
+        return None
+    return lines[-1] if _REFUSAL.match(lines[-1]) else None
 
 
 _NO_SUCH_FILE = re.compile(r"No such file or directory: '([^']+)'")

@@ -92,10 +92,17 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
             feed.finish(doc["status"], doc["metrics"], doc["steps"])
         failed = result.first_failure(records)
         if failed is not None:
-            raise WorkerFailed(result.failure(failed, run_dir, spec))
+            _raise(result.failure(failed, run_dir, spec, argv[len(spec.command):]))
     elif result.failed(record):
-        raise WorkerFailed(result.failure(record, run_dir, spec))
+        _raise(result.failure(record, run_dir, spec, argv[len(spec.command):]))
     return doc
+
+
+def _raise(failure) -> None:
+    """A rank's failure as the launch reports it: a user error (the script refused task.args) ends it with exit 2."""
+    if failure.user_error:
+        raise UserError(failure.message)
+    raise WorkerFailed(failure)
 
 
 def _hung(watch: Watch, feed, info: RankInfo, run_dir: Path, launch: str, record: dict, write) -> None:
