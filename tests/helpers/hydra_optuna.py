@@ -1,5 +1,5 @@
 """Hydra's own optuna sweeper for the tests that check `objective` with it (test_objective.py, the pool's
-batches in test_gpu_pool.py): it pins optuna<3, which cannot share the environment with expgpu's sweeper
+batches in test_pool_jobs.py): it pins optuna<3, which cannot share the environment with expgpu's sweeper
 (optuna>=5), so it lives in a directory of its own, put first on those tests' subprocesses' PYTHONPATH.
 
 Installed once next to the environment (<venv>/hydra-optuna-sweeper), then reused: `pip install --target`,
