@@ -80,6 +80,24 @@ def test_printing_creates_no_directory(tmp_path, flags):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
+def test_help_says_what_expgpu_is_and_its_commands_compose(tmp_path):
+    shown = _cli(["--help", "task=b"], cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    out = shown.stdout
+    assert out.startswith("expgpu: a PyTorch training task on the right GPUs from config")
+    assert out.index("expgpu status [DIR]") < out.index("== Config groups") < out.index("task: a, b, digits")
+    assert "_target_: expgpu.tasks.models.WaveCNN" in out   # the overrides' job: task b's config
+    assert out.rstrip().endswith("Hydra's own flags and groups: --hydra-help.")
+    commands = [line.split("   ")[0].strip() for line in out.splitlines() if line.startswith("  python -m expgpu")]
+    assert len(commands) == 6, out
+    for command in commands:   # each composes (a sweep's as one of its jobs): no key or option of it is stale
+        words = [w for w in command.split()[3:] if w not in ("-m", "...")]
+        words = [w.split("=")[0] + "=" + w.split("=")[1].split(",")[0] if "," in w else w for w in words]
+        composed = _cli([*words, "--cfg", "job"], cwd=tmp_path)
+        assert composed.returncode == 0, (command, composed.stderr)
+
+
 def test_multirun_with_cfg_is_one_line(tmp_path):
     proc = _cli(["-m", "task=a,b", "--cfg", "job"], cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
