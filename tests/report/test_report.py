@@ -184,7 +184,8 @@ def test_the_objective_ranks_the_jobs_and_the_curves_show_eval_metrics(tmp_path)
     assert by_hand.startswith("ranked by eval_loss (lower is better; chosen by --metric); best: job ")
     unknown = report(sweep, "--metric", "bleu")
     assert unknown.returncode == 2 and unknown.stderr.strip() == (
-        "expgpu-report: error: --metric bleu: no job returned it; they returned accuracy, eval_loss, final_loss")
+        "python -m expgpu.report: error: --metric bleu: no job returned it; they returned accuracy, eval_loss, "
+        "final_loss")
 
     from expgpu.report import collect, rank
     from expgpu.report.plot import panels
@@ -279,7 +280,7 @@ def test_a_single_run_dir_and_bad_arguments(basic_sweep, tmp_path):
 
     missing = report(tmp_path / "nope")
     assert missing.returncode == 2
-    assert missing.stderr.strip() == (f"expgpu-report: error: {tmp_path / 'nope'}: no such directory; "
+    assert missing.stderr.strip() == (f"python -m expgpu.report: error: {tmp_path / 'nope'}: no such directory; "
                                       "give a sweep dir such as outputs/multirun/DATE/TIME")
     (tmp_path / "empty").mkdir()
     empty = report(tmp_path / "empty")
@@ -293,6 +294,9 @@ def test_a_single_run_dir_and_bad_arguments(basic_sweep, tmp_path):
                               "sys.argv[0] = 'expgpu'; main()", "report", str(run), "--no-plot"], cwd=REPO,
                              env=clean_env(), capture_output=True, text=True, timeout=120)
     assert command.returncode == 0 and command.stdout == done.stdout, command.stderr
+    wrong = subprocess.run(command.args[:4] + [str(tmp_path / "nope")], cwd=REPO, env=clean_env(),
+                           capture_output=True, text=True, timeout=120)   # its errors name the command typed
+    assert wrong.returncode == 2 and wrong.stderr.startswith("expgpu report: error: "), wrong.stderr
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback_and_the_files_are_written(tmp_path):

@@ -75,13 +75,13 @@ def main(argv: list[str] | None = None, prog: str = "expgpu-report") -> int:
             raise UserError(f"--metric {args.metric}: no job returned it; they returned "
                             f"{', '.join(have) or 'nothing'}")
     except UserError as e:
-        print(f"expgpu-report: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     _say(table(rows, ranking))
     try:
         written = write(args.sweep_dir, rows, ranking, plot=not args.no_plot)
     except OSError as e:
-        print(f"expgpu-report: error: cannot write into {args.sweep_dir} ({e.strerror}); "
+        print(f"{prog}: error: cannot write into {args.sweep_dir} ({e.strerror}); "
               "copy the sweep dir somewhere writable", file=sys.stderr)
         return EXIT_USER_ERROR
     _say(f"\n{len(rows)} job(s); wrote " + ", ".join(str(p) for p in written))
