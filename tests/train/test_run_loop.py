@@ -141,6 +141,25 @@ def test_other_settings_than_the_length_are_refused_at_the_resume(tmp_path, base
     assert "lr" in str(caught.value) and "\n" not in str(caught.value)
 
 
+def logs_as_other_tools_do(run: Run):
+    for step, _ in run.steps(None, 2):
+        run.log("loss", torch.tensor(step + 0.5))               # Lightning's self.log(name, value)
+        run.log({"acc": step / 2, "lr": 0.1}, grad_norm=1.0)    # W&B's wandb.log(dict), accelerate's
+
+
+def test_log_takes_a_name_and_a_value_or_a_dict_as_other_tools_do(tmp_path, base_cfg):
+    run_task(tmp_path / "run", base_cfg, "logs_as_other_tools_do", log_every=1)
+    assert [{k: r[k] for k in ("step", "loss", "acc", "lr", "grad_norm")} for r in rows(tmp_path / "run")] == [
+        {"step": 1, "loss": 0.5, "acc": 0.0, "lr": 0.1, "grad_norm": 1.0},
+        {"step": 2, "loss": 1.5, "acc": 0.5, "lr": 0.1, "grad_norm": 1.0}]
+
+
+def logs_positional(run: Run, form: str = "three"):
+    given = {"three": ("loss", 1.0, 2.0), "number": (1.0,), "int_keys": ({1: 1.0},), "step_in_dict": ({"step": 1},)}
+    for _ in run.steps(None, 3):
+        run.log(*given[form])
+
+
 def logs_step(run: Run):
     for _ in run.steps(None, 3):
         run.log(step=1)
@@ -165,11 +184,16 @@ def no_length(run: Run):
 
 @pytest.mark.parametrize("fn, needle", [
     ("logs_step", "run.log(step=...): step, epoch and time are written with every row by expgpu"),
+    ("logs_positional", "run.log(str, float, float): give name=value pairs (run.log(loss=loss)), a name and a value"),
+    ("logs_positional:number", "run.log(float): give name=value pairs"),
+    ("logs_positional:int_keys", "run.log(dict): give name=value pairs"),
+    ("logs_positional:step_in_dict", "run.log(step=...): step, epoch and time are written with every row"),
     ("tracks_late", "run.track(model): called after the training loop began"),
     ("loops_twice", "run.steps: called a second time"),
     ("no_length", "run.steps(loader): max_steps is missing"),
 ])
 def test_a_misused_call_is_one_line(tmp_path, base_cfg, fn, needle):
+    fn, _, form = fn.partition(":")
     with pytest.raises(UserError) as caught:
-        run_task(tmp_path / "run", base_cfg, fn)
+        run_task(tmp_path / "run", base_cfg, fn, **({"form": form} if form else {}))
     assert needle in str(caught.value) and "\n" not in str(caught.value)

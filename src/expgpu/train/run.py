@@ -31,7 +31,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 from expgpu import faults
 from expgpu.checkpoint import world_change
@@ -291,9 +291,13 @@ class Run(RunCheckpoint, RunEnd):
         if self._in_step:
             self.step, self._in_step = self.step + 1, False
 
-    def log(self, **scalars) -> None:
+    def log(self, *named, **scalars) -> None:
         """Numbers or one-element tensors for this step; rank 0 writes them to metrics.jsonl,
-        reading tensors back only every task.log_every steps."""
+        reading tensors back only every task.log_every steps. `run.log(loss=loss)`, or as other tools
+        take them: a name and a value (`run.log("loss", loss)`, Lightning's), a dict (`run.log({"loss":
+        loss})`, W&B's and accelerate's)."""
+        if named:
+            scalars = {**_named_values(named), **scalars}
         if not ROW_KEYS.isdisjoint(scalars):   # on every rank, so all of them stop at the same call
             taken = ", ".join(sorted(scalars.keys() & ROW_KEYS))
             raise UserError(f"run.log({taken}=...): step, epoch and time are written with every row by expgpu; "
@@ -344,3 +348,14 @@ class Run(RunCheckpoint, RunEnd):
         if self._feed is None:
             raise UserError("run.restart_epoch(): there is no run.steps loop to restart")
         self._feed.restart()
+
+
+def _named_values(named: tuple) -> dict:
+    """run.log's positional forms as name -> value: ("loss", 0.1) or ({"loss": 0.1, ...},)."""
+    if len(named) == 2 and isinstance(named[0], str):
+        return {named[0]: named[1]}
+    if len(named) == 1 and isinstance(named[0], Mapping) and all(isinstance(k, str) for k in named[0]):
+        return dict(named[0])
+    given = ", ".join(type(v).__name__ for v in named)
+    raise UserError(f"run.log({given}): give name=value pairs (run.log(loss=loss)), a name and a value "
+                    "(run.log('loss', loss)) or a dict of names to values (run.log({'loss': loss}))")
