@@ -184,7 +184,8 @@ def no_length(run: Run):
 
 @pytest.mark.parametrize("fn, needle", [
     ("logs_step", "run.log(step=...): step, epoch and time are written with every row by expgpu"),
-    ("logs_positional", "run.log(str, float, float): give name=value pairs (run.log(loss=loss)), a name and a value"),
+    ("logs_positional", "run.log(str, float, float): give name=value pairs (loss=loss), a name and a value ('loss', "
+                        "loss) or a dict of names to values ({'loss': loss})"),
     ("logs_positional:number", "run.log(float): give name=value pairs"),
     ("logs_positional:int_keys", "run.log(dict): give name=value pairs"),
     ("logs_positional:step_in_dict", "run.log(step=...): step, epoch and time are written with every row"),

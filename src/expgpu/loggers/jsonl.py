@@ -124,6 +124,19 @@ def read_rows(path: Path) -> list[dict]:
 # What every row holds besides the logged names (and its progress fields, where known, expgpu.loggers.progress):
 # a name of these would overwrite or be overwritten.
 ROW_KEYS = frozenset({"step", "epoch", "time", *FIELDS})
+# run.log's and expgpu.log's forms, as their refusal of another one lists them
+LOG_FORMS = ("name=value pairs (loss=loss), a name and a value ('loss', loss) or a dict of names to values "
+             "({'loss': loss})")
+
+
+def positional_values(named: tuple) -> dict | None:
+    """A log call's positional values as name -> value, in the forms other tools take them: a name and a value
+    (Lightning's self.log("loss", loss)) or a dict (wandb.log, accelerate.log); None for any other form."""
+    if len(named) == 2 and isinstance(named[0], str):
+        return {named[0]: named[1]}
+    if len(named) == 1 and isinstance(named[0], dict) and all(isinstance(k, str) for k in named[0]):
+        return dict(named[0])
+    return None
 
 # Rows are put into words, written and handed to the OS (and to the sinks, the progress display) at
 # the first row, then at most this often, and at every checkpoint, stop and end. At every flush

@@ -2,6 +2,7 @@
 
     import expgpu
     expgpu.log(loss=loss.item(), lr=lr, step=iter_num)      # step= optional: else 0, 1, 2, ...
+    expgpu.log({"loss": loss.item()}, step=iter_num)        # as wandb.log; or expgpu.log("loss", loss.item())
     expgpu.log(loss=..., step=iter_num, max_steps=max_iters)  # max_steps=: the progress's total and ETA
 
 In a script expgpu runs (EXPGPU_SCRIPT_RUN_DIR, set by expgpu.script.environ), on rank 0 (RANK 0 or
@@ -33,7 +34,7 @@ import threading
 from pathlib import Path
 
 from expgpu import envvars
-from expgpu.loggers.jsonl import ROW_KEYS, MetricsLog, read_rows, trim
+from expgpu.loggers.jsonl import LOG_FORMS, ROW_KEYS, MetricsLog, positional_values, read_rows, trim
 from expgpu.procs.stop_signals import NEVER
 from expgpu.rundir import METRICS, atomic_write_bytes, script_held_rows, script_log_marker
 from expgpu.script.heartbeat import Beat
@@ -45,10 +46,17 @@ _sink = None   # None: not looked yet; False: logging nowhere
 _beat: Beat | None = None
 
 
-def log(step: int | None = None, max_steps: int | None = None, **scalars) -> None:
+def log(*named, step: int | None = None, max_steps: int | None = None, **scalars) -> None:
     """Record numbers (or one-element tensors) for a step; `max_steps`: the run's length, for its progress
-    (step 60/200, the time left); see the module's docstring."""
+    (step 60/200, the time left); see the module's docstring. As run.log, also in other tools' forms:
+    expgpu.log("loss", loss), expgpu.log({"loss": loss}, step=i) (wandb.log's)."""
     global _sink, _beat
+    if named:   # checked on every rank and outside expgpu too: a wrong call fails where it was written
+        values = positional_values(named)
+        if values is None:
+            raise TypeError(f"expgpu.log({', '.join(type(v).__name__ for v in named)}): give {LOG_FORMS}; "
+                            "step= and max_steps= by name")
+        scalars = {**values, **scalars}
     if _sink is None:
         _sink = _ScriptLog.from_env(os.environ) or False
         _beat = Beat.from_env(os.environ)

@@ -31,7 +31,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator
 
 from expgpu import faults
 from expgpu.checkpoint import world_change
@@ -41,7 +41,7 @@ from expgpu.config import checkpoint_format
 from expgpu.distributed import group, rng
 from expgpu.distributed.wrap import wrap
 from expgpu.errors import UserError
-from expgpu.loggers.jsonl import ROW_KEYS, MetricsLog, WindowMeanLog
+from expgpu.loggers.jsonl import LOG_FORMS, ROW_KEYS, MetricsLog, WindowMeanLog, positional_values
 from expgpu.procs.stop_signals import NEVER
 from expgpu.train.batches import END_OF_EPOCH, Feed
 from expgpu.train.loaders import RankLoaders, check_loader_args
@@ -297,7 +297,10 @@ class Run(RunCheckpoint, RunEnd):
         take them: a name and a value (`run.log("loss", loss)`, Lightning's), a dict (`run.log({"loss":
         loss})`, W&B's and accelerate's)."""
         if named:
-            scalars = {**_named_values(named), **scalars}
+            values = positional_values(named)
+            if values is None:
+                raise UserError(f"run.log({', '.join(type(v).__name__ for v in named)}): give {LOG_FORMS}")
+            scalars = {**values, **scalars}
         if not ROW_KEYS.isdisjoint(scalars):   # on every rank, so all of them stop at the same call
             taken = ", ".join(sorted(scalars.keys() & ROW_KEYS))
             raise UserError(f"run.log({taken}=...): step, epoch and time are written with every row by expgpu; "
@@ -348,14 +351,3 @@ class Run(RunCheckpoint, RunEnd):
         if self._feed is None:
             raise UserError("run.restart_epoch(): there is no run.steps loop to restart")
         self._feed.restart()
-
-
-def _named_values(named: tuple) -> dict:
-    """run.log's positional forms as name -> value: ("loss", 0.1) or ({"loss": 0.1, ...},)."""
-    if len(named) == 2 and isinstance(named[0], str):
-        return {named[0]: named[1]}
-    if len(named) == 1 and isinstance(named[0], Mapping) and all(isinstance(k, str) for k in named[0]):
-        return dict(named[0])
-    given = ", ".join(type(v).__name__ for v in named)
-    raise UserError(f"run.log({given}): give name=value pairs (run.log(loss=loss)), a name and a value "
-                    "(run.log('loss', loss)) or a dict of names to values (run.log({'loss': loss}))")
