@@ -174,6 +174,26 @@ def reduces(run: Run, op: str = "sum", extra_on: int = -1):
     return {"total": run.all_reduce(float(r + 1), op=op)}
 
 
+def gathers(run: Run, examples: int = 9, bad: str = ""):
+    """An evaluation whose metric needs every prediction (run.gather), and rank 0's choice on every rank
+    (run.broadcast); `bad`: a misuse (shape: another trailing shape on rank 1; src: a rank that is not)."""
+    data = torch.utils.data.TensorDataset(torch.arange(examples), torch.arange(examples).float() / examples)
+    ids, scores = [], []
+    for index, target in run.loader(data, batch_size=2, shuffle=False, drop_last=False):
+        ids.append(index)
+        scores.append(target * 2)
+    mine = {"ids": torch.cat(ids), "scores": torch.cat(scores).unsqueeze(1)}
+    if bad == "shape" and run.rank == 1:
+        mine["scores"] = mine["scores"].repeat(1, 2)
+    out = run.gather(mine)
+    choice = run.broadcast({"picked": f"rank {run.rank}"}, src=5 if bad == "src" else 0)
+    seen = {"ids": out["ids"].tolist(), "scores": out["scores"].squeeze(1).tolist(), "shares": len(mine["ids"]),
+            "zero_d": run.gather(torch.tensor(run.rank * 10)).tolist(), "numbers": run.gather(run.rank + 1),
+            "words": run.gather([f"w{run.rank}"]), "choice": choice}
+    (run.run_dir / f"gathered{run.rank}.json").write_text(json.dumps(seen))
+    return {"examples": len(seen["ids"])}
+
+
 def breaks(run: Run, max_steps: int = 60, stop_at: int = 0):
     """Early stopping: the loop breaks out of run.steps after step `stop_at` (0: never)."""
     g = torch.Generator().manual_seed(0)

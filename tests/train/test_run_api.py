@@ -98,9 +98,13 @@ def test_log_reduce_is_the_runs_key_for_the_built_in_loop_too(tmp_path):
     ("probe_log_epoch", ["launch.nproc_per_node=2"],
      "run.log(epoch=...): step, epoch and time are written with every row by expgpu; log it under another name"),
     ("probe_reduces", ["task.op=avg"], "run.all_reduce(op='avg') is not allowed: sum, mean, max, min"),
+    ("probe_gathers", ["task.bad=shape", "launch.nproc_per_node=2"],
+     "run.gather: value['scores'] is a torch.float32 tensor of shape [4, 2] on rank 1, a torch.float32 one of shape "
+     "[5, 1] on rank 0; every rank's must have the same dtype and shape but for the first dimension"),
+    ("probe_gathers", ["task.bad=src"], "run.broadcast(src=5): the rank whose object every rank gets, 0 to 0"),
     ("probe_reduces", ["task.extra_on=1", "launch.nproc_per_node=2"],
      "run.all_reduce: rank 1 reduces the keys array, extra, float, ints, number, numpy, tensor, rank 0 array, float, "
-     "ints, number, numpy, tensor; every rank must reduce the same keys"),
+     "ints, number, numpy, tensor; every rank must give the same keys"),
 ])
 @pytest.mark.slow
 def test_misuse_of_the_api_is_one_line_and_exit_2(tmp_path, task, args, says):
@@ -206,6 +210,21 @@ def test_all_reduce_on_one_rank_is_the_value(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert _reduced(tmp_path / "run", 0)["out"] == {"tensor": [1.0, 2.0], "ints": [0.0, 10.0], "number": 1.0,
                                                      "float": 0.5, "numpy": 1.0, "array": [0.0, 1.0]}
+
+
+@pytest.mark.slow
+def test_gather_brings_every_ranks_share_of_an_evaluation_once_and_broadcast_rank_0s_choice(tmp_path):
+    run = probe(["task=probe_gathers", "launch.nproc_per_node=2"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = [json.loads((tmp_path / "run" / f"gathered{r}.json").read_text()) for r in (0, 1)]
+    assert [s["shares"] for s in seen] == [5, 4]              # 9 examples, each on one rank: unequal shares
+    for s in seen:                                             # every rank has all of them, each once, paired
+        assert sorted(s["ids"]) == list(range(9)) and len(s["ids"]) == 9
+        assert s["scores"] == pytest.approx([2 * i / 9 for i in s["ids"]])
+        assert s["zero_d"] == [0, 10] and s["numbers"] == [1, 2] and s["words"] == [["w0"], ["w1"]]
+        assert s["choice"] == {"picked": "rank 0"}
+    assert seen[0]["ids"] == seen[1]["ids"]                    # in rank order, the same on every rank
+    assert run.result["metrics"]["examples"] == 9
 
 
 # -- seeding and logging ---------------------------------------------------------------------

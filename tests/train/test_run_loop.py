@@ -160,6 +160,19 @@ def logs_positional(run: Run, form: str = "three"):
         run.log(*given[form])
 
 
+def gathers_alone(run: Run):
+    value = {"t": torch.tensor([[1.0], [2.0]], requires_grad=True), "zero_d": torch.tensor(3), "n": 4, "w": ["a"]}
+    out = run.gather(value)
+    assert out["t"].tolist() == [[1.0], [2.0]] and not out["t"].requires_grad and out["t"] is not value["t"]
+    assert out["zero_d"].tolist() == [3] and out["n"] == [4] and out["w"] == [["a"]]
+    assert run.broadcast("mine") == "mine"
+    return {"ok": 1}
+
+
+def test_gather_and_broadcast_on_one_rank_are_the_value(tmp_path, base_cfg):
+    assert run_task(tmp_path / "run", base_cfg, "gathers_alone")[:2] == ("finished", {"ok": 1})
+
+
 def logs_step(run: Run):
     for _ in run.steps(None, 3):
         run.log(step=1)

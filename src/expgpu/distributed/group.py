@@ -163,7 +163,7 @@ def reduce_value(value: Any, op: str, device, what: str = "value") -> Any:
         raise UserError(f"run.all_reduce(op={op!r}) is not allowed: {', '.join(REDUCE_OPS)}")
     if isinstance(value, dict):
         if what == "value":
-            _same_keys(value)
+            same_keys(value)
         reduced = {k: reduce_value(value[k], op, device, f"{what}[{k!r}]") for k in sorted(value, key=repr)}
         return {k: reduced[k] for k in value}
     import torch
@@ -181,8 +181,8 @@ def reduce_value(value: Any, op: str, device, what: str = "value") -> Any:
                     "or dicts of them")
 
 
-def _same_keys(value: dict) -> None:
-    """Every rank reduces a dict with the same keys, or all of them stop with one line: entries
+def same_keys(value: dict, call: str = "run.all_reduce", verb: str = "reduces") -> None:
+    """Every rank gives `call` a dict with the same keys, or all of them stop with one line: entries
     paired by name must not pair with another rank's next collective (a hang, or wrong sums)."""
     import torch.distributed as dist
 
@@ -197,8 +197,8 @@ def _same_keys(value: dict) -> None:
     every = gather_objects(mine, dist.get_world_size())
     for rank, theirs in enumerate(every):
         if theirs != every[0]:
-            raise UserError(f"run.all_reduce: rank {rank} reduces the keys {', '.join(theirs) or 'none'}, rank 0 "
-                            f"{', '.join(every[0]) or 'none'}; every rank must reduce the same keys")
+            raise UserError(f"{call}: rank {rank} {verb} the keys {', '.join(theirs) or 'none'}, rank 0 "
+                            f"{', '.join(every[0]) or 'none'}; every rank must give the same keys")
 
 
 def _reduce_tensor(t, op: str, device):

@@ -38,7 +38,7 @@ from expgpu.checkpoint import world_change
 from expgpu.checkpoint.keep import names_of
 from expgpu.checkpoint.state import CheckpointState
 from expgpu.config import checkpoint_format
-from expgpu.distributed import group, rng
+from expgpu.distributed import gather, group, rng
 from expgpu.distributed.wrap import wrap
 from expgpu.errors import UserError
 from expgpu.loggers.jsonl import LOG_FORMS, ROW_KEYS, MetricsLog, WindowMeanLog, positional_values
@@ -314,6 +314,18 @@ class Run(RunCheckpoint, RunEnd):
         Collective: every rank calls it, with the same keys. For metrics each rank computed on
         its share, e.g. an evaluation's (loss sum, count)."""
         return group.reduce_value(value, op, self.device)
+
+    def gather(self, value):
+        """Every rank's `value`, in rank order, on every rank: tensors concatenated along their first dimension,
+        which may differ by rank (each rank's share of an evaluation: its predictions, for a metric computed on
+        all of them), a dict entry by entry, anything else as a list of each rank's. Collective: every rank
+        calls it. On one rank, the value itself (a 0-d tensor as one entry)."""
+        return gather.gather_value(value, self.device)
+
+    def broadcast(self, obj, src: int = 0):
+        """Rank `src`'s `obj` (anything picklable: a choice rank 0 made, a path it wrote), on every rank.
+        Collective: every rank calls it."""
+        return gather.broadcast_object(obj, src, self.world_size)
 
     @contextlib.contextmanager
     def phase(self, name: str):
