@@ -167,6 +167,14 @@ def test_compile_trains_as_eager_does_and_resumes(tmp_path, eager_a):
      "task.scheduler: CosineAnnealingWarmRestarts refused its settings (ValueError: Expected positive integer T_0"),
     (["task.loss=hinge"], "task.loss='hinge' is not allowed: mse, cross_entropy or {_target_: ...}"),
     (["task.eval_batch_size=0"], "task.eval_batch_size=0 is not allowed: null (task.batch_size) or an integer >= 1"),
+    # settings the constructor takes and the first step (or a later one) refuses
+    (["task.scheduler={_target_:torch.optim.lr_scheduler.OneCycleLR,_partial_:true,max_lr:0.01,total_steps:3}"],
+     "task.scheduler: OneCycleLR failed at step 4 (ValueError: Tried to step 4 times. The specified number of total "
+     "steps is 3); the built-in loop steps it once a step, with no argument, for task.max_steps=5 steps"),
+    (["task.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_size:0}"],
+     "task.scheduler: StepLR failed at step 1 (ZeroDivisionError: integer modulo by zero)"),
+    (["task.scheduler={_target_:torch.optim.lr_scheduler.ReduceLROnPlateau,_partial_:true}"],
+     "task.scheduler: ReduceLROnPlateau failed at step 1 (TypeError: "),
 ])
 def test_bad_loop_settings_are_one_line_and_exit_2(tmp_path, args, says):
     run = expgpu(["task=a", "task.max_steps=5", *args], tmp_path / "run")

@@ -77,7 +77,7 @@ def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, m
                 opt.step()
             run.log(loss=last, lr=opt.param_groups[0]["lr"])
             if sched is not None:
-                sched.step()
+                _step(sched, step, max_steps)
             if local is not None and local.rebalance_due():
                 sampler.sizes = local.rebalance(lambda obj: _gather(obj, run.world_size)).sizes
                 run.restart_epoch()   # the next global batch is sliced by the new split
@@ -139,6 +139,17 @@ def _build(factory: Any, key: str, arg: Any) -> Any:
             except (TypeError, ValueError):
                 pass
         raise UserError(f"task.{key}: {getattr(func, '__name__', key)} refused its settings ({why}){takes}") from None
+
+
+def _step(sched, step: int, max_steps: int) -> None:
+    """The scheduler's step; what it raises is its settings' fault (OneCycleLR's total_steps below
+    task.max_steps, StepLR's step_size=0, a scheduler that needs a metric): one line, at the step it failed."""
+    try:
+        sched.step()
+    except Exception as e:
+        raise UserError(f"task.scheduler: {type(sched).__name__} failed at step {step + 1} ({type(e).__name__}: "
+                        f"{first_line(e)}); the built-in loop steps it once a step, with no argument, for "
+                        f"task.max_steps={max_steps} steps") from None
 
 
 def _data(run: Run, dataset, given: int, batch_size: int, loss_fn, ddp: bool, accumulate: int):
