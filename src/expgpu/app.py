@@ -257,12 +257,18 @@ def _finished(result: dict | None, info: ranks.RankInfo, run_dir: Path) -> dict 
         return None
     devices = sorted({r["device"] for r in result["plan"]})
     steps = f"{result['steps']} steps" if "command" not in result else "its script exited 0"
-    log.info("done: task %s, %s on %d rank(s) (%s, %s): %s -> %s", result["task"], steps,
+    log.info("done: task %s, %s on %d rank(s) (%s, %s%s): %s -> %s", result["task"], steps,
              result["world_size"], ",".join(devices),
              result["backend"] or ("the script's process group" if is_script(result) and result["world_size"] > 1
                                    else "no process group"),
-             describe(result["metrics"]), Path(result["run_dir"]) / rundir.RESULT)
+             gpu_peak(result["plan"]), describe(result["metrics"]), Path(result["run_dir"]) / rundir.RESULT)
     return result
+
+
+def gpu_peak(plan: list) -> str:
+    """`; GPU memory peak 12.3 GiB` (the most of any rank), where the ranks trained on GPUs."""
+    peaks = [r["gpu_peak_reserved_mb"] for r in plan if isinstance(r, dict) and r.get("gpu_peak_reserved_mb")]
+    return f"; GPU memory peak {max(peaks) / 1024:.1f} GiB" if peaks else ""
 
 
 def describe(metrics: dict) -> str:

@@ -22,6 +22,10 @@ def test_single_rank_trains_on_its_gpu(tmp_path):
     assert res["plan"][0]["device"] == "cuda:0" and len(res["plan"][0]["gpus"]) == 1
     losses = [m["loss"] for m in run.metrics()]
     assert losses[-1] < losses[0]
+    # its peak GPU memory: what the allocator held, at least what tensors used; in its last line too
+    plan = res["plan"][0]
+    assert 0 < plan["gpu_peak_allocated_mb"] <= plan["gpu_peak_reserved_mb"] < 80 * 1024, plan
+    assert "; GPU memory peak " in run.stderr + run.stdout
 
 
 def test_the_last_gpu_is_the_only_one_the_process_sees(tmp_path):

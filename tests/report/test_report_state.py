@@ -90,3 +90,15 @@ def test_the_writer_rewrites_when_a_job_ends_and_never_after_it_stops(tmp_path):
     write_job(sweep / "1", ["x=2"], {"final_loss": 0.2})
     time.sleep(0.6)
     assert page.stat().st_mtime_ns == before
+
+
+def test_a_jobs_devices_show_each_ranks_gpu_with_its_peak_memory():
+    from expgpu.app import gpu_peak
+    from expgpu.report.collect import devices
+
+    plan = [{"device": "cuda:0", "gpus": [2], "gpu_peak_reserved_mb": 12595, "gpu_peak_allocated_mb": 10000},
+            {"device": "cuda:0", "gpus": [3], "gpu_peak_reserved_mb": 9000, "gpu_peak_allocated_mb": 8000}]
+    assert devices({"plan": plan}, simulated=False) == "GPU 2 (12.3 GiB peak); GPU 3 (8.8 GiB peak)"
+    assert gpu_peak(plan) == "; GPU memory peak 12.3 GiB"          # the run's last line: the most of any rank
+    cpu = [{"device": "cpu", "gpus": []}, {"device": "cpu", "gpus": []}]
+    assert devices({"plan": cpu}, simulated=False) == "cpu" and gpu_peak(cpu) == ""

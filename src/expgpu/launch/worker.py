@@ -74,13 +74,25 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
         status, metrics = _outcome(run, spec, dog, on_error, t_start)
         mine = run.result(t_start, STEP_MEANS)
         me = {"rank": info.rank, "host": host, "device": str(device), "gpus": [g.index for g in my_gpus],
-              "names": [g.name for g in my_gpus], "param_checksum": mine["param_checksum"]}
+              "names": [g.name for g in my_gpus], "param_checksum": mine["param_checksum"], **_gpu_peak(device)}
         ranks = group.gather_objects(me, info.world_size)
     if info.rank != 0:
         return None
     return results.write_result(run_dir, {
         "status": status, **base, "plan": ranks, "metrics": metrics, **mine,
         "rank_checksums": [r["param_checksum"] for r in ranks]})
+
+
+def _gpu_peak(device) -> dict:
+    """This rank's peak GPU memory in MiB, for sizing a batch or packing jobs: what torch's caching allocator
+    held at most (reserved: what the GPU had to have for it, beside the CUDA context) and what tensors used of
+    it (allocated); nothing on the CPU. Read once, at the end: no cost while training."""
+    if device.type != "cuda":
+        return {}
+    import torch
+
+    return {"gpu_peak_reserved_mb": round(torch.cuda.max_memory_reserved(device) / 2**20),
+            "gpu_peak_allocated_mb": round(torch.cuda.max_memory_allocated(device) / 2**20)}
 
 
 def _own_gpus(cfg: dict, info: RankInfo, node: NodePlan):

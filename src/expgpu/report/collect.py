@@ -174,7 +174,9 @@ def devices(result: dict, simulated: bool) -> str:
         gpus = ",".join(str(g) for g in r.get("gpus") or [])
         device = str(r.get("device", "?"))
         if gpus:
-            parts.append(f"GPU {gpus}" + (" (sim)" if simulated or not device.startswith("cuda") else ""))
+            peak = r.get("gpu_peak_reserved_mb")
+            parts.append(f"GPU {gpus}" + (" (sim)" if simulated or not device.startswith("cuda") else "")
+                         + (f" ({peak / 1024:.1f} GiB peak)" if peak else ""))
         else:
             parts.append(device)
     distinct = list(dict.fromkeys(parts))
