@@ -167,6 +167,8 @@ def test_compile_trains_as_eager_does_and_resumes(tmp_path, eager_a):
      "task.scheduler: CosineAnnealingWarmRestarts refused its settings (ValueError: Expected positive integer T_0"),
     (["task.loss=hinge"], "task.loss='hinge' is not allowed: mse, cross_entropy or {_target_: ...}"),
     (["task.eval_batch_size=0"], "task.eval_batch_size=0 is not allowed: null (task.batch_size) or an integer >= 1"),
+    (["launch.wrap=none", "launch.nproc_per_node=2"],
+     "launch.wrap=none on 2 ranks: the built-in loop would train 2 separate models, each on its share of the data"),
     # settings the constructor takes and the first step (or a later one) refuses
     (["task.scheduler={_target_:torch.optim.lr_scheduler.OneCycleLR,_partial_:true,max_lr:0.01,total_steps:3}"],
      "task.scheduler: OneCycleLR failed at step 4 (ValueError: Tried to step 4 times. The specified number of total "

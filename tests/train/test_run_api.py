@@ -128,6 +128,18 @@ def test_a_checkpoint_that_tracks_other_names_is_refused(tmp_path):
 
 
 @pytest.mark.slow
+def test_ranks_that_end_out_of_step_are_named_as_the_checkpoint_keeps_rank_0s(tmp_path):
+    apart = probe(["task=probe_tracks", "launch.nproc_per_node=2", "launch.wrap=none"], tmp_path / "none")
+    assert apart.returncode == 0, apart.stderr[-3000:]
+    assert len(set(apart.result["rank_checksums"])) == 2   # each rank's own initialization, never synced
+    assert "rank(s) 1 ended with other parameters than rank 0 (result.json's rank_checksums): their tracked " \
+           "modules were not kept in step (launch.wrap=none" in apart.output
+    synced = probe(["task=probe_tracks", "launch.nproc_per_node=2"], tmp_path / "ddp")   # DDP: rank 0's at the start
+    assert synced.returncode == 0 and len(set(synced.result["rank_checksums"])) == 1
+    assert "ended with other parameters" not in synced.output
+
+
+@pytest.mark.slow
 def test_a_loop_that_breaks_early_saves_the_steps_it_did(tmp_path):
     """A break after step 40's body: 40 steps done, the same checkpoint as max_steps=40, and a
     rerun with more steps trains on as the uninterrupted run does."""

@@ -78,9 +78,15 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
         ranks = group.gather_objects(me, info.world_size)
     if info.rank != 0:
         return None
+    checksums = [r["param_checksum"] for r in ranks]
+    apart = [r for r, c in enumerate(checksums) if c != checksums[0]]
+    if apart and None not in checksums:
+        log.warning("rank(s) %s ended with other parameters than rank 0 (result.json's rank_checksums): their tracked "
+                    "modules were not kept in step (launch.wrap=%s, or a module not given to run.wrap), and the "
+                    "checkpoint keeps rank 0's, which a resume gives to every rank",
+                    ", ".join(map(str, apart)), cfg["launch"]["wrap"])
     return results.write_result(run_dir, {
-        "status": status, **base, "plan": ranks, "metrics": metrics, **mine,
-        "rank_checksums": [r["param_checksum"] for r in ranks]})
+        "status": status, **base, "plan": ranks, "metrics": metrics, **mine, "rank_checksums": checksums})
 
 
 def _gpu_peak(device) -> dict:

@@ -35,6 +35,10 @@ def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, m
     import torch
 
     _check(batch_size, max_steps, accumulate, clip_grad_norm, eval_every, eval_batch_size)
+    if run.world_size > 1 and run.cfg["launch"]["wrap"] == "none":
+        raise UserError(f"launch.wrap=none on {run.world_size} ranks: the built-in loop would train "
+                        f"{run.world_size} separate models, each on its share of the data with no gradient sync, "
+                        "and keep rank 0's; use launch.wrap=ddp (the default) or fsdp, or one rank")
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"task.model: built a {type(model).__name__}, not a torch.nn.Module")
     loss_fn, classification = _loss(loss)
