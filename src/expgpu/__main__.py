@@ -1,7 +1,8 @@
 """`python -m expgpu [overrides]`: Hydra composes the config, expgpu.app runs it.
 
 `expgpu status [DIR]` (a first word `status`, which no override is) shows where the runs are instead
-(expgpu.status); `expgpu report DIR` writes a sweep's report again (expgpu.report, also `expgpu-report`).
+(expgpu.status); `expgpu report DIR` writes a sweep's report again (expgpu.report, also `expgpu-report`);
+`expgpu sbatch-script` prints scripts/expgpu.sbatch, which an install without the checkout has in the package.
 
 User errors (a wrong key, value, group option, environment variable, GPU id) end in
 one line naming what is wrong and what is allowed, and exit code 2; no traceback.
@@ -25,10 +26,13 @@ from expgpu.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 
 def conf_dir() -> str:
     """conf/ ships inside the wheel as expgpu/conf; a checkout has it at the top."""
-    packaged = Path(__file__).parent / "conf"
-    if packaged.is_dir():
-        return str(packaged)
-    return str(Path(__file__).resolve().parents[2] / "conf")
+    return str(_shipped("conf"))
+
+
+def _shipped(name: str) -> Path:
+    """A file or dir at the top of the checkout, which the wheel ships inside the package (pyproject.toml)."""
+    packaged = Path(__file__).parent / name
+    return packaged if packaged.exists() else Path(__file__).resolve().parents[2] / name
 
 
 def _one_line(e: BaseException) -> str | None:
@@ -170,6 +174,9 @@ def main() -> None:
         from expgpu.report import main as report
 
         sys.exit(report(sys.argv[2:], prog="expgpu report"))
+    if sys.argv[1:2] == ["sbatch-script"]:   # `expgpu sbatch-script > expgpu.sbatch`, from any install
+        sys.stdout.write(_shipped("scripts/expgpu.sbatch").read_text())
+        return
     _before_hydra()
     import hydra
 

@@ -26,6 +26,7 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
     wheel = next(wheels.glob("expgpu-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "expgpu/conf/config.yaml" in names and "expgpu/conf/task/digits.yaml" in names
+    assert "expgpu/scripts/expgpu.sbatch" in names
     assert any(n.startswith("hydra_plugins/expgpu_launchers/") for n in names)
 
     site = tmp_path / "site"
@@ -46,6 +47,13 @@ def test_wheel_ships_conf_and_runs_outside_the_checkout(installed, tmp_path):
     assert run.returncode == 0, run.stderr
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["task"] == "digits" and result["steps"] == 20
+
+
+def test_wheel_prints_the_sbatch_script_that_a_checkout_has(installed, tmp_path):
+    printed = subprocess.run([sys.executable, "-m", "expgpu", "sbatch-script"], cwd=tmp_path, env=installed[1],
+                             capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == (REPO / "scripts" / "expgpu.sbatch").read_text()
 
 
 @pytest.mark.parametrize("launcher, target", [("slurm", "expgpu_launchers.slurm.ExpgpuSlurmLauncher"),
