@@ -57,8 +57,9 @@ def _gather_tensor(t, device, what: str):
     work = mine.to(device) if visit else mine
     if max(sizes) > work.shape[0]:
         work = torch.cat([work, work.new_zeros((max(sizes) - work.shape[0], *work.shape[1:]))])
+    work = work.contiguous()   # all_gather's buffers are dense, whatever the strides of the value given
     parts = [torch.empty_like(work) for _ in sizes]
-    dist.all_gather(parts, work.contiguous())
+    dist.all_gather(parts, work)
     joined = torch.cat([part[:n] for part, n in zip(parts, sizes)])
     return joined.to(t.device) if visit else joined
 
