@@ -283,19 +283,22 @@ def test_expgpu_log_takes_other_tools_forms_and_refuses_the_rest_where_it_is_cal
             "expgpu.log(loss=0.5, step=1)\n"
             "expgpu.log({'loss': 0.25, 'acc': 0.5}, step=2)   # wandb.log's\n"
             "expgpu.log('loss', 0.125, step=3)                # Lightning's self.log\n"
+            "expgpu.log(4, 10, loss=0.0625)                   # the step (and max_steps) by position, as before\n"
             "try:\n"
-            "    expgpu.log(4, loss=1.0)\n"
+            "    expgpu.log(0.5, loss=1.0)\n"
             "except TypeError as e:\n"
             "    print(e)\n")
     for env in ({"EXPGPU_SCRIPT_RUN_DIR": str(tmp_path), "RANK": "0"}, {}):   # a script expgpu runs; plain python
         done = subprocess.run([sys.executable, "-c", code], env={**clean_env(), **env}, capture_output=True,
                               text=True, timeout=60)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == ("expgpu.log(int): give name=value pairs (loss=loss), a name and a value "
+        assert done.stdout.strip() == ("expgpu.log(float): give name=value pairs (loss=loss), a name and a value "
                                        "('loss', loss) or a dict of names to values ({'loss': loss}); step= and "
                                        "max_steps= by name")
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["loss"], r.get("acc")) for r in rows] == [(1, 0.5, None), (2, 0.25, 0.5), (3, 0.125, None)]
+    assert [(r["step"], r["loss"], r.get("acc")) for r in rows] == [(1, 0.5, None), (2, 0.25, 0.5), (3, 0.125, None),
+                                                                   (4, 0.0625, None)]
+    assert rows[-1]["max_steps"] == 10
 
 
 def test_expgpu_log_history_follows_the_script_across_attempts(tmp_path):

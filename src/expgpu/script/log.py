@@ -51,7 +51,9 @@ def log(*named, step: int | None = None, max_steps: int | None = None, **scalars
     (step 60/200, the time left); see the module's docstring. As run.log, also in other tools' forms:
     expgpu.log("loss", loss), expgpu.log({"loss": loss}, step=i) (wandb.log's)."""
     global _sink, _beat
-    if named:   # checked on every rank and outside expgpu too: a wrong call fails where it was written
+    if named and len(named) <= 2 and all(type(v) is int for v in named) and step is None and max_steps is None:
+        step, max_steps = (*named, None)[:2]   # the first form, expgpu.log(step[, max_steps], **scalars)
+    elif named:   # checked on every rank and outside expgpu too: a wrong call fails where it was written
         values = positional_values(named)
         if values is None:
             raise TypeError(f"expgpu.log({', '.join(type(v).__name__ for v in named)}): give {LOG_FORMS}; "
