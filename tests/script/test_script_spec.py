@@ -380,6 +380,9 @@ def test_expgpu_log_refuses_a_rows_own_keys(tmp_path):
      "train.py: error: unrecognized arguments: --bogus 3"),                         # argparse
     (2, ["Usage: train.py [OPTIONS]", "Try 'train.py --help' for help.", "", "Error: No such option: --bogus"],
      "Error: No such option: --bogus"),                                                # click
+    (2, ["Usage: train.py [OPTIONS]", "Try 'train.py --help' for help.", "╭─ Error ──────────────────────╮",
+         "│ No such option: --bogus Did you │", "│ mean --bogs?                   │", "╰──────────────────────╯"],
+     "Error: No such option: --bogus Did you mean --bogs?"),                            # typer (rich's box)
     (2, ["Traceback (most recent call last):", "ValueError: error: bad shape"], None),  # a crash that exits 2
     (1, ["usage: train.py [-h]", "train.py: error: the following arguments are required: --data"], None),
     (2, ["usage: train.py [-h]", "train.py: error: bad", "then it went on and failed"], None),

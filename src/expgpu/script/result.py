@@ -103,10 +103,12 @@ def failure(record: dict, run_dir: Path, spec=None, args: list[str] | None = Non
 
 
 # A command-line parser's refusal, exit code 2 after its usage: argparse's parser.error ("usage: train.py ...",
-# then "train.py: error: unrecognized arguments: --bogus 3") and click's ("Usage: train.py [OPTIONS]", then
-# "Error: No such option: --bogus").
+# then "train.py: error: unrecognized arguments: --bogus 3"), click's ("Usage: train.py [OPTIONS]", then
+# "Error: No such option: --bogus"), and typer's, which rich draws in a box ("╭─ Error ───╮", "│ No such
+# option: --bogus │", "╰───╯").
 _USAGE = re.compile(r"^usage: ", re.IGNORECASE)
 _REFUSAL = re.compile(r"^(?:\S+: error|Error): .+")
+_BOX_TOP, _BOX_SIDES, _BOX_BOTTOM = re.compile(r"^╭─+ Error "), "│ ", re.compile(r"^╰─+╯$")
 
 
 def refused_arguments(record: dict) -> str | None:
@@ -114,6 +116,10 @@ def refused_arguments(record: dict) -> str | None:
     lines = [line.strip() for line in record["stderr_tail"] if line.strip()]
     if record["exit_code"] != 2 or record.get("signal") or not lines or not any(map(_USAGE.match, lines)):
         return None
+    if _BOX_BOTTOM.match(lines[-1]):   # typer's box: its lines between the top and the bottom
+        tops = [i for i, line in enumerate(lines) if _BOX_TOP.match(line)]
+        inside = [line.strip(_BOX_SIDES) for line in lines[tops[-1] + 1:-1]] if tops else []
+        return "Error: " + " ".join(inside) if inside else None
     return lines[-1] if _REFUSAL.match(lines[-1]) else None
 
 
