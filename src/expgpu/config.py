@@ -4,12 +4,11 @@ types cannot say (`check()`, one line naming the key), and what the run reads fr
 
 from __future__ import annotations
 
-import enum
 import math
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from expgpu.errors import UserError
+from expgpu.errors import UserError, shown
 from expgpu.schema import CheckpointFormat, FsdpConfig, HangConfig, OnHang, Shard, Wrap
 
 # What makes a composed config expgpu's (this schema, as conf/config.yaml composes it): expgpu's launchers
@@ -26,9 +25,7 @@ def check(cfg: DictConfig) -> None:
     """Range checks that types cannot express; one line naming the key on failure."""
     def need(ok: bool, key: str, allowed: str) -> None:
         if not ok:
-            value = OmegaConf.select(cfg, key)
-            shown = value.name if isinstance(value, enum.Enum) else repr(value)
-            raise UserError(f"{key}={shown} is not allowed: {allowed}")
+            raise UserError(f"{key}={shown(OmegaConf.select(cfg, key))} is not allowed: {allowed}")
 
     need(isinstance(cfg.task, DictConfig), "task", "a task file: a function (_target_) and its parameters, "
          "or the built-in loop's (model, dataset, optimizer, ...)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import os
 import re
@@ -25,6 +26,14 @@ class UserError(Exception):
 class RunDirBusy(UserError):
     """Another run is in progress in this run dir (expgpu.status.busy): nothing of this one may be written there,
     not even its failure record."""
+
+
+def shown(value) -> str:
+    """A value as a refusal names it: as the command line writes it (true, false, null; an enum by its name),
+    else Python's repr (a string quoted, so that '' and ' 1' show)."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return value.name if isinstance(value, enum.Enum) else repr(value)
 
 
 EXIT_USER_ERROR = 2

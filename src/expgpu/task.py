@@ -32,7 +32,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from expgpu.errors import UserError, first_line
+from expgpu.errors import UserError, first_line, shown
 
 SUPERVISED = "expgpu.tasks.supervised.train"
 # What every rank of a function task imports before the task's own code, so that a process forked
@@ -274,7 +274,7 @@ def _coerce(key: str, value: Any, ann: Any) -> Any:
         for member in ann:
             if value in (member.name, member.value) or value is member:
                 return member
-        raise UserError(f"task.{key}={value!r} is not allowed: one of {', '.join(m.name for m in ann)}")
+        raise UserError(f"task.{key}={shown(value)} is not allowed: one of {', '.join(m.name for m in ann)}")
     origin, args = typing.get_origin(ann) or ann, typing.get_args(ann)
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
@@ -282,19 +282,19 @@ def _coerce(key: str, value: Any, ann: Any) -> Any:
     if origin is typing.Literal:
         if any(choice == value and type(choice) is type(value) for choice in args):
             return value
-        raise UserError(f"task.{key}={value!r} is not allowed: one of {', '.join(map(str, args))}")
+        raise UserError(f"task.{key}={shown(value)} is not allowed: one of {', '.join(map(str, args))}")
     if origin in (list, tuple, Sequence):
         if not isinstance(value, (list, tuple)):
-            raise UserError(f"task.{key}={value!r} is not allowed: a list ([...])")
+            raise UserError(f"task.{key}={shown(value)} is not allowed: a list ([...])")
         fixed = origin is tuple and args and args[-1] is not Ellipsis
         kinds = args if fixed else (args[:1] or (None,)) * len(value)
         if len(kinds) != len(value):
-            raise UserError(f"task.{key}={value!r} is not allowed: a list of {len(kinds)} values")
+            raise UserError(f"task.{key}={shown(value)} is not allowed: a list of {len(kinds)} values")
         items = [_coerce(f"{key}[{i}]", v, k) for i, (v, k) in enumerate(zip(value, kinds))]
         return tuple(items) if origin is tuple else items
     if origin in (dict, Mapping):
         if not isinstance(value, dict):
-            raise UserError(f"task.{key}={value!r} is not allowed: a mapping ({{...}})")
+            raise UserError(f"task.{key}={shown(value)} is not allowed: a mapping ({{...}})")
         kind = args[1] if len(args) == 2 else None
         return {k: _coerce(f"{key}.{k}", v, kind) for k, v in value.items()}
     return value
@@ -315,7 +315,7 @@ def _simple(key: str, value: Any, hint: type) -> Any:
         node.value = value
     except ValidationError as e:
         kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[hint]
-        raise UserError(f"task.{key}={value!r} is not allowed: {kind} ({first_line(e)})") from None
+        raise UserError(f"task.{key}={shown(value)} is not allowed: {kind} ({first_line(e)})") from None
     return node.value
 
 

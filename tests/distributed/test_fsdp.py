@@ -66,8 +66,8 @@ BAD = {
     "fsdp with the single-file format": (["launch.wrap=fsdp", "checkpoint.format=pt"],
                                          "checkpoint.format=pt is not allowed: auto or dcp"),
     "fsdp settings under ddp": (["launch.fsdp.cpu_offload=true"],
-                                "launch.fsdp.cpu_offload=True is not allowed: set only with launch.wrap=fsdp"),
-    "async without dcp": (["checkpoint.async_save=true"], "checkpoint.async_save=True is not allowed: true only"),
+                                "launch.fsdp.cpu_offload=true is not allowed: set only with launch.wrap=fsdp"),
+    "async without dcp": (["checkpoint.async_save=true"], "checkpoint.async_save=true is not allowed: true only"),
     "no units": (["launch.wrap=fsdp", "launch.fsdp.units=[]"], "launch.fsdp.units=[] is not allowed"),
 }
 

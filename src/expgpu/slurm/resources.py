@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Mapping
 
-from expgpu.errors import UserError
+from expgpu.errors import UserError, shown
 
 log = logging.getLogger("expgpu")
 
@@ -38,7 +38,7 @@ def count(params: Mapping, key: str, low: int, launcher: str, null: str | None =
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: an integer >= {low}"
+        raise UserError(f"hydra.launcher.{key}={shown(value)} is not allowed: an integer >= {low}"
                         + (f" or null ({null})" if null else "") + f" (hydra/launcher={launcher})")
     return value
 

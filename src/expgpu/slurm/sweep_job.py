@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from expgpu import results, rundir
-from expgpu.errors import RunDirBusy, UserError
+from expgpu.errors import RunDirBusy, UserError, shown
 from expgpu.rundir import atomic_write_bytes
 from expgpu.slurm import cluster, resources
 
@@ -106,7 +106,7 @@ def check(params: Mapping[str, Any]) -> None:
     for key, (low, meaning) in WHOLE.items():
         value = params.get(key, None if low else 0)   # the counts of 1 and more must be given
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: an integer >= {low} ({meaning})")
+            raise UserError(f"hydra.launcher.{key}={shown(value)} is not allowed: an integer >= {low} ({meaning})")
     resources.count(params, "cpus_per_node", 1, "slurm_pool", "whole nodes")
     resources.count(params, "mem_gb", 1, "slurm_pool", "SLURM's default")
     pool = dict(params.get("pool") or {})

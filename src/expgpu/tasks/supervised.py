@@ -22,7 +22,7 @@ import inspect
 from typing import Any, Optional
 
 from expgpu.distributed.wrap import no_sync, skips_sync
-from expgpu.errors import UserError, first_line
+from expgpu.errors import UserError, first_line, shown
 from expgpu.train import proportional
 from expgpu.train.batches import SeededFetch
 from expgpu.train.run import Run
@@ -96,7 +96,7 @@ def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, m
 def _check(batch_size, max_steps, accumulate, clip, eval_every, eval_batch_size) -> None:
     def need(ok: bool, key: str, value: Any, allowed: str) -> None:
         if not ok:
-            raise UserError(f"task.{key}={value!r} is not allowed: {allowed}")
+            raise UserError(f"task.{key}={shown(value)} is not allowed: {allowed}")
 
     need(batch_size >= 1, "batch_size", batch_size, "an integer >= 1")
     need(max_steps >= 1, "max_steps", max_steps, "an integer >= 1")

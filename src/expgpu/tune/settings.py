@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from expgpu.errors import UserError, first_line
+from expgpu.errors import UserError, first_line, shown
 
 DIRECTIONS = ("minimize", "maximize")
 # Below this, expgpu_optuna does not run (FloatDistribution, ask/tell with fixed distributions,
@@ -104,7 +104,8 @@ def _space(p: Mapping[str, Any]) -> dict | None:
     params, old = p.get("params"), p.get("search_space")
     for key, value in (("params", params), ("search_space", old)):
         if value is not None and not isinstance(value, dict):
-            raise UserError(f"hydra.sweeper.{key}={value!r} is not allowed: a mapping of keys to sweep expressions")
+            raise UserError(f"hydra.sweeper.{key}={shown(value)} is not allowed: a mapping of keys to sweep "
+                            "expressions")
     url = "https://hydra.cc/docs/upgrades/1.1_to_1.2/changes_to_sweeper_config/"
     if old is None:
         return params
@@ -130,7 +131,7 @@ def _whole(p: Mapping[str, Any], key: str, none_ok: bool) -> int | None:
     if value is None and none_ok:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"hydra.sweeper.{key}={value!r} is not allowed: an integer >= 1"
+        raise UserError(f"hydra.sweeper.{key}={shown(value)} is not allowed: an integer >= 1"
                         + (" or null (as many as the launcher runs at once)" if none_ok else ""))
     return value
 
