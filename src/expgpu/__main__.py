@@ -2,7 +2,8 @@
 
 `expgpu status [DIR]` (a first word `status`, which no override is) shows where the runs are instead
 (expgpu.status); `expgpu report DIR` writes a sweep's report again (expgpu.report, also `expgpu-report`);
-`expgpu sbatch-script` prints scripts/expgpu.sbatch, which an install without the checkout has in the package.
+`expgpu sbatch-script` prints scripts/expgpu.sbatch, which an install without the checkout has in the package;
+`expgpu --version` names expgpu's version and its dependencies' (Hydra's own flag would name Hydra's only).
 
 User errors (a wrong key, value, group option, environment variable, GPU id) end in
 one line naming what is wrong and what is allowed, and exit code 2; no traceback.
@@ -27,6 +28,22 @@ from expgpu.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 def conf_dir() -> str:
     """conf/ ships inside the wheel as expgpu/conf; a checkout has it at the top."""
     return str(_shipped("conf"))
+
+
+def _versions() -> str:
+    """expgpu's version and those of what a bug report needs beside it, from the installed metadata (no import)."""
+    from importlib import metadata
+
+    from expgpu import __version__
+
+    def of(dist: str) -> str:
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            return f"{dist} not installed"
+
+    deps = ", ".join(of(d) for d in ("torch", "hydra-core", "omegaconf", "submitit", "optuna"))
+    return f"expgpu {__version__} ({deps}; Python {sys.version.split()[0]})"
 
 
 def _shipped(name: str) -> Path:
@@ -176,6 +193,9 @@ def main() -> None:
         sys.exit(report(sys.argv[2:], prog="expgpu report"))
     if sys.argv[1:2] == ["sbatch-script"]:   # `expgpu sbatch-script > expgpu.sbatch`, from any install
         sys.stdout.write(_shipped("scripts/expgpu.sbatch").read_text())
+        return
+    if sys.argv[1:] == ["--version"]:   # Hydra's own would say only "Hydra 1.3.8"
+        print(_versions())
         return
     _before_hydra()
     import hydra

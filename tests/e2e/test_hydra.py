@@ -88,7 +88,7 @@ def test_help_says_what_expgpu_is_and_its_commands_compose(tmp_path):
     assert out.startswith("expgpu: a PyTorch training task on the right GPUs from config")
     assert out.index("expgpu status [DIR]") < out.index("== Config groups") < out.index("task: a, b, digits")
     assert "_target_: expgpu.tasks.models.WaveCNN" in out   # the overrides' job: task b's config
-    assert out.rstrip().endswith("Hydra's own flags and groups: --hydra-help.")
+    assert out.rstrip().endswith("Hydra's own flags and groups: --hydra-help. Versions (for a bug report): --version.")
     commands = [line.split("   ")[0].strip() for line in out.splitlines() if line.startswith("  python -m expgpu")]
     assert len(commands) == 6, out
     for command in commands:   # each composes (a sweep's as one of its jobs): no key or option of it is stale
@@ -96,6 +96,15 @@ def test_help_says_what_expgpu_is_and_its_commands_compose(tmp_path):
         words = [w.split("=")[0] + "=" + w.split("=")[1].split(",")[0] if "," in w else w for w in words]
         composed = _cli([*words, "--cfg", "job"], cwd=tmp_path)
         assert composed.returncode == 0, (command, composed.stderr)
+
+
+def test_version_is_expgpus_with_what_a_bug_report_needs(tmp_path):
+    from expgpu import __version__
+
+    shown = _cli(["--version"], cwd=tmp_path)   # Hydra's own flag said only "Hydra 1.3.8"
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"expgpu {__version__} (torch ") and ", hydra-core 1.3." in shown.stdout
+    assert shown.stdout.rstrip().endswith(f"; Python {sys.version.split()[0]})") and list(tmp_path.iterdir()) == []
 
 
 def test_multirun_with_cfg_is_one_line(tmp_path):
