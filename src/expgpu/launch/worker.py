@@ -80,11 +80,12 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
         return None
     checksums = [r["param_checksum"] for r in ranks]
     apart = [r for r, c in enumerate(checksums) if c != checksums[0]]
-    if apart and None not in checksums:
-        log.warning("rank(s) %s ended with other parameters than rank 0 (result.json's rank_checksums): their tracked "
-                    "modules were not kept in step (launch.wrap=%s, or a module not given to run.wrap), and the "
-                    "checkpoint keeps rank 0's, which a resume gives to every rank",
-                    ", ".join(map(str, apart)), cfg["launch"]["wrap"])
+    # Only without a wrapper: DDP keeps the parameters in step, and the buffers it does not (BatchNorm's running
+    # stats after the last forward) it broadcasts from rank 0 at the next, as a resume gives rank 0's to all.
+    if apart and None not in checksums and cfg["launch"]["wrap"] == "none":
+        log.warning("rank(s) %s ended with other parameters than rank 0 (result.json's rank_checksums): "
+                    "launch.wrap=none keeps no rank in step, and the checkpoint keeps rank 0's state, which a "
+                    "resume gives to every rank", ", ".join(map(str, apart)))
     return results.write_result(run_dir, {
         "status": status, **base, "plan": ranks, "metrics": metrics, **mine, "rank_checksums": checksums})
 
