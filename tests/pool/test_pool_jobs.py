@@ -179,34 +179,21 @@ def test_a_users_on_job_start_callback_turns_priming_off(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_pool_json_keeps_every_launch_batch_in_order(tmp_path, hydra_optuna):
-    # Hydra's optuna sweeper with n_jobs=1 calls launch() once per trial: 3 batches of 1 job each.
-    sweep = Sweep(tmp_path)
-    sweep.env = with_path(sweep.env, hydra_optuna)
-    done = sweep.run(["task=a", "task.max_steps=5", "objective=final_loss", "hydra/sweeper=optuna",
-                      "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1", "hydra.sweeper.sampler.seed=0",
-                      "task.optimizer.lr=interval(0.001,0.1)", "hydra.launcher.cpu_slots=2"], 280)
-    assert done.returncode == 0, done.stderr[-3000:]
-    pool = sweep.pool()
-    assert [j["num"] for j in pool["jobs"]] == [0, 1, 2]
-    assert [j["state"] for j in pool["jobs"]] == ["finished"] * 3
-    assert pool["batches"] == [{"batch": 0, "jobs": [0]}, {"batch": 1, "jobs": [1]}, {"batch": 2, "jobs": [2]}]
-    assert [Path(j["dir"]).name for j in pool["jobs"]] == ["0", "1", "2"]
-    assert [row[1] for row in report_rows(sweep)] == ["finished"] * 3
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_an_optimizing_sweep_warms_one_fork_server_for_all_its_batches(tmp_path, hydra_optuna):
-    # Hydra's optuna sweeper with n_jobs=1: one launch() per trial. The task's module (and torch) is
-    # imported once, by one fork server kept from batch to batch, not once per trial; and it is gone at the end.
+def test_an_optimizing_sweep_keeps_its_batches_in_order_and_warms_one_fork_server_for_all(tmp_path, hydra_optuna):
+    # Hydra's optuna sweeper with n_jobs=1 calls launch() once per trial: 3 batches of 1 job each, in pool.json
+    # in order. The task's module (and torch) is imported once, by one fork server kept from batch to batch,
+    # not once per trial; and it is gone at the end.
     sweep = Sweep(tmp_path)
     sweep.env = with_path(sweep.env, hydra_optuna)
     done = sweep.run(["task=sleep", "task.model.seconds=0", "objective=final_loss", "hydra/sweeper=optuna",
                       "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1", "hydra.sweeper.sampler.seed=0",
                       "task.optimizer.lr=interval(0.001,0.1)", "hydra.launcher.cpu_slots=2"], 280)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [b["jobs"] for b in sweep.pool()["batches"]] == [[0], [1], [2]]
+    pool = sweep.pool()
+    assert [(j["num"], j["state"], Path(j["dir"]).name) for j in pool["jobs"]] == \
+        [(0, "finished", "0"), (1, "finished", "1"), (2, "finished", "2")]
+    assert pool["batches"] == [{"batch": 0, "jobs": [0]}, {"batch": 1, "jobs": [1]}, {"batch": 2, "jobs": [2]}]
+    assert [row[1] for row in report_rows(sweep)] == ["finished"] * 3
     assert [r["job"] for r in sweep.records("import")] == [-1], sweep.records("import")
     assert len(sweep.records()) == 3
     # the kept server's state is tidied when the sweep ends; the sweep's process record stays (expgpu.status.busy)
