@@ -45,11 +45,12 @@ def refuse_busy(where: Path, what: str = "run", key: str = "hydra.run.dir") -> N
     on this host, by its pid; on another, when it belongs to a SLURM job other than this one that is still in
     SLURM's queue. This process itself, or one it descends from, is the same run."""
     from expgpu.results import read_process
-    from expgpu.status.read import lives
 
     record = read_process(where)
-    if record is None:
+    if record is None:   # a new run dir: no more to import or ask (~15 ms of every run's start)
         return
+    from expgpu.status.read import lives
+
     alive = lives(record)
     job = _queued_elsewhere(record) if alive is None else None
     if not alive and job is None:
