@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from expgpu.distributed.group import gather_objects, same_keys
+from expgpu.distributed.group import by_key, gather_objects
 from expgpu.errors import UserError
 
 
@@ -23,10 +23,7 @@ def gather_value(value: Any, device, what: str = "value") -> Any:
     on every rank); anything else (a number, a list of strings): a list of each rank's. Out of place and
     detached; a tensor comes back on its own device."""
     if isinstance(value, dict):
-        if what == "value":
-            same_keys(value, "run.gather", "gathers")
-        gathered = {k: gather_value(value[k], device, f"{what}[{k!r}]") for k in sorted(value, key=repr)}
-        return {k: gathered[k] for k in value}
+        return by_key(value, lambda v, where: gather_value(v, device, where), what, "run.gather", "gathers")
     import torch
 
     if isinstance(value, torch.Tensor):

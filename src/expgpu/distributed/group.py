@@ -162,10 +162,7 @@ def reduce_value(value: Any, op: str, device, what: str = "value") -> Any:
     if op not in REDUCE_OPS:
         raise UserError(f"run.all_reduce(op={op!r}) is not allowed: {', '.join(REDUCE_OPS)}")
     if isinstance(value, dict):
-        if what == "value":
-            same_keys(value)
-        reduced = {k: reduce_value(value[k], op, device, f"{what}[{k!r}]") for k in sorted(value, key=repr)}
-        return {k: reduced[k] for k in value}
+        return by_key(value, lambda v, where: reduce_value(v, op, device, where), what, "run.all_reduce", "reduces")
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -181,7 +178,17 @@ def reduce_value(value: Any, op: str, device, what: str = "value") -> Any:
                     "or dicts of them")
 
 
-def same_keys(value: dict, call: str = "run.all_reduce", verb: str = "reduces") -> None:
+def by_key(value: dict, each, what: str, call: str, verb: str) -> dict:
+    """A collective over a dict (run.all_reduce, run.gather): `each(entry, its name)` entry by entry, in key order,
+    so ranks that built their dicts in another order still pair them up; back in this rank's order. The keys are
+    checked once, at the top (`what` "value")."""
+    if what == "value":
+        same_keys(value, call, verb)
+    done = {k: each(value[k], f"{what}[{k!r}]") for k in sorted(value, key=repr)}
+    return {k: done[k] for k in value}
+
+
+def same_keys(value: dict, call: str, verb: str) -> None:
     """Every rank gives `call` a dict with the same keys, or all of them stop with one line: entries
     paired by name must not pair with another rank's next collective (a hang, or wrong sums)."""
     import torch.distributed as dist

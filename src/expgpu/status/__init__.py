@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import importlib
 
-_WHERE = {"RunRow": "read", "read_run": "read", "find": "sweeps", "rows": "sweeps", "table": "table", "main": "cli",
-          "cli": "cli"}
+_WHERE = {"RunRow": "read", "read_run": "read", "find": "sweeps", "rows": "sweeps", "table": "table", "main": "cli"}
 __all__ = sorted(_WHERE)
 
 

@@ -79,7 +79,3 @@ def _watch(top: Path, every: float, as_json: bool, found: list[RunRow] | str) ->
             print(flush=True)
         time.sleep(every)
         found = _rows(top)
-
-
-def cli() -> None:
-    sys.exit(main())
