@@ -140,6 +140,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
                         f"{info.local_world_size} processes on this node; let one launcher start "
                         "them: launch.nproc_per_node=1 under torchrun/srun/mpirun")
     local_ranks = nproc if nproc > 1 else info.local_world_size
+    world = local_ranks * info.world_size if nproc > 1 else info.world_size
+    config.check_world(plain, world)
 
     if info.rank == 0:
         refuse_busy(run_dir)   # before anything here reads or writes what another live run keeps there
@@ -165,7 +167,6 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
                 from expgpu.script import runner as script_runner
 
                 print(script_runner.dry_run(plain, node, [r["rank"] for r in rows], run_dir), flush=True)
-            world = local_ranks * info.world_size if nproc > 1 else info.world_size
             print(memory_estimate.line(memory_estimate.measure(plain["task"]), world), flush=True)
             print(f"plan written to {run_dir / rundir.PLAN} (dry run: nothing trained)", flush=True)
             return {"status": "dry_run", "plan": rows}

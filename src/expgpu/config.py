@@ -10,6 +10,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from expgpu.errors import UserError, shown
 from expgpu.schema import CheckpointFormat, FsdpConfig, HangConfig, OnHang, Shard, Wrap
+from expgpu.task import SUPERVISED
 
 # What makes a composed config expgpu's (this schema, as conf/config.yaml composes it): expgpu's launchers
 # also launch any other Hydra app's jobs, and read a job's task, gpu_map and launch only when it has them.
@@ -106,6 +107,16 @@ def _check_fsdp(cfg: DictConfig, need) -> None:
         need(False, f"launch.fsdp.{changed[0]}", "set only with launch.wrap=fsdp")
     need(not cfg.checkpoint.async_save or checkpoint_format(cfg) == "dcp", "checkpoint.async_save",
          "true only with the sharded format (launch.wrap=fsdp or checkpoint.format=dcp)")
+
+
+def check_world(plain: dict, world: int) -> None:
+    """What needs the run's world size, known once the ranks are counted (srun's tasks, torchrun's world).
+    `plain` after script.prepare, which puts a script task's command in plain["script"]."""
+    builtin = (plain["task"].get("_target_") or SUPERVISED) == SUPERVISED and plain.get("script") is None
+    if world > 1 and plain["launch"]["wrap"] in ("none", Wrap.none) and builtin:
+        raise UserError(f"launch.wrap=none on {world} ranks: the built-in loop would train {world} separate "
+                        "models, each on its share of the data with no gradient sync, and keep rank 0's; use "
+                        "launch.wrap=ddp (the default) or fsdp, or one rank")
 
 
 def checkpoint_format(cfg) -> str:

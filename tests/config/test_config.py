@@ -189,3 +189,14 @@ def test_a_script_tasks_output_watch_finds_hangs_to_restart_after_without_the_wa
     # task.output_timeout_s (a script task's) judges hangs on its own: on_hang=restart means something there
     config.check(composed("+task.output_timeout_s=30", "launch.on_hang=restart", "launch.max_restarts=1",
                           "launch.hang.timeout_s=null"))
+
+
+def test_the_built_in_loop_unwrapped_on_several_ranks_is_refused_once_the_world_is_counted():
+    def world(n: int, *overrides: str, script: dict | None = None) -> None:
+        config.check_world({**config.plain(composed("launch.wrap=none", *overrides)), "script": script}, n)
+
+    world(1)   # one rank: nothing to sync
+    world(4, "task._target_=builtins.print")   # a function task keeps its own ranks in step (or not)
+    world(4, script={"argv": ["train.py"]})     # so does a script (script.prepare's plain["script"])
+    with pytest.raises(UserError, match=r"^launch.wrap=none on 4 ranks: the built-in loop would train 4 separate"):
+        world(4)   # e.g. srun's 4 tasks, which launch.nproc_per_node=1 does not show

@@ -187,7 +187,8 @@ def test_the_objective_ranks_the_jobs_and_the_curves_show_eval_metrics(tmp_path)
         "python -m expgpu.report: error: --metric bleu: no job returned it; they returned accuracy, eval_loss, "
         "final_loss")
 
-    from expgpu.report import collect, rank
+    from expgpu.report import rank
+    from expgpu.report.collect import collect
     from expgpu.report.plot import panels
 
     rows = collect(sweep)
@@ -251,7 +252,8 @@ def test_at_42_jobs_the_legend_names_the_best_ten_beside_the_plot(basic_sweep, t
         result = json.loads((job / "result.json").read_text())
         result["metrics"]["final_loss"] = abs(n - 20) + 0.5   # job 20 best, then 19 and 21, ...
         (job / "result.json").write_text(json.dumps(result))
-    from expgpu.report import collect, rank
+    from expgpu.report import rank
+    from expgpu.report.collect import collect
     from expgpu.report.plot import plot
 
     rows = collect(sweep)

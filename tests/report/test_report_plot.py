@@ -26,7 +26,8 @@ def _drawn(monkeypatch, sweep, png):
     """plot()'s figure, kept to read: its panels' titles and its texts."""
     import matplotlib.pyplot as plt
 
-    from expgpu.report import collect, rank
+    from expgpu.report import rank
+    from expgpu.report.collect import collect
     from expgpu.report.plot import plot
 
     figures, close = [], plt.close
@@ -81,7 +82,8 @@ def test_a_job_has_the_same_colour_in_every_panel(tmp_path, monkeypatch):
     import matplotlib.colors
     import matplotlib.pyplot as plt
 
-    from expgpu.report import collect, rank
+    from expgpu.report import rank
+    from expgpu.report.collect import collect
     from expgpu.report.plot import plot
 
     figures, close = [], plt.close

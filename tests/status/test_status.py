@@ -135,10 +135,11 @@ def test_a_running_run_then_killed_is_lost(tmp_path):
 def test_a_sweeps_row_shows_its_best_by_the_reports_ranking_once_a_job_has_the_metric(tmp_path):
     """Grid sweeps too: the report marks the best job in its report.csv (as jobs end, while it is live)."""
     from expgpu import report
+    from expgpu.report.collect import collect
     from expgpu.status.sweeps import rows
 
     def reported(sweep: Path) -> dict:
-        ranked = report.collect(sweep)
+        ranked = collect(sweep)
         report.write(sweep, ranked, report.rank(ranked), plot=False)
         [row] = rows(sweep.parent, expand=False)
         return row.metrics

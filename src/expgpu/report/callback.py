@@ -71,7 +71,8 @@ class SweepReport(Callback):
         if sweep is None or not sweep.is_dir():
             return
         try:
-            from expgpu.report import HTML_FILE, collect, rank, state, write
+            from expgpu.report import HTML_FILE, rank, state, write
+            from expgpu.report.collect import collect
             from expgpu.report.table import headline, rerun
 
             rows = state.settle(collect(sweep), self.plan, running=False)

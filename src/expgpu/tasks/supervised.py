@@ -21,6 +21,7 @@ import contextlib
 import inspect
 from typing import Any, Optional
 
+from expgpu import config
 from expgpu.distributed.wrap import no_sync, skips_sync
 from expgpu.errors import UserError, first_line, shown
 from expgpu.train import proportional
@@ -35,10 +36,7 @@ def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, m
     import torch
 
     _check(batch_size, max_steps, accumulate, clip_grad_norm, eval_every, eval_batch_size)
-    if run.world_size > 1 and run.cfg["launch"]["wrap"] == "none":
-        raise UserError(f"launch.wrap=none on {run.world_size} ranks: the built-in loop would train "
-                        f"{run.world_size} separate models, each on its share of the data with no gradient sync, "
-                        "and keep rank 0's; use launch.wrap=ddp (the default) or fsdp, or one rank")
+    config.check_world(run.cfg, run.world_size)   # checked before the ranks start too, where the world is known
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"task.model: built a {type(model).__name__}, not a torch.nn.Module")
     loss_fn, classification = _loss(loss)
