@@ -232,15 +232,36 @@ def _call(run, spec) -> tuple[str, dict]:
 
 @contextlib.contextmanager
 def _stdout_of(run):
-    """launch.stdout=rank0: what ranks other than 0 print goes to logs/rank<N>.out, so that a script
-    that printed once on one process prints once on several (print() stays as it is)."""
-    if run.is_main or run.cfg.launch.stdout != "rank0":
+    """What the task prints, a line at a time: launch.stdout=rank0 sends what ranks other than 0 print to
+    logs/rank<N>.out, so that a script that printed once on one process prints once on several (print()
+    stays as it is)."""
+    with _whole_lines(sys.stdout), _whole_lines(sys.stderr):
+        if run.is_main or run.cfg.launch.stdout != "rank0":
+            yield
+            return
+        path = rundir.rank_stdout(run.run_dir, run.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", buffering=1) as out, contextlib.redirect_stdout(out):
+            yield
+
+
+@contextlib.contextmanager
+def _whole_lines(stream):
+    """Each line the task prints written whole, when it is printed. Python buffers a pipe or a file (an
+    sbatch job's output, `| tee`) in 8 KiB blocks, so a rank's prints would come at its end; and
+    PYTHONUNBUFFERED=1, the usual cure, writes print()'s text and its newline apart, so the ranks sharing
+    the console cut into each other's lines ("[GPU0] Epoch 0[GPU1] Epoch 0"). Line buffering does neither."""
+    try:
+        before = (stream.line_buffering, stream.write_through)
+        stream.reconfigure(line_buffering=True, write_through=False)
+    except (AttributeError, ValueError, OSError):   # not a TextIOWrapper (captured, replaced): as it is
         yield
         return
-    path = rundir.rank_stdout(run.run_dir, run.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as out, contextlib.redirect_stdout(out):
+    try:
         yield
+    finally:
+        with contextlib.suppress(ValueError, OSError):
+            stream.reconfigure(line_buffering=before[0], write_through=before[1])
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ TICK_S = 0.1        # how often a stop, the grace deadline and the on_tick callb
 PREEMPT_WAIT_S = 5.0
 DRAIN_S = 2.0       # after the script exits, how long a child it left may hold its pipes open
 TAIL_LINES = 20
+PARTIAL_S = 0.2     # how long the start of a line waits for its end before the console gets it as it is
 
 
 @dataclass
@@ -134,6 +135,7 @@ def _supervise(proc, log, outcome: Outcome, stopper, grace_s: float, on_tick, wa
             exited_at = exited_at or time.monotonic()
             if tee.closed or time.monotonic() - exited_at > DRAIN_S:
                 tee.pump(0)
+                tee.flush()
                 outcome.tail = tee.tail()
                 return
 
@@ -147,6 +149,10 @@ class _Tee:
         self.partial = b""
         self.lines: collections.deque[bytes] = collections.deque(maxlen=TAIL_LINES)
         self.output_at = time.monotonic()   # when the script last wrote to either pipe (or started)
+        # The console gets whole lines: the script writes unbuffered (script.environ: print()'s text and its
+        # newline apart), and the ranks share the console, so a line relayed in pieces would be cut by another
+        # rank's. A line's start waits for its end (or a \r: a progress bar), or PARTIAL_S of silence (a prompt).
+        self.held: dict[int, tuple[object, bytes, float]] = {}   # fd -> (console, bytes not relayed, since)
         for pipe, console in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             os.set_blocking(pipe.fileno(), False)
             self.sel.register(pipe, selectors.EVENT_READ, (console, pipe is proc.stderr))
@@ -164,18 +170,35 @@ class _Tee:
                 data = os.read(key.fd, 1 << 16)
             except BlockingIOError:
                 continue
+            console, is_err = key.data
             if not data:
+                self._relay(key.fd, console, b"", end=True)
                 self.sel.unregister(key.fileobj)
                 key.fileobj.close()
                 continue
-            console, is_err = key.data
             self.output_at = time.monotonic()
-            _echo(console, data)
+            self._relay(key.fd, console, data)
             self.log.write(data)
             self.log.flush()
             if is_err:
                 *done, self.partial = (self.partial + data).split(b"\n")
                 self.lines.extend(done)
+        self.flush(PARTIAL_S)
+
+    def flush(self, held_s: float = 0.0) -> None:
+        """To the console, the start of a line held for `held_s` or more."""
+        for fd, (console, held, since) in list(self.held.items()):
+            if held and time.monotonic() - since >= held_s:
+                self._relay(fd, console, b"", end=True)
+
+    def _relay(self, fd: int, console, data: bytes, end: bool = False) -> None:
+        """To the console, up to the last line end in what this pipe gave (all of it at `end`)."""
+        _, held, since = self.held.get(fd, (console, b"", 0.0))
+        text = held + data
+        cut = len(text) if end else max(text.rfind(b"\n"), text.rfind(b"\r")) + 1
+        if cut:
+            _echo(console, text[:cut])
+        self.held[fd] = (console, text[cut:], since if held and not cut else time.monotonic())
 
     def tail(self) -> list[str]:
         lines = [*self.lines, self.partial] if self.partial else list(self.lines)
