@@ -248,7 +248,7 @@ def test_resuming_a_checkpoint_that_cannot_load_is_one_line(tmp_path, two_models
     args = [*TWO_MODELS, "task.max_steps=5"]
     _ok(probe([*args, "launch.wrap=ddp"], tmp_path / "ddp"))
     line = error_line(probe([*args, "launch.wrap=fsdp", "task.max_steps=10"], tmp_path / "ddp"))
-    assert "holds rank 0's whole model (checkpoint.format=pt" in line and "resume it with launch.wrap=ddp" in line
+    assert "holds rank 0's whole model (checkpoint.format=pt" in line and "resume it unsharded" in line
 
     _, at15 = two_models_fsdp   # an fsdp run's sharded checkpoint (its step 15)
     shutil.copytree(at15, tmp_path / "fsdp")
@@ -315,3 +315,17 @@ def test_bf16_cpu_offload_and_gathered_units_train_and_resume(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"], rows
     on = _ok(expgpu([*args, "task.max_steps=30"], tmp_path / "run"))
     assert on.result["resumed_from_step"] == 20
+
+
+@pytest.mark.slow
+def test_a_task_that_shards_its_model_itself_checkpoints_every_ranks_shards_and_resumes_exactly(tmp_path):
+    # launch.wrap=ddp (the default) and fully_shard in the task: checkpoint.format=auto saves the shards of
+    # every rank (checkpoint.pt would keep rank 0's only, and its resume was refused as a sharded model's)
+    args = ["task=probe_fsdp_shards_itself", *TWO]
+    run = probe([*args, "checkpoint.verify=true", "task.log_every=1"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "verify.json").read_text())["exact"] is True
+    assert (tmp_path / "run" / "verify" / "resumed" / "checkpoint").is_dir()
+    assert not (tmp_path / "run" / "verify" / "resumed" / "checkpoint.pt").exists()
+    line = error_line(probe([*args, "checkpoint.format=pt"], tmp_path / "pt"))
+    assert "checkpoint.format=pt: run.track(model=...) is sharded (its parameters are DTensors" in line, line

@@ -57,3 +57,25 @@ def memory(run: Run, width: int = 256, depth: int = 4, max_steps: int = 1):
     params, state = held_bytes(model, opt)
     (run.run_dir / f"bytes{run.rank}.json").write_text(json.dumps({"params": params, "optimizer": state}))
     return {"params_bytes": params, "optimizer_bytes": state}
+
+
+def shards_itself(run: Run, max_steps: int = 10, width: int = 16, batch: int = 8):
+    """FSDP2 as the task's own code does it (pytorch/examples' distributed/FSDP2): fully_shard on each
+    layer, then the model, under launch.wrap=ddp; run.wrap not called."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp(width, 2).to(run.device)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    run.track(model=model, opt=opt)
+    for _ in run.steps(None, max_steps):
+        x = torch.randn(batch, width, device=run.device)
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        run.log(loss=loss)
+    return {"loss": loss.item()}

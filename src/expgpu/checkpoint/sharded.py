@@ -49,6 +49,18 @@ def is_sharded_state(obj: Any) -> bool:
     return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
 
 
+def holds_shards(obj: Any) -> bool:
+    """A module whose parameters are DTensors (FSDP2's fully_shard, by launch.wrap=fsdp or by the task's
+    own code; tensor parallel): each rank holds a part, so only every rank's shards (DCP) keep it whole."""
+    import torch
+
+    if not isinstance(obj, torch.nn.Module):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in obj.parameters())
+
+
 class ShardedCheckpoint:
     """RUN_DIR/checkpoint/: saved by every rank (collective), read by every rank."""
 

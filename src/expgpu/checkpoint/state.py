@@ -40,11 +40,12 @@ class CheckpointState:
     """The objects a run tracks, and the checkpoint that carries them across a stop."""
 
     def __init__(self, run_dir: Path, spec, rank: int, world_size: int, device, fmt: str = "pt",
-                 async_save: bool = False, timeout_s: float = 300.0, slow_write_s: float = 0.0):
+                 async_save: bool = False, timeout_s: float = 300.0, slow_write_s: float = 0.0, chosen: bool = False):
         self.path = Path(run_dir) / rundir.CHECKPOINT
         self.objects: dict[str, Any] = {}
         self._spec, self._rank, self._world_size, self._device = spec, rank, world_size, device
         self._format = fmt   # pt: checkpoint.pt from rank 0; dcp: checkpoint/, every rank its shards
+        self._chosen = chosen   # checkpoint.format set (pt or dcp), not auto
         self._sharded = sharded.ShardedCheckpoint(run_dir, rank, world_size, async_save, timeout_s, slow_write_s)
         # the loop's length (steps), saved: a resume that extends it checks the key's shift
         self.length: int | None = None
@@ -60,6 +61,12 @@ class CheckpointState:
                             "load_state_dict(); track modules, optimizers, schedulers, a GradScaler, "
                             "a dict of numbers, or objects of your own that have both")
         obj = unwrapped(obj)
+        if self._format == "pt" and sharded.holds_shards(obj):
+            if self._chosen:
+                raise UserError(f"checkpoint.format=pt: run.track({name}=...) is sharded (its parameters are "
+                                "DTensors: fully_shard), each rank holding a part, and checkpoint.pt would keep rank "
+                                "0's part only; use checkpoint.format=dcp (or auto), where every rank saves its own")
+            self._format = "dcp"   # auto: the task sharded its model itself, not launch.wrap=fsdp
         had = self.objects.get(name)
         if had is not None and _held(had) is not _held(obj):
             # the first one would be left out of the checkpoint without a word (a model, when its name went to
@@ -126,9 +133,10 @@ class CheckpointState:
         if path != self.path:
             state["dcp_dir"] = path
         elif self._has_shards():
-            raise UserError(f"checkpoint {path} holds rank 0's whole model (checkpoint.format=pt, written under "
-                            "launch.wrap=ddp); a sharded model cannot load it: resume it with launch.wrap=ddp, "
-                            "or save it again there with checkpoint.format=dcp, which launch.wrap=fsdp reads")
+            raise UserError(f"checkpoint {path} holds rank 0's whole model (checkpoint.format=pt, written unsharded "
+                            "under launch.wrap=ddp); this run's model is sharded (launch.wrap=fsdp, or fully_shard "
+                            "in the task), which cannot load it: resume it unsharded, or save it again there with "
+                            "checkpoint.format=dcp, which a sharded model reads")
         # the variables an epoch's run.steps keeps are named when it starts, after this check
         saved = sorted(n for n in [*state["tracked"], *state.get("sharded", ())] if not n.startswith(KEPT))
         mine = sorted(n for n in self.objects if not n.startswith(KEPT))
@@ -152,9 +160,7 @@ class CheckpointState:
         return found if found == self.path else self._sharded.meta_path(found)
 
     def _has_shards(self) -> bool:
-        from expgpu.distributed.fsdp import is_sharded
-
-        return any(is_sharded(o) for o in self.objects.values())
+        return any(sharded.holds_shards(o) for o in self.objects.values())
 
     def where(self, state: dict) -> tuple[int, int]:
         """(epoch, batch position) at which this rank resumes (rank 0's on another world size)."""

@@ -79,7 +79,8 @@ class Run(RunCheckpoint, RunEnd):
         self._spec, self._agreement, self._wrap, self._n_gpus = spec, agreement, wrap, n_gpus
         self._state = CheckpointState(self.run_dir, spec, self.rank, self.world_size, device,
                                       checkpoint_format(self.cfg), self.cfg.checkpoint.get("async_save", False),
-                                      self.cfg.backend.timeout_s, (cfg.get("faults") or {}).get("slow_write_s") or 0.0)
+                                      self.cfg.backend.timeout_s, (cfg.get("faults") or {}).get("slow_write_s") or 0.0,
+                                      chosen=self.cfg.checkpoint.get("format", "auto") != "auto")
         self._feed: Feed | None = None
         self._loaders = RankLoaders(self._state, self.cfg, device, self.world_size, self.rank, spec.seed)
         self._epochs: int | None = None    # how many epochs run.epochs loops over
