@@ -329,3 +329,6 @@ def test_a_task_that_shards_its_model_itself_checkpoints_every_ranks_shards_and_
     assert not (tmp_path / "run" / "verify" / "resumed" / "checkpoint.pt").exists()
     line = error_line(probe([*args, "checkpoint.format=pt"], tmp_path / "pt"))
     assert "checkpoint.format=pt: run.track(model=...) is sharded (its parameters are DTensors" in line, line
+    line = error_line(probe([*args, "+task.wrap_too=true"], tmp_path / "wrapped"))
+    assert "run.wrap: the module is sharded already (fully_shard made it a FSDPSequential); leave run.wrap out" \
+        in line, line

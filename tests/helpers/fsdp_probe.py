@@ -59,9 +59,9 @@ def memory(run: Run, width: int = 256, depth: int = 4, max_steps: int = 1):
     return {"params_bytes": params, "optimizer_bytes": state}
 
 
-def shards_itself(run: Run, max_steps: int = 10, width: int = 16, batch: int = 8):
+def shards_itself(run: Run, max_steps: int = 10, width: int = 16, batch: int = 8, wrap_too: bool = False):
     """FSDP2 as the task's own code does it (pytorch/examples' distributed/FSDP2): fully_shard on each
-    layer, then the model, under launch.wrap=ddp; run.wrap not called."""
+    layer, then the model, under launch.wrap=ddp; run.wrap not called (`wrap_too`: called on it)."""
     from torch.distributed.fsdp import fully_shard
 
     model = _mlp(width, 2).to(run.device)
@@ -69,6 +69,8 @@ def shards_itself(run: Run, max_steps: int = 10, width: int = 16, batch: int = 8
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
     fully_shard(model)
+    if wrap_too:
+        model = run.wrap(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     run.track(model=model, opt=opt)
     for _ in run.steps(None, max_steps):

@@ -54,6 +54,10 @@ def _refuse_wrapped(model) -> None:
         from expgpu.errors import UserError
 
         what = "what run.wrap returned" if ours else f"a {type(model).__name__}"
+        if not ours and not isinstance(model, tuple(kinds[:2])):   # the task's own fully_shard
+            raise UserError(f"run.wrap: the module is sharded already (fully_shard made it {what}); leave run.wrap "
+                            "out for it and pass it to run.track as it is, whose checkpoint then keeps every "
+                            "rank's shards (checkpoint.format=auto); or leave fully_shard to launch.wrap=fsdp")
         raise UserError(f"run.wrap: the module is wrapped already ({what}); pass your own module, once")
 
 
