@@ -26,6 +26,7 @@ import copy
 import datetime
 import logging
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -54,11 +55,10 @@ def holds_shards(obj: Any) -> bool:
     own code; tensor parallel): each rank holds a part, so only every rank's shards (DCP) keep it whole."""
     import torch
 
-    if not isinstance(obj, torch.nn.Module):
+    tensor = sys.modules.get("torch.distributed.tensor")   # no DTensor exists before its import (~0.5 s)
+    if tensor is None or not isinstance(obj, torch.nn.Module):
         return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in obj.parameters())
+    return any(isinstance(p, tensor.DTensor) for p in obj.parameters())
 
 
 class ShardedCheckpoint:

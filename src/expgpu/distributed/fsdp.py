@@ -84,12 +84,6 @@ def held_bytes(model, optimizer) -> tuple[int, int]:
     return local(model.parameters()), local(v for s in optimizer.state.values() for v in s.values())
 
 
-def is_sharded(module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
 def no_sync(module):
     """FSDP2's no_sync: micro-steps keep their gradients unsharded and unreduced until the last
     one, which reduce-scatters the sum (set_requires_gradient_sync, as torchtitan's accumulation)."""

@@ -11,6 +11,7 @@ is the user's module.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
@@ -43,12 +44,9 @@ def _refuse_wrapped(model) -> None:
     import torch
 
     kinds = [torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel]
-    try:
-        from torch.distributed.fsdp import FSDPModule  # fully_shard's class, once a module is sharded
-
-        kinds.append(FSDPModule)
-    except ImportError:
-        pass
+    fsdp = sys.modules.get("torch.distributed.fsdp")   # imported where a module was sharded: not to import here
+    if fsdp is not None:                               # (torch.distributed.tensor's import: ~0.5 s of a start)
+        kinds.append(fsdp.FSDPModule)   # fully_shard's class, once a module is sharded
     ours = getattr(model, "_expgpu_wrapped", False)
     if ours or isinstance(model, tuple(kinds)):
         from expgpu.errors import UserError
