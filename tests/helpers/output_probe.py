@@ -4,7 +4,6 @@ script (its own process group)."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -37,5 +36,5 @@ if __name__ == "__main__":
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    _chatter(dist.get_rank(), int(os.environ.get("LINES", "300")), dist.barrier)
+    _chatter(dist.get_rank(), 300, dist.barrier)
     dist.destroy_process_group()
