@@ -22,7 +22,7 @@ import pytest
 from slurm_cluster import slurm_cluster_2n  # noqa: F401
 
 from conftest import pythonpath
-from expgpu.pool.allocation import Allocation, Slot, check_job, fit, node_gpus
+from expgpu.pool.allocation import Allocation, Slot, check_job, fit, node_gpus, on_cpu_slots
 from expgpu.pool.node_servers import rank_env, share
 from expgpu.pool.steps import master_port, srun_command, step_cpus, step_env, step_mem_mb
 
@@ -178,6 +178,25 @@ def test_a_steps_command_asks_for_its_nodes_gpus_and_share_of_cpus_and_memory_an
     assert len({master_port("7", n) for n in range(100)} | {master_port("8", n) for n in range(100)}) == 200
 
 
+def test_an_allocation_without_gpus_is_cpu_slots_each_with_its_share_of_the_node_and_no_gpu():
+    plain = Allocation("9", ("a", "b"), {"a": (), "b": ()}, {"a": 8, "b": 4}, 6000)
+    alloc = on_cpu_slots(plain, 2)
+    assert alloc.describe() == "SLURM job 9: 2 node(s) (a,b) x 2 CPU slot(s)"
+    assert alloc.slots() == [Slot("a", 0, True), Slot("a", 1, True), Slot("b", 0, True), Slot("b", 1, True)]
+    assert (step_cpus(alloc, [Slot("a", 1, True)]), step_mem_mb(alloc, [Slot("a", 1, True)])) == (4, 3000)
+    assert step_cpus(alloc, [Slot("a", 0, True), Slot("b", 0, True)]) == 2   # the least of its nodes' shares
+    cmd = srun_command([Slot("b", 1, True)], 2, None, "/x/job.pkl")
+    assert cmd[:8] == ["srun", "--exact", "--kill-on-bad-exit=1", "--nodes=1", "--nodelist=b", "--ntasks=1",
+                       "--ntasks-per-node=1", "--cpus-per-task=2"] and not any("gres" in c for c in cmd)
+    # forked by a node's warm process: no GPU at all, and its slot's half of the CPUs the server was given
+    assert share([1], [0, 1], {"gpus": [], "step_gpus": [], "cpus": [0, 1, 2, 3]}, cpu=True) == ("", "", [2, 3])
+    from expgpu.pool.jobs import Job
+
+    job = Job(num=3, overrides=[], dir=Path("/x"), config=None, need=1)
+    job.gpus = [Slot("b", 1, True)]
+    assert job.where == "b: CPU slot 1"
+
+
 # ---------------------------------------------------------------------------------------------
 # Real sweeps in a real 2-node allocation
 
@@ -238,6 +257,37 @@ def test_a_sweep_of_1_and_2_gpu_jobs_shares_no_gpu_and_uses_both_nodes(slurm_clu
             if len(cpus) >= 4 and a != b and x["SLURMD_NODENAME"] == y["SLURMD_NODENAME"] \
                     and x["t0"] < y["t1"] and y["t0"] < x["t1"]:
                 assert not set(x["cpus"]) & set(y["cpus"]), f"jobs #{a} and #{b} shared CPUs"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@BOTH_WAYS
+def test_an_allocation_without_gpus_runs_its_jobs_on_cpu_slots_of_every_node_and_no_gpu(slurm_cluster_2n, tmp_path,
+                                                                                          warm):
+    done = _sweep(slurm_cluster_2n, tmp_path, ["hydra.launcher.cpu_slots=2", "task.model.seconds=3",
+                                               "task.model.tag=range(6)", way(warm)],
+                  salloc=["salloc", "-N", "2", "--cpus-per-task=4", "--time=10"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 node(s)" in done.stdout + done.stderr and "x 2 CPU slot(s)" in done.stdout + done.stderr
+    pool = json.loads((tmp_path / "sweep" / "pool.json").read_text())
+    assert [j["state"] for j in pool["jobs"]] == ["finished"] * 6
+    assert pool["allocation"]["cpu_slots_per_node"] == 2
+    jobs = _by_job(_records(tmp_path))
+    assert sorted(jobs) == list(range(6)) and all(len(ranks) == 1 for ranks in jobs.values())
+    spans = [r for ranks in jobs.values() for r in ranks]
+    assert all(not r["CUDA_VISIBLE_DEVICES"] and not r["SLURM_STEP_GPUS"] for r in spans), spans   # no GPU
+    assert {r["SLURMD_NODENAME"] for r in spans} == set(slurm_cluster_2n.nodes)
+
+    def together(r: dict, node: str | None = None) -> int:
+        return sum(1 for o in spans if o["t0"] <= r["t0"] < o["t1"] and node in (None, o["SLURMD_NODENAME"]))
+
+    assert max(together(r, r["SLURMD_NODENAME"]) for r in spans) <= 2, "at most a node's 2 CPU slots at once"
+    assert max(together(r) for r in spans) >= 3, "jobs ran side by side, on both nodes"
+    if warm and len(os.sched_getaffinity(0)) >= 2:   # each its slot's share of the node's CPUs
+        for x, y in itertools.combinations(spans, 2):
+            if x["SLURMD_NODENAME"] == y["SLURMD_NODENAME"] and x["t0"] < y["t1"] and y["t0"] < x["t1"]:
+                assert not set(x["cpus"]) & set(y["cpus"]), (x, y)
 
 
 @pytest.mark.slurm

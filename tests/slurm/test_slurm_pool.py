@@ -46,6 +46,21 @@ def test_a_sweep_is_one_slurm_job_followed_to_its_end(slurm_cluster_2n, tmp_path
     assert (sweep / "report.html").exists() and (sweep / ".slurm_pool" / f"exit-{job['job_id']}").read_text() == "0\n"
 
 
+@pytest.mark.timeout(400)
+def test_without_gpus_a_sweep_is_one_slurm_job_on_cpu_slots(slurm_cluster_2n, tmp_path):
+    sweep = tmp_path / "sweep"
+    cpu = [a for a in SWEEP if "gpus_per_node" not in a]
+    done = _run(slurm_cluster_2n, [*cpu, "hydra.launcher.gpus_per_node=0", "hydra.launcher.pool.cpu_slots=2",
+                                   "task.seed=range(4)"], sweep)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    job = _job(sweep)
+    assert f"slurm_pool: the sweep is SLURM job {job['job_id']} (2 node(s) x 2 CPU slot(s))" in done.stdout
+    assert "--gres" not in (sweep / ".slurm_pool" / "allocation.sbatch").read_text()
+    pool = json.loads((sweep / "pool.json").read_text())
+    assert pool["allocation"]["job_id"] == job["job_id"] and pool["allocation"]["cpu_slots_per_node"] == 2
+    assert [j["state"] for j in pool["jobs"]] == ["finished"] * 4
+
+
 def _progress(run_dir: Path) -> int:
     """The last step run_dir's metrics.jsonl holds (0: none yet)."""
     try:
@@ -244,9 +259,27 @@ def test_its_dry_run_prints_the_allocations_script_and_where_the_first_jobs_go(t
     assert not (sweep / ".slurm_pool" / "job.json").exists()
 
 
+def test_without_gpus_its_dry_run_asks_for_none_and_places_the_jobs_on_cpu_slots(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = subprocess.run([sys.executable, "-m", "expgpu", "-m", *SWEEP, "hydra.launcher.gpus_per_node=0",
+                           "hydra.launcher.pool.cpu_slots=3", "task.seed=range(4)", "launch.nodes=1",
+                           "dry_run=true", f"hydra.sweep.dir={sweep}"], cwd=REPO, env=clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "#SBATCH --nodes=2" in out and "--gres" not in out and "hydra.launcher.cpu_slots=3" in out, out
+    assert "the first 4 job(s) on 2 node(s) x 3 CPU slot(s)" in out, out
+    assert "task.seed=0 launch.nodes=1 dry_run=True -> node1: CPU slot 0\n" in out, out
+    assert "task.seed=3 launch.nodes=1 dry_run=True -> node2: CPU slot 0\n" in out, out
+
+
 @pytest.mark.parametrize("args, message", [
-    (["hydra.launcher.gpus_per_node=0"], "hydra.launcher.gpus_per_node=0 is not allowed: an integer >= 1 (the "
-                                         "allocation's GPUs on each node)"),
+    (["hydra.launcher.gpus_per_node=-1"], "hydra.launcher.gpus_per_node=-1 is not allowed: an integer >= 0 (the "
+                                          "allocation's GPUs on each node; 0: none, the jobs take CPU slots)"),
+    (["hydra.launcher.gpus_per_node=0", "hydra.launcher.pool.cpu_slots=0"],
+     "hydra.launcher.pool.cpu_slots=0 is not allowed: an integer >= 1"),
+    (["hydra.launcher.gpus_per_node=0", "hydra.launcher.pool.gpus_per_job=1"],
+     "hydra.launcher.pool.gpus_per_job=1 is not allowed with hydra.launcher.gpus_per_node=0"),
     (["hydra.launcher.pool.gpus=[0]"], "hydra.launcher.pool.gpus: unknown key; allowed under hydra.launcher.pool: "
                                        "gpus_per_job, max_parallel, nodes, grace_s"),
     (["hydra.launcher.pool.max_parallel=0"], "hydra.launcher.pool.max_parallel=0 is not allowed: an integer >= 1"),

@@ -5,7 +5,8 @@ Inside an allocation the pool's GPUs are the allocation's, on every node, not th
 inventory: each job runs as an srun step (expgpu.pool.steps) on the node(s) whose GPUs it was given.
 SLURM chooses which of a node's GPUs a step gets (--gres=gpu:N, no step can name GPU indices), and
 never gives one GPU to two steps at once; the pool counts them per node, so it only starts a step
-that fits, and a step never waits for GPUs that another of the sweep's steps holds.
+that fits, and a step never waits for GPUs that another of the sweep's steps holds. An allocation without
+GPUs (or hydra.launcher.gpus_per_job=0) has CPU slots instead, hydra.launcher.cpu_slots per node.
 
 What tells an allocation (seen on SLURM 22.05, slurm-local): SLURM_JOB_ID and SLURM_JOB_NODELIST are set,
 in the batch script and in salloc's shell alike, but no srun step id (ranks.slurm.in_srun_step): the
@@ -14,6 +15,7 @@ pool inside a step (srun python -m expgpu -m ...) stays on the step's node, as a
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 from dataclasses import dataclass
@@ -30,9 +32,11 @@ GPU_IDX = re.compile(r"gpu(?::[^,(]*)?\(IDX:([^)]*)\)")
 @dataclass(frozen=True)
 class Slot:
     """One GPU of the allocation, as the pool counts them: a node and SLURM's index of it there.
-    Which GPU of the node a step gets is SLURM's choice: the index only numbers the node's GPUs."""
+    Which GPU of the node a step gets is SLURM's choice: the index only numbers the node's GPUs.
+    Where the jobs take CPU slots (on_cpu_slots), one of a node's CPU slots (`cpu`), numbered from 0."""
     node: str
     index: int
+    cpu: bool = False
 
     @property
     def name(self) -> str:
@@ -46,9 +50,10 @@ class Allocation:
     gpus: dict[str, tuple[int, ...]]  # node -> its GPU indices (SLURM's IDX)
     cpus: dict[str, int]              # node -> the allocation's CPUs there
     mem_mb: int | None                # per node (SLURM_MEM_PER_NODE), None when memory is not asked for
+    cpu: bool = False                 # `gpus` holds each node's CPU slots instead (on_cpu_slots)
 
     def slots(self) -> list[Slot]:
-        return [Slot(node, i) for node in self.nodes for i in self.gpus[node]]
+        return [Slot(node, i, self.cpu) for node in self.nodes for i in self.gpus[node]]
 
     @property
     def gpus_per_node(self) -> int:
@@ -57,7 +62,21 @@ class Allocation:
     def describe(self) -> str:
         counts = sorted({len(self.gpus[n]) for n in self.nodes})
         each = "/".join(map(str, counts))
-        return f"SLURM job {self.job_id}: {len(self.nodes)} node(s) ({','.join(self.nodes)}) x {each} GPU(s)"
+        unit = "CPU slot(s)" if self.cpu else "GPU(s)"
+        return f"SLURM job {self.job_id}: {len(self.nodes)} node(s) ({','.join(self.nodes)}) x {each} {unit}"
+
+
+def cpu_jobs(alloc: Allocation, s) -> bool:
+    """Whether the jobs take CPU slots, not GPUs: the allocation has none, or hydra.launcher.gpus_per_job=0
+    (an --exclusive allocation is given its nodes' GPUs too, asked for or not)."""
+    return not alloc.gpus_per_node or s.gpus_per_job == 0
+
+
+def on_cpu_slots(alloc: Allocation, per_node: int) -> Allocation:
+    """The allocation as the pool counts it when its jobs take CPU slots (cpu_jobs): `per_node` on each node
+    (hydra.launcher.cpu_slots), a job one on each of its nodes, with that slot's share of the node's CPUs
+    and memory (expgpu.pool.steps), and no GPU."""
+    return dataclasses.replace(alloc, gpus={n: tuple(range(per_node)) for n in alloc.nodes}, cpu=True)
 
 
 def in_allocation(env: Mapping[str, str]) -> bool:
@@ -136,9 +155,6 @@ def _cpus(nodes: Sequence[str], env: Mapping[str, str]) -> dict[str, int]:
 def check_job(label: str, need: int, nodes: int, alloc: Allocation, nodes_key: str, need_key: str) -> None:
     """A job that can never fit: one line (UserError) naming what it asks and what the allocation has.
     `nodes_key`, `need_key`: the settings that gave its nodes and its GPUs, for the hint."""
-    if need == 0:
-        raise UserError(f"{label} asks for no GPU, but gpu_pool inside a SLURM allocation runs each job on GPUs "
-                        "of it; ask for 1 or more (hydra.launcher.gpus_per_job)")
     if nodes > len(alloc.nodes):
         raise UserError(f"{label} asks for {nodes_key}={nodes}, but the allocation has "
                         f"{len(alloc.nodes)} node(s); allowed: 1..{len(alloc.nodes)} ({alloc.describe()})")

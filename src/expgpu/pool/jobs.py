@@ -66,6 +66,9 @@ class Job:
     def where(self) -> str:
         if self.gpus and hasattr(self.gpus[0], "node"):   # an allocation's: SLURM picks the node's GPUs
             nodes = list(dict.fromkeys(g.node for g in self.gpus))
+            if self.gpus[0].cpu:
+                return (f"{nodes[0]}: CPU slot {self.gpus[0].index}" if len(nodes) == 1
+                        else f"{','.join(nodes)}: a CPU slot each")
             per = len(self.gpus) // len(nodes)
             return f"{','.join(nodes)}: {per} GPU{'s' if per > 1 else ''}" + (" each" if len(nodes) > 1 else "")
         if self.gpus:

@@ -21,7 +21,7 @@ from expgpu.pool.compose import settle, stop_if_asked, thaw
 from expgpu.pool.jobs import Job, Record
 from expgpu.pool.kept import keep_finished
 from expgpu.pool.scheduler import at_once, thread_budget
-from expgpu.pool.settings import Settings, job_need, job_nodes, pool_gpus, settings
+from expgpu.pool.settings import Settings, job_need, job_nodes, need_in_allocation, pool_gpus, settings
 from expgpu.pool.spares import SPARES_LOG, Spare, primable, spare_env, task_modules
 from expgpu.procs.forkserver import ForkServer
 
@@ -150,15 +150,17 @@ def _say_what_only_an_allocation_reads(s: Settings) -> None:
 
 def _open_in_allocation(alloc: Allocation, s: Settings, hydra_context, task_function, config,
                         first: list[tuple[list[str], int]]):
-    """The pool inside a SLURM allocation: its GPUs on every node, each job an srun step (expgpu.pool.steps);
-    no spares, no fork server, no machine-wide leases (the allocation's GPUs are its own, and SLURM never
-    gives one to two steps)."""
+    """The pool inside a SLURM allocation: its GPUs on every node (or, without GPUs, hydra.launcher.cpu_slots
+    on every node), each job an srun step (expgpu.pool.steps); no spares, no fork server, no machine-wide
+    leases (the allocation's GPUs are its own, and SLURM never gives one to two steps)."""
     if s.gpus is not None:
         raise UserError(f"hydra.launcher.gpus={list(s.gpus)} is not allowed inside a SLURM allocation: all "
                         f"(the allocation's GPUs, {alloc.describe()})")
-    if not alloc.gpus_per_node:
-        raise UserError(f"{alloc.describe()}: gpu_pool runs each job on GPUs of the allocation, and it has none; "
-                        "ask salloc/sbatch for some (--gres=gpu:N or --gpus-per-node=N)")
+    if not alloc.gpus_per_node and s.gpus_per_job:
+        raise UserError(f"hydra.launcher.gpus_per_job={s.gpus_per_job} is not allowed in {alloc.describe()}, "
+                        "which has no GPUs: null or 0 (each job takes a CPU slot on each of its nodes, "
+                        "hydra.launcher.cpu_slots per node); or ask salloc/sbatch for GPUs (--gres=gpu:N)")
+    alloc = allocation.on_cpu_slots(alloc, s.cpu_slots) if allocation.cpu_jobs(alloc, s) else alloc
     gpus = alloc.slots()
     sweep_dir = Path(str(config.hydra.sweep.dir))
     (sweep_dir / jobfiles.STATE).mkdir(parents=True, exist_ok=True)
@@ -171,7 +173,8 @@ def _open_in_allocation(alloc: Allocation, s: Settings, hydra_context, task_func
     for job in jobs:
         log.info("\t#%d : %s", job.num, job.label)
     record = Record(sweep_dir, gpus, 0, threads, False, allocation={
-        "job_id": alloc.job_id, "nodes": {n: list(alloc.gpus[n]) for n in alloc.nodes}})
+        "job_id": alloc.job_id, "nodes": {n: list(alloc.gpus[n]) for n in alloc.nodes},
+        **({"cpu_slots_per_node": s.cpu_slots} if alloc.cpu else {})})
     pool = _pool(jobs, gpus, s, sweep_dir, None, desc, [], (hydra_context, task_function), record, {}, None, [],
                  False, None, alloc)
     if s.warm_starts and (not jobs or any(j.state == "queued" for j in jobs)):
@@ -228,8 +231,7 @@ def compose_job(ctx, config, overrides: Sequence[str], num: int, s: Settings, gp
     job = jobfiles.compose(ctx, config, overrides, num, lambda cfg: job_need(cfg, s, len(gpus)))
     job.nodes, key = job_nodes(job.config, s)
     if alloc is not None:
-        if s.gpus_per_job is None:   # what a job's config asks for is a node's: on each of its nodes
-            job.need *= job.nodes
+        job.need = need_in_allocation(job.config, s, alloc, job.nodes)
         how = ("hydra.launcher.gpus_per_job" if s.gpus_per_job is not None
                else "launch.nproc_per_node x gpu_map.gpus_per_rank")
         allocation.check_job(f"job #{job.num} ({job.label})", job.need, job.nodes, alloc, key, how)

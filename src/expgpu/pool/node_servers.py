@@ -37,9 +37,9 @@ class NodeServer:
     """One node's server: its srun step's process here, what it said, and how to talk to it."""
 
     def __init__(self, node: str, alloc: Allocation, warm: Sequence[str], log: Path, name: str, env: dict):
+        gres = [] if alloc.cpu else [f"--gres=gpu:{len(alloc.gpus[node])}"]
         cmd = ["srun", "--overlap", "--unbuffered", "--kill-on-bad-exit=1", "--nodes=1", "--ntasks=1",
-               f"--nodelist={node}", f"--gres=gpu:{len(alloc.gpus[node])}", f"--cpus-per-task={alloc.cpus[node]}",
-               f"--job-name={name}"]
+               f"--nodelist={node}", *gres, f"--cpus-per-task={alloc.cpus[node]}", f"--job-name={name}"]
         if alloc.mem_mb is not None:
             cmd.append(f"--mem={alloc.mem_mb}M")
         self.node, self.started = node, time.monotonic()
@@ -96,8 +96,9 @@ class NodeServer:
         return -signal.SIGKILL if self.gone else None
 
     def gpus_and_cpus(self, indices: Sequence[int], alloc: Allocation) -> tuple[str, str, list[int]]:
-        """(CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS, CPUs) of a job given these of the node's GPUs (SLURM's IDX)."""
-        return share(indices, list(alloc.gpus[self.node]), self.info)
+        """(CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS, CPUs) of a job given these of the node's GPUs (SLURM's IDX);
+        of its CPU slots in an allocation without GPUs: no GPU, and the slots' share of the CPUs."""
+        return share(indices, list(alloc.gpus[self.node]), self.info, alloc.cpu)
 
     def close(self) -> None:
         """End of its input: it kills what runs and exits; its step ends with it."""
@@ -112,15 +113,18 @@ class NodeServer:
             self.proc.wait()
 
 
-def share(indices: Sequence[int], node_gpus: list[int], info: dict) -> tuple[str, str, list[int]]:
+def share(indices: Sequence[int], node_gpus: list[int], info: dict, cpu: bool = False) -> tuple[str, str, list[int]]:
     """(CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS, CPUs) of a job given `indices` of the node's GPUs (SLURM's IDX),
     from what the node's server said of its step: its GPUs as SLURM showed them to it (`gpus`, `step_gpus`)
-    and its CPUs, shared out equally per GPU (all of them to every job where there are fewer CPUs than GPUs)."""
-    step = info.get("step_gpus") or [str(i) for i in node_gpus]
+    and its CPUs, shared out equally per GPU (all of them to every job where there are fewer CPUs than GPUs).
+    `cpu`: the indices are CPU slots (an allocation without GPUs): no GPU, and the slots' share of the CPUs."""
+    step = [] if cpu else info.get("step_gpus") or [str(i) for i in node_gpus]
     seen = info.get("gpus") or step
     at = [step.index(str(i)) if str(i) in step else node_gpus.index(i) for i in indices]
     cpus, per = info["cpus"], len(info["cpus"]) // max(1, len(node_gpus))
     mine = [c for p in at for c in cpus[p * per:(p + 1) * per]] if per else list(cpus)
+    if cpu:
+        return "", "", mine
     return ",".join(seen[p] for p in at), ",".join(step[p] for p in at), mine
 
 

@@ -88,14 +88,15 @@ def capacity(launcher) -> int:
 
     from expgpu.pool import allocation
     from expgpu.pool.scheduler import at_once
-    from expgpu.pool.settings import job_need, job_nodes, pool_gpus, settings
+    from expgpu.pool.settings import job_need, job_nodes, need_in_allocation, pool_gpus, settings
 
     s = settings(launcher.params)
     alloc = allocation.detect(os.environ)
-    if alloc is not None:   # inside a SLURM allocation: its GPUs, a job's on each of its nodes
+    if alloc is not None:   # inside a SLURM allocation: its GPUs (or CPU slots), a job's on each of its nodes
+        if allocation.cpu_jobs(alloc, s):
+            alloc = allocation.on_cpu_slots(alloc, s.cpu_slots)
         gpus = alloc.slots()
-        nodes, _ = job_nodes(launcher.config, s)
-        need = job_need(launcher.config, s, len(gpus)) * (nodes if s.gpus_per_job is None else 1)
+        need = need_in_allocation(launcher.config, s, alloc, job_nodes(launcher.config, s)[0])
         return at_once([need] * (len(gpus) + 1), len(gpus), s.cpu_slots, s.max_parallel)
     simulate = OmegaConf.select(launcher.config, "inventory.simulate", default=None)
     if OmegaConf.is_config(simulate):

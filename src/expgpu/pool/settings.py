@@ -132,6 +132,14 @@ def job_nodes(cfg: Any, s: Settings) -> tuple[int, str]:
     return value, "launch.nodes"
 
 
+def need_in_allocation(cfg: Any, s: Settings, alloc, nodes: int) -> int:
+    """What a job of `nodes` nodes takes inside a SLURM allocation (expgpu.pool.allocation.Allocation): a CPU
+    slot on each of its nodes in one without GPUs, else job_need's GPUs on each (gpus_per_job: in all)."""
+    if alloc.cpu:
+        return nodes
+    return job_need(cfg, s, len(alloc.slots())) * (nodes if s.gpus_per_job is None else 1)
+
+
 def job_need(cfg: Any, s: Settings, pool_size: int) -> int:
     """GPUs a job needs: hydra.launcher.gpus_per_job, else what its expgpu config asks for."""
     from expgpu import config

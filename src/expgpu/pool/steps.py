@@ -5,6 +5,8 @@ starts steps (mixed in, as expgpu.pool.starts for local jobs); the loop reaps th
     srun --exact --kill-on-bad-exit=1 --nodes=K --nodelist=NODES --ntasks=K --ntasks-per-node=1
          --gres=gpu:G --cpus-per-task=C [--mem=M] python -m expgpu.pool.step_process JOB_FILE
 
+(no --gres in an allocation without GPUs, whose jobs take CPU slots: expgpu.pool.allocation.on_cpu_slots).
+
 One task per node, as hydra/launcher=slurm asks for an expgpu job (expgpu.slurm.resources): its
 ranks come from SLURM's variables, and launch.nproc_per_node=N starts N ranks on each node. --exact:
 the step gets only what it asks for, so steps run side by side; SLURM picks which of a node's GPUs
@@ -51,8 +53,8 @@ def master_port(job_id: str, num: int) -> int:
 
 
 def step_cpus(alloc: Allocation, slots: Sequence[Slot]) -> int:
-    """CPUs of each of the step's tasks: the node's CPUs in proportion to the GPUs it takes there
-    (the least of its nodes), at least 1."""
+    """CPUs of each of the step's tasks: the node's CPUs in proportion to the GPUs (CPU slots) it takes
+    there (the least of its nodes), at least 1."""
     share = []
     for node in {s.node for s in slots}:
         took = sum(s.node == node for s in slots)
@@ -78,8 +80,9 @@ def step_name(num: int) -> str:
 def srun_command(slots: Sequence[Slot], cpus: int, mem_mb: int | None, job_file: str, name: str = "") -> list[str]:
     nodes = list(dict.fromkeys(s.node for s in slots))
     per_node = len(slots) // len(nodes)
+    gres = [] if slots[0].cpu else [f"--gres=gpu:{per_node}"]
     cmd = ["srun", "--exact", "--kill-on-bad-exit=1", f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}",
-           f"--ntasks={len(nodes)}", "--ntasks-per-node=1", f"--gres=gpu:{per_node}", f"--cpus-per-task={cpus}"]
+           f"--ntasks={len(nodes)}", "--ntasks-per-node=1", *gres, f"--cpus-per-task={cpus}"]
     if name:
         cmd.append(f"--job-name={name}")
     if mem_mb is not None:
@@ -188,6 +191,8 @@ class StepStarter:
     def _step_job_env(self, job: Job, cpus: int) -> dict[str, str]:
         env = {envvars.POOL_JOB: str(job.num), envvars.START_TIME: str(time.time()),
                "MASTER_PORT": str(master_port(self.alloc.job_id, job.num))}
+        if self.alloc.cpu:   # given no GPU: none of the node's, where SLURM does not hide them (no device cgroup)
+            env["CUDA_VISIBLE_DEVICES"] = ""
         if self.s.threads_per_job is not None:
             env.update(procs.threads_env(self.s.threads_per_job))
         elif not procs.user_threads():   # a step's ranks share its CPUs, not the node's cores

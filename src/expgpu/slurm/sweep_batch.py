@@ -46,8 +46,8 @@ def launch(params: Mapping[str, Any], config, hydra_context, task_function, job_
     record = sweep_job.submit_command(params, [sys.executable, "-m", "expgpu.slurm.sweep_batch", str(state)],
                                       sweep_dir, state)
     last = initial_job_idx + len(job_overrides) - 1
-    print(f"slurm_pool: jobs #{initial_job_idx}..#{last} are SLURM job {record['job_id']} ({params['nodes']} "
-          f"node(s) x {params['gpus_per_node']} GPU(s)); its output: {record['output']}", flush=True)
+    print(f"slurm_pool: jobs #{initial_job_idx}..#{last} are SLURM job {record['job_id']} "
+          f"({sweep_job.shape(params)}); its output: {record['output']}", flush=True)
     code = sweep_job.follow(record)
     if sweep_job.state_of(record["job_id"]) is not None:   # followed no more (Ctrl-C): the job runs on
         raise KeyboardInterrupt

@@ -64,11 +64,12 @@ def _value(v: Any) -> str:
 
 
 def sbatch_script(params: Mapping[str, Any], command: Sequence[str], cwd: Path, state: Path) -> str:
-    """The allocation: nodes x gpus_per_node GPUs, whole nodes unless cpus_per_node is given, the time limit,
-    partition, account, qos, requeueable with SLURM's warning before its time limit; its body runs `command`
-    in `cwd` and records its exit code."""
+    """The allocation: nodes x gpus_per_node GPUs (none: the jobs take CPU slots), whole nodes unless
+    cpus_per_node is given, the time limit, partition, account, qos, requeueable with SLURM's warning before
+    its time limit; its body runs `command` in `cwd` and records its exit code."""
+    gres = [f"#SBATCH --gres=gpu:{params['gpus_per_node']}"] if params["gpus_per_node"] else []
     lines = ["#!/bin/bash", "#SBATCH --job-name=expgpu-sweep", f"#SBATCH --nodes={params['nodes']}",
-             "#SBATCH --ntasks-per-node=1", f"#SBATCH --gres=gpu:{params['gpus_per_node']}",
+             "#SBATCH --ntasks-per-node=1", *gres,
              f"#SBATCH --time={int(params['timeout_min'])}", f"#SBATCH --output={state}/allocation-%j.out",
              "#SBATCH --open-mode=append"]
     if params.get("max_requeues"):
@@ -85,7 +86,8 @@ def sbatch_script(params: Mapping[str, Any], command: Sequence[str], cwd: Path, 
     exit_file = f'{shlex.quote(str(state))}/exit-"$SLURM_JOB_ID"'
     return "\n".join(lines + [
         "", f"rm -f {exit_file}   # a requeued run's: the exit code is this run's",
-        "# the sweep, with hydra/launcher=gpu_pool: each of its jobs on the GPUs it was given, on its node(s)",
+        "# the sweep, with hydra/launcher=gpu_pool: each of its jobs on the GPUs (CPU slots) it was given, on its "
+        "node(s)",
         f"cd {shlex.quote(str(cwd))}", shlex.join(command) + " &", "sweep=$!",
         "# SLURM's warning before the time limit (--signal=B:USR2) reaches this shell only: the sweep saves and",
         "# requeues. SIGTERM (a preemption, scancel, scontrol requeue) reaches the sweep too; this shell waits on.",
@@ -95,7 +97,8 @@ def sbatch_script(params: Mapping[str, Any], command: Sequence[str], cwd: Path, 
 
 
 # The allocation's whole-number settings: the least each may be, and what it is
-WHOLE = {"nodes": (1, "the allocation's nodes"), "gpus_per_node": (1, "the allocation's GPUs on each node"),
+WHOLE = {"nodes": (1, "the allocation's nodes"),
+         "gpus_per_node": (0, "the allocation's GPUs on each node; 0: none, the jobs take CPU slots"),
          "timeout_min": (1, "the allocation's time limit in minutes"),
          "max_requeues": (0, "how often the allocation may requeue itself before its time limit"),
          "signal_delay_s": (1, "seconds before the time limit that SLURM warns the sweep")}
@@ -104,7 +107,7 @@ WHOLE = {"nodes": (1, "the allocation's nodes"), "gpus_per_node": (1, "the alloc
 def check(params: Mapping[str, Any]) -> None:
     """The allocation's settings, one line each, before anything is submitted."""
     for key, (low, meaning) in WHOLE.items():
-        value = params.get(key, None if low else 0)   # the counts of 1 and more must be given
+        value = params.get(key, 0 if key == "max_requeues" else None)   # the others must be given
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise UserError(f"hydra.launcher.{key}={shown(value)} is not allowed: an integer >= {low} ({meaning})")
     resources.count(params, "cpus_per_node", 1, "slurm_pool", "whole nodes")
@@ -114,6 +117,10 @@ def check(params: Mapping[str, Any]) -> None:
     if unknown:
         raise UserError(f"hydra.launcher.pool.{unknown[0]}: not a key of gpu_pool inside the allocation; allowed: "
                         + ", ".join(sorted(POOL_KEYS)))
+    if params["gpus_per_node"] == 0 and pool.get("gpus_per_job"):
+        raise UserError(f"hydra.launcher.pool.gpus_per_job={shown(pool['gpus_per_job'])} is not allowed with "
+                        "hydra.launcher.gpus_per_node=0 (an allocation without GPUs, whose jobs take CPU slots): "
+                        "null or 0")
     from expgpu.pool.settings import settings
 
     try:   # gpu_pool's own checks, now rather than in the allocation after the queue
@@ -123,18 +130,31 @@ def check(params: Mapping[str, Any]) -> None:
 
 
 def pool_params(pool: Mapping[str, Any]) -> dict:
-    """gpu_pool's hydra.launcher inside the allocation: its GPUs are the allocation's, its CPU slots unused."""
+    """gpu_pool's hydra.launcher inside the allocation: its GPUs are the allocation's (its CPU slots are read
+    only in an allocation without GPUs)."""
     return {"gpus": "all", "cpu_slots": 1, "grace_s": 15.0, **pool}
 
 
 def inside(params: Mapping[str, Any]) -> dict:
     """gpu_pool's settings inside the allocation: hydra.launcher.pool.*, and how often it may requeue itself."""
-    return {**(params.get("pool") or {}), "max_requeues": params.get("max_requeues") or 0}
+    pool = dict(params.get("pool") or {})
+    if params.get("gpus_per_node"):
+        pool.pop("cpu_slots", None)   # read only in an allocation without GPUs
+    else:   # CPU slots even where the allocation is given its nodes' GPUs (--exclusive gives them)
+        pool["gpus_per_job"] = 0
+    return {**pool, "max_requeues": params.get("max_requeues") or 0}
 
 
 # gpu_pool's keys that mean something inside an allocation (its GPUs are the allocation's: no gpus, lease_dir)
 POOL_KEYS = frozenset({"gpus_per_job", "max_parallel", "wait_timeout_s", "grace_s", "threads_per_job", "nodes",
-                       "warm_starts", "timeout_min"})
+                       "warm_starts", "timeout_min", "cpu_slots"})
+
+
+def shape(params: Mapping[str, Any]) -> str:
+    """'2 node(s) x 4 GPU(s)' (or 'x 3 CPU slot(s)' where gpus_per_node=0): the allocation asked for."""
+    gpus = params["gpus_per_node"]
+    each = f"{gpus} GPU(s)" if gpus else f"{(params.get('pool') or {}).get('cpu_slots', 1)} CPU slot(s)"
+    return f"{params['nodes']} node(s) x {each}"
 
 
 def submit(params: Mapping[str, Any], argv: Sequence[str], sweep_dir: Path) -> dict:
@@ -188,8 +208,8 @@ def take_over(params: Mapping[str, Any], config, hydra_context, job_overrides: S
             print(first_jobs(alloc, rows), flush=True)
         raise SystemExit(0)
     record = submit(params, sys.orig_argv[1:], sweep_dir)
-    print(f"slurm_pool: the sweep is SLURM job {record['job_id']} ({params['nodes']} node(s) x "
-          f"{params['gpus_per_node']} GPU(s)); sweep dir {sweep_dir}; its output: {record['output']}", flush=True)
+    print(f"slurm_pool: the sweep is SLURM job {record['job_id']} ({shape(params)}); sweep dir {sweep_dir}; "
+          f"its output: {record['output']}", flush=True)
     if params.get("detach"):
         print(f"slurm_pool: detached. Follow it: python -m expgpu.slurm.sweep_job {sweep_dir}; stop it: "
               f"scancel {record['job_id']}", flush=True)
@@ -240,21 +260,22 @@ def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Seq
     against that allocation now, before anything is submitted (a job that can never fit is one line, not a
     failure after the queue); the sweep's own config stands for the jobs an optimizing sweeper will ask for."""
     from expgpu.pool import jobs as jobfiles
-    from expgpu.pool.allocation import Allocation, check_job
-    from expgpu.pool.settings import job_need, job_nodes, settings
+    from expgpu.pool.allocation import Allocation, check_job, on_cpu_slots
+    from expgpu.pool.settings import job_nodes, need_in_allocation, settings
 
     nodes = tuple(f"node{i + 1}" for i in range(params["nodes"]))
     gpus = tuple(range(params["gpus_per_node"]))
     alloc = Allocation("(to submit)", nodes, {n: gpus for n in nodes},
                        {n: params.get("cpus_per_node") or 1 for n in nodes}, None)
-    s = settings(pool_params(params.get("pool") or {}))
-    size = len(nodes) * len(gpus)
+    s = settings(pool_params(inside(params)))
+    if not gpus:
+        alloc = on_cpu_slots(alloc, s.cpu_slots)
     rows = []
     for num, overrides in enumerate(job_overrides or [()]):
         cfg = (jobfiles.compose(hydra_context, config, overrides, num, lambda c: 0).config if job_overrides
                else config)
         n, key = job_nodes(cfg, s)
-        need = job_need(cfg, s, size) * (n if s.gpus_per_job is None else 1)
+        need = need_in_allocation(cfg, s, alloc, n)
         label = f"job #{num} ({' '.join(overrides)})" if job_overrides else "the sweep's jobs"
         check_job(label, need, n, alloc, key, "hydra.launcher.pool.gpus_per_job" if s.gpus_per_job is not None
                   else "launch.nproc_per_node x gpu_map.gpus_per_rank")
@@ -272,12 +293,13 @@ def first_jobs(alloc, rows: list[tuple], shown: int = 8) -> str:
     placed = {num: slots for num, slots, _ in Scheduler(patience=1).pick(
         [(num, need) for num, _, need, _ in rows], alloc.slots(), [], float("inf"),
         lambda free, num, need: fit(free, need, nodes[num]))}
-    out = [f"the first {len(rows)} job(s) on {len(alloc.nodes)} node(s) x {alloc.gpus_per_node} GPU(s) "
+    unit = "CPU slot" if alloc.cpu else "GPU"
+    out = [f"the first {len(rows)} job(s) on {len(alloc.nodes)} node(s) x {alloc.gpus_per_node} {unit}(s) "
            "(SLURM names the nodes):"]
     for num, label, _, _ in rows:
         where = placed.get(num)
-        text = "; ".join(f"{node}: GPU {','.join(str(g.index) for g in where if g.node == node)}"
-                         for node in dict.fromkeys(g.node for g in where)) if where else "waits for GPUs to free"
+        text = "; ".join(f"{node}: {unit} {','.join(str(g.index) for g in where if g.node == node)}"
+                         for node in dict.fromkeys(g.node for g in where)) if where else f"waits for {unit}s to free"
         out.append(f"  #{num} {label or '(no overrides)'} -> {text}")
     return "\n".join(out)
 

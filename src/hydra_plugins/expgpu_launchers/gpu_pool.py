@@ -31,7 +31,8 @@ class GpuPoolLauncherConf:
     gpus_per_job: Optional[int] = None
     # At most this many jobs at once (null: as many as the GPUs / CPU slots allow).
     max_parallel: Optional[int] = None
-    # Jobs at once that use no GPU: on a machine (or a `gpus: []` pool) without GPUs, or gpus_per_job=0.
+    # Jobs at once that use no GPU: on a machine (or a `gpus: []` pool) without GPUs, or gpus_per_job=0;
+    # inside a SLURM allocation without GPUs, on each of its nodes.
     cpu_slots: int = 1
     # Where the per-GPU lock files live (null: $EXPGPU_LEASE_DIR, else ~/.cache/expgpu/leases).
     # Sweeps that must not share GPUs (two terminals, two users) use the same directory.

@@ -32,6 +32,7 @@ class PoolInsideConf:
     wait_timeout_s: Optional[float] = None
     warm_starts: bool = True               # jobs forked by a warm process per node (gpu_pool's key)
     timeout_min: Optional[float] = None    # each job's time limit from its start (minutes; null or 0: none)
+    cpu_slots: int = 1                     # with gpus_per_node=0: jobs at once on each node, each its share of it
 
 
 @dataclass
@@ -39,7 +40,7 @@ class SlurmPoolLauncherConf:
     _target_: str = "hydra_plugins.expgpu_launchers.slurm_pool.SlurmPoolLauncher"
     # The allocation
     nodes: int = 1
-    gpus_per_node: int = 1
+    gpus_per_node: int = 1                 # 0: a CPU allocation, its jobs on pool.cpu_slots per node
     cpus_per_node: Optional[int] = None    # null: whole nodes (--exclusive), their CPUs shared out per step
     mem_gb: Optional[int] = None           # memory per node (GB); null: SLURM's default
     timeout_min: int = 60                  # the whole sweep's time limit
