@@ -19,7 +19,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from expgpu import config, envvars, loggers, ranks, rundir, script
+from expgpu import config, envvars, loggers, procs, ranks, rundir, script
 from expgpu.checkpoint import verify
 from expgpu.errors import Hung, PeerLost, RunDirBusy, Stopped, UserError, WorkerFailed, first_line, lost_peer
 from expgpu.gpus import memory_estimate, placement
@@ -126,6 +126,7 @@ def _check_nodes(nodes: int, info: ranks.RankInfo) -> None:
 def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
     stop_signals.install()  # here for launchers that call the task function (submitit); idempotent
     config.check(cfg)
+    procs.user_threads()   # a thread count OpenMP would refuse: one line now
     plain = config.plain(cfg)
     if not plain["dry_run"]:
         loggers.check(plain)   # a logger's package missing: one line now, not a traceback in rank 0

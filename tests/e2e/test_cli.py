@@ -264,6 +264,18 @@ def test_bad_environment_is_one_line_and_exit_2(tmp_path, var, value):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("value", ["abc", "0", "4,"])
+def test_a_thread_count_openmp_would_refuse_is_one_line_and_exit_2(tmp_path, value):
+    # libgomp only warns ("Invalid value for environment variable OMP_NUM_THREADS") and takes a thread per core
+    run = expgpu(["task=a", "task.max_steps=2"], tmp_path / "run", env={**clean_env(), "OMP_NUM_THREADS": value})
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        f"expgpu: error: environment variable OMP_NUM_THREADS='{value}' is not allowed: a number of threads >= 1")
+    nested = expgpu(["task=a", "task.max_steps=2"], tmp_path / "nested", env={**clean_env(), "OMP_NUM_THREADS": "1,1"})
+    assert nested.returncode == 0, nested.stderr[-2000:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["yes", "2"])
 def test_a_bad_warm_ranks_variable_is_one_line_and_exit_2_before_any_rank_starts(tmp_path, value):
     run = expgpu(["task=a", "launch.nproc_per_node=2"], tmp_path / "run", env=clean_env(EXPGPU_WARM_RANKS=value))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Mapping
+
+from expgpu.errors import UserError
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")   # torch's: a value the user set decides
 # numpy's OpenBLAS (scikit-learn, a user's data code) also starts a thread per core; a value the
@@ -19,12 +22,18 @@ def cores() -> int:
 
 
 def user_threads(env: Mapping[str, str] | None = None) -> str | None:
-    """The thread-count variable the user set (e.g. "OMP_NUM_THREADS=4"), or None."""
+    """The thread-count variable the user set (e.g. "OMP_NUM_THREADS=4"), or None; one line (UserError) for
+    a value OpenMP would refuse (libgomp only warns, and runs with a thread per core)."""
     env = os.environ if env is None else env
+    found = None
     for name in THREAD_VARS:
-        if env.get(name):
-            return f"{name}={env[name]}"
-    return None
+        value = env.get(name)
+        if value and not re.fullmatch(r"\s*[1-9]\d*(\s*,\s*[1-9]\d*)*\s*", value):
+            raise UserError(f"environment variable {name}={value!r} is not allowed: a number of threads >= 1 "
+                            f"(OpenMP's nested list too, e.g. 4,2); or unset it, and expgpu shares the cores out "
+                            "among the processes")
+        found = found or (f"{name}={value}" if value else None)
+    return found
 
 
 def threads_env(threads: int) -> dict[str, str]:
