@@ -52,3 +52,13 @@ def test_a_ranks_prints_reach_a_pipe_while_it_runs(tmp_path):
     proc.communicate(timeout=60)
     assert b"ready 0\n" in seen and b"ready 1\n" in seen, seen[-2000:]
     assert proc.returncode == 0
+
+
+def test_launch_stdout_rank0_keeps_a_script_tasks_other_ranks_off_the_console(tmp_path):
+    run = expgpu(["--config-dir", str(TESTS / "conf"), "task=script_chatty", "launch.nproc_per_node=2",
+                  "launch.stdout=rank0"], tmp_path / "run", env=PROBE_ENV)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ours = [line for line in run.stdout.splitlines() if "x" * 40 in line]
+    assert len(ours) == 300 and all(line.startswith("rank 0 line ") for line in ours), ours[:3]
+    kept = (tmp_path / "run" / "logs" / "rank1.script.log").read_text().splitlines()
+    assert sum(line.startswith("rank 1 line ") for line in kept) == 300   # its log keeps all of it

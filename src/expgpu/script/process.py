@@ -71,9 +71,10 @@ def _setup_child() -> None:
 
 
 def run_script(argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, stopper, grace_s: float,
-        on_tick: Callable[[], None] | None = None, watch=None) -> Outcome:
+        on_tick: Callable[[], None] | None = None, watch=None, console_stdout: bool = True) -> Outcome:
     """Start the script and supervise it to its end; a stop requested before it starts keeps it from starting.
-    `watch.tick(pid, output_at)` (output_at: time.monotonic() of its last output) -> True: it hung."""
+    `watch.tick(pid, output_at)` (output_at: time.monotonic() of its last output) -> True: it hung.
+    `console_stdout=False`: its stdout goes to the log only (launch.stdout=rank0, on the other ranks)."""
     if stopper.received:
         now = time.time()
         return Outcome(None, stopped_by=stopper.received, started=now, ended=now)
@@ -85,7 +86,7 @@ def run_script(argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, 
                                 stderr=subprocess.PIPE, preexec_fn=_setup_child, start_new_session=True)
         outcome = Outcome(None, started=time.time())
         try:
-            _supervise(proc, log, outcome, stopper, grace_s, on_tick, watch)
+            _supervise(proc, _Tee(proc, log, console_stdout), outcome, stopper, grace_s, on_tick, watch)
         finally:
             procs.kill_group(proc.pid)   # whatever it left behind, or all of it on a second Ctrl-C
             proc.wait()
@@ -112,8 +113,7 @@ def await_requeue(outcome: Outcome, stopper) -> None:
         outcome.stopped_by = "SIGUSR2"
 
 
-def _supervise(proc, log, outcome: Outcome, stopper, grace_s: float, on_tick, watch) -> None:
-    tee = _Tee(proc, log)
+def _supervise(proc, tee: _Tee, outcome: Outcome, stopper, grace_s: float, on_tick, watch) -> None:
     deadline = None
     exited_at = None
     while True:
@@ -141,9 +141,10 @@ def _supervise(proc, log, outcome: Outcome, stopper, grace_s: float, on_tick, wa
 
 
 class _Tee:
-    """The script's stdout and stderr to this process's, and both to the log file."""
+    """The script's stdout and stderr to this process's (its stdout not, under launch.stdout=rank0 on the
+    other ranks), and both to the log file."""
 
-    def __init__(self, proc, log):
+    def __init__(self, proc, log, console_stdout: bool = True):
         self.log = log
         self.sel = selectors.DefaultSelector()
         self.partial = b""
@@ -153,7 +154,7 @@ class _Tee:
         # newline apart), and the ranks share the console, so a line relayed in pieces would be cut by another
         # rank's. A line's start waits for its end (or a \r: a progress bar), or PARTIAL_S of silence (a prompt).
         self.held: dict[int, tuple[object, bytes, float]] = {}   # fd -> (console, bytes not relayed, since)
-        for pipe, console in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+        for pipe, console in ((proc.stdout, sys.stdout if console_stdout else None), (proc.stderr, sys.stderr)):
             os.set_blocking(pipe.fileno(), False)
             self.sel.register(pipe, selectors.EVENT_READ, (console, pipe is proc.stderr))
 
@@ -193,6 +194,8 @@ class _Tee:
 
     def _relay(self, fd: int, console, data: bytes, end: bool = False) -> None:
         """To the console, up to the last line end in what this pipe gave (all of it at `end`)."""
+        if console is None:
+            return
         _, held, since = self.held.get(fd, (console, b"", 0.0))
         text = held + data
         cut = len(text) if end else max(text.rfind(b"\n"), text.rfind(b"\r")) + 1

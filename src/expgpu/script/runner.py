@@ -62,7 +62,8 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
         feed = LoggerFeed(cfg, run_dir)   # the loggers, and the script's progress on the console
     try:
         outcome = process.run_script(argv, env, run_dir, script_log, stopper, spec.grace_s,
-                                     feed.poll if feed else None, watch)
+                                     feed.poll if feed else None, watch,
+                                     console_stdout=info.rank == 0 or cfg["launch"]["stdout"] != "rank0")
         process.await_requeue(outcome, stopper)   # a preemption under submitit: SIGTERM, then SIGUSR2
         if watch is not None and not outcome.hung:
             watch.done()
