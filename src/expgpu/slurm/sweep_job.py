@@ -138,10 +138,10 @@ def pool_params(pool: Mapping[str, Any]) -> dict:
 def inside(params: Mapping[str, Any]) -> dict:
     """gpu_pool's settings inside the allocation: hydra.launcher.pool.*, and how often it may requeue itself."""
     pool = dict(params.get("pool") or {})
-    if params.get("gpus_per_node"):
-        pool.pop("cpu_slots", None)   # read only in an allocation without GPUs
-    else:   # CPU slots even where the allocation is given its nodes' GPUs (--exclusive gives them)
-        pool["gpus_per_job"] = 0
+    if not params.get("gpus_per_node"):   # CPU slots even where the allocation is given its nodes' GPUs
+        pool["gpus_per_job"] = 0          # (--exclusive gives them)
+    elif pool.get("gpus_per_job") != 0:
+        pool.pop("cpu_slots", None)   # read only where the jobs take CPU slots
     return {**pool, "max_requeues": params.get("max_requeues") or 0}
 
 
@@ -260,7 +260,7 @@ def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Seq
     against that allocation now, before anything is submitted (a job that can never fit is one line, not a
     failure after the queue); the sweep's own config stands for the jobs an optimizing sweeper will ask for."""
     from expgpu.pool import jobs as jobfiles
-    from expgpu.pool.allocation import Allocation, check_job, on_cpu_slots
+    from expgpu.pool.allocation import Allocation, check_job, cpu_jobs, on_cpu_slots
     from expgpu.pool.settings import job_nodes, need_in_allocation, settings
 
     nodes = tuple(f"node{i + 1}" for i in range(params["nodes"]))
@@ -268,7 +268,7 @@ def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Seq
     alloc = Allocation("(to submit)", nodes, {n: gpus for n in nodes},
                        {n: params.get("cpus_per_node") or 1 for n in nodes}, None)
     s = settings(pool_params(inside(params)))
-    if not gpus:
+    if cpu_jobs(alloc, s):   # as gpu_pool will count it inside
         alloc = on_cpu_slots(alloc, s.cpu_slots)
     rows = []
     for num, overrides in enumerate(job_overrides or [()]):
