@@ -64,7 +64,7 @@ def _one_line(e: BaseException) -> str | None:
             text += (" (Hydra's optuna sweeper is not installed: pip install 'expgpu[optuna]'; or expgpu's own, "
                      "with the same keys: hydra/sweeper=expgpu_optuna, pip install 'expgpu[tune]')")
         return text
-    on_null = _override_on_null(e)
+    on_null = _override_on_null(e) or _sweep_inside_a_value(e)
     if on_null is not None:
         return on_null
     cause = e
@@ -105,11 +105,7 @@ def _override_on_null(e: BaseException) -> str | None:
 
     if not isinstance(e, AssertionError):
         return None
-    tb = e.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_name != "_apply_overrides_to_config":
-        tb = tb.tb_next
-    override = tb.tb_frame.f_locals.get("override") if tb is not None else None
-    cfg = tb.tb_frame.f_locals.get("cfg") if tb is not None else None
+    override, cfg = _applying(e)
     if override is None or cfg is None:
         return None
     parts = override.key_or_group.split(".")
@@ -120,6 +116,37 @@ def _override_on_null(e: BaseException) -> str | None:
     if parts[0] == "logger" and len(nulls[0].split(".")) == 2:
         return text + f"; choose that logger too, e.g. logger=[csv,{parts[1]}], or drop the key"
     return text + f"; set {nulls[0]} itself"
+
+
+def _applying(e: BaseException) -> tuple:
+    """(the override, the config) of the frame of Hydra's that was applying an override when `e` was raised;
+    (None, None) elsewhere (or for a Hydra whose frame differs)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_name != "_apply_overrides_to_config":
+        tb = tb.tb_next
+    return (None, None) if tb is None else (tb.tb_frame.f_locals.get("override"), tb.tb_frame.f_locals.get("cfg"))
+
+
+def _sweep_inside_a_value(e: BaseException) -> str | None:
+    """`hydra.sweeper.params={lr:tag(log,interval(1e-4,1e-1))}`: Hydra's grammar makes a sweep inside a dict or
+    list a sweep object, which OmegaConf cannot hold: "tags: Unexpected type annotation: Set[str]" named nothing."""
+    from hydra.core.override_parser.types import Sweep
+
+    override, _ = _applying(e)
+    try:
+        value = override.value() if override is not None else None
+    except Exception:
+        return None
+
+    def holds(v) -> bool:
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        return isinstance(v, Sweep) or any(holds(x) for x in items)
+
+    if not isinstance(value, (dict, list)) or not holds(value):
+        return None
+    return (f"{override.input_line}: a sweep (choice, range, interval, tag) inside a {{dict}} or [list] is not "
+            "a value Hydra can set; give each searched key an override of its own, e.g. python -m expgpu -m "
+            "'task.optimizer.lr=tag(log, interval(1e-4, 1e-1))'")
 
 
 # Flags with which Hydra only prints (and runs no job)

@@ -215,6 +215,10 @@ def test_user_task_from_own_config_dir(tmp_path):
     (["faults.crash_attempts=0"], "faults.crash_attempts=0 is not allowed: null (every attempt) or an integer >= 1"),
     (["logger.wandb.project=x"], "logger.wandb.project=x: logger.wandb is null in this config, so nothing under it "
                                  "can be set; choose that logger too, e.g. logger=[csv,wandb], or drop the key"),
+    # Hydra's grammar makes the inner sweep an object OmegaConf cannot hold ("tags: Unexpected type annotation")
+    (["task.optimizer={lr:tag(log,interval(1e-4,1e-1))}"],
+     "task.optimizer={lr:tag(log,interval(1e-4,1e-1))}: a sweep (choice, range, interval, tag) inside a {dict} or "
+     "[list] is not a value Hydra can set; give each searched key an override of its own"),
 ])
 @pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
