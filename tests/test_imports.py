@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # From the ground up: a module imports only from its own layer or below (docs/architecture.md).
 LAYERS = [
-    ["expgpu.rundir", "expgpu.envvars", "expgpu.errors", "expgpu.results", "expgpu.faults"],
+    ["expgpu.rundir", "expgpu.envvars", "expgpu.errors", "expgpu.results", "expgpu.faults", "expgpu.lazy"],
     ["expgpu.task", "expgpu.ranks", "expgpu.procs", "expgpu.loggers", "expgpu.report", "expgpu.status"],
     ["expgpu.gpus", "expgpu.distributed", "expgpu.schema", "expgpu.config"],
     ["expgpu.checkpoint", "expgpu.script"],

@@ -6,17 +6,10 @@ knows which GPU it owns (CUDA_VISIBLE_DEVICES is set before CUDA starts).
 
 __version__ = "0.1.0"
 
+from expgpu import lazy
+
 __all__ = ["Run", "StopTraining", "log", "__version__"]
 
-
-def __getattr__(name: str):
-    # `from expgpu import Run` without importing train/run.py (and what it imports) for every CLI start.
-    if name in ("Run", "StopTraining"):
-        from expgpu.train import run
-
-        return getattr(run, name)
-    if name == "log":   # a script task's metrics (expgpu/script/log.py); no torch, no Run
-        from expgpu.script.log import log
-
-        return log
-    raise AttributeError(f"module 'expgpu' has no attribute {name!r}")
+# `from expgpu import Run` without importing train/run.py (and what it imports) for every CLI start; `log`: a
+# script task's metrics (expgpu/script/log.py), no torch, no Run
+__getattr__ = lazy.names("expgpu", {"Run": "train.run", "StopTraining": "train.run", "log": "script.log"})

@@ -19,8 +19,7 @@ Hydra callback), command (the command line).
 
 from __future__ import annotations
 
-import importlib
-
+from expgpu import lazy
 from expgpu.report.files import CSV_FILE, HTML_FILE, PNG_FILE
 
 # The names below load their module on first use: every run's start instantiates the sweep report's
@@ -30,9 +29,4 @@ _WHERE = {"Progress": "state", "Ranking": "best", "rank": "best", "Row": "collec
           "write": "files", "main": "command", "cli": "command"}
 __all__ = ["CSV_FILE", "HTML_FILE", "PNG_FILE", "Progress", "Ranking", "Row", "cli", "main", "rank",
            "read_job", "write"]
-
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'expgpu.report' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"expgpu.report.{_WHERE[name]}"), name)
+__getattr__ = lazy.names("expgpu.report", _WHERE)

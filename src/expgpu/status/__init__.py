@@ -18,13 +18,8 @@ so this package, which would otherwise cost it the reader and the report (~17 ms
 
 from __future__ import annotations
 
-import importlib
+from expgpu import lazy
 
 _WHERE = {"RunRow": "read", "read_run": "read", "find": "sweeps", "rows": "sweeps", "table": "table", "main": "cli"}
 __all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'expgpu.status' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"expgpu.status.{_WHERE[name]}"), name)
+__getattr__ = lazy.names("expgpu.status", _WHERE)
