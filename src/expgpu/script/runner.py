@@ -55,7 +55,7 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
     log.info("rank %d/%d on %s: %s (CUDA_VISIBLE_DEVICES=%s%s)%s", info.rank, info.world_size, socket.gethostname(),
              shlex.join(argv[1:]), env.get("CUDA_VISIBLE_DEVICES") or "(none)",
              f"; its GPU {','.join(str(g.index) for g in mine)}: {mine[0].name}" if mine else "",
-             " with resume_args" if resumed else "")
+             _rerun(spec, resumed))
     feed = None
     if info.rank == 0:
         rundir.script_log_marker(run_dir).unlink(missing_ok=True)   # the rows of this attempt start anew
@@ -170,8 +170,14 @@ def dry_run(cfg: dict, node: NodePlan, labels, run_dir: Path) -> str:
     """What each local rank would run (the dry run): its GPU mask and command line, in the run dir."""
     spec = ScriptSpec.from_dict(cfg["script"])
     resumed = _resumes(spec, cfg, run_dir, result.previous(run_dir))
-    head = f"each rank runs, in {run_dir}{' (a rerun: with resume_args)' if resumed else ''}:"
+    head = f"each rank runs, in {run_dir}{_rerun(spec, resumed)}:"
     return "\n".join([head, *commands(spec, cfg, node, labels, resumed)])
+
+
+def _rerun(spec: ScriptSpec, resumed: bool) -> str:
+    if not resumed:
+        return ""
+    return " (a rerun, with resume_args)" if spec.resume_args != spec.args else " (a rerun)"
 
 
 def commands(spec: ScriptSpec, cfg: dict, node: NodePlan, labels, resumed: bool = False) -> list[str]:

@@ -7,6 +7,7 @@ command line is rendered here too, so a bad value is one line now, not a crash i
     args                 mapping -> argv in args_style; a list -> as given, word by word
     args_style           space: --key value   equals: --key=value
                          configurator: --key=value with Python literals (nanoGPT's configurator.py)
+                         hydra: key=value overrides, for a Hydra app (expgpu.script.hydra_app)
     resume_args          added on a rerun in the same run dir (a mapping merges into a mapping args)
     resume_if            ... only when this file exists in the run dir (the script's checkpoint)
     inputs               paths under the launch dir, linked into the run dir at the same place
@@ -29,10 +30,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from expgpu.errors import UserError, first_line
+from expgpu.script import hydra_app
 
 KEYS = ("script", "module", "args", "args_style", "inputs", "resume_args", "resume_if", "grace_s", "output_timeout_s")
 STYLES = {"space": "--key value", "equals": "--key=value",
-          "configurator": "--key=value with values as Python literals, for nanoGPT's configurator.py"}
+          "configurator": "--key=value with values as Python literals, for nanoGPT's configurator.py",
+          "hydra": "key=value Hydra overrides, for a Hydra app (@hydra.main)"}
 # Well under SLURM's KillWait (30 s between its SIGTERM and SIGKILL): expgpu still writes the
 # result and may requeue after the script is gone.
 GRACE_S = 10.0
@@ -135,15 +138,18 @@ def build(task: Mapping, launch_dir: Path) -> ScriptSpec:
         raise UserError(f"task.script={script} and task.module={module}: name one of them (a file to run, "
                         "or a module to run as python -m)")
     if script is not None:
-        command = [sys.executable, str(_script_file(script, launch_dir))]
+        source = _script_file(script, launch_dir)
+        command = [sys.executable, str(source)]
         name, is_module = Path(str(script)).stem, False
     else:
-        _check_module(module, launch_dir)
+        source = _check_module(module, launch_dir)
         command, name, is_module = [sys.executable, "-m", module], module.rsplit(".", 1)[-1], True
     style = task.get("args_style") or "space"
     if style not in STYLES:
         raise UserError(f"task.args_style={style!r} is not allowed: one of "
                         + "; ".join(f"{k} ({v})" for k, v in STYLES.items()))
+    _hydra_app_needs_its_style(style, source, "script" if script is not None else "module",
+                               script if script is not None else module)
     inputs = _inputs(task.get("inputs"), launch_dir)
     render = _Renderer(style, launch_dir, [name for name, _ in inputs])
     args, resume = task.get("args"), task.get("resume_args")
@@ -153,10 +159,20 @@ def build(task: Mapping, launch_dir: Path) -> ScriptSpec:
         again = render.words(_merged(args, resume), "task.resume_args")
     else:
         again = first + render.words(resume, "task.resume_args")
+    if style == "hydra":
+        first, again = hydra_app.OWN + first, hydra_app.OWN + again
     return ScriptSpec(name=task.get("name") or name, command=command, args=first, resume_args=again,
                       resume_if=_resume_if(task.get("resume_if")), inputs=inputs,
                       grace_s=_grace(task.get("grace_s", GRACE_S)), launch_dir=str(launch_dir), module=is_module,
                       output_timeout_s=_output_timeout(task.get("output_timeout_s")))
+
+
+def _hydra_app_needs_its_style(style: str, source: str | None, key: str, value: str) -> None:
+    line = hydra_app.main_line(source)
+    if line is not None and style != "hydra":
+        raise UserError(f"task.{key}={value} is a Hydra app (@hydra.main at line {line} of {source}): set "
+                        "task.args_style=hydra, which passes task.args as its key=value overrides and keeps its "
+                        "Hydra's output in the run dir (.hydra/script), not over expgpu's own .hydra")
 
 
 def _merged(args: dict, resume: dict) -> dict:
@@ -199,9 +215,9 @@ def _script_file(script: Any, launch_dir: Path) -> Path:
     return path
 
 
-def _check_module(module: Any, launch_dir: Path) -> None:
+def _check_module(module: Any, launch_dir: Path) -> str | None:
     """`python -m module` would find it: on sys.path or in the launch dir (which the child's
-    PYTHONPATH begins with). Parent packages are imported to look; the module itself is not run."""
+    PYTHONPATH begins with); its file. Parent packages are imported to look; the module itself is not run."""
     key = "task.module"
     if not isinstance(module, str) or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", module):
         raise UserError(f"{key}={module!r} is not allowed: a module name such as pkg.train "
@@ -225,6 +241,7 @@ def _check_module(module: Any, launch_dir: Path) -> None:
     if found is None:
         raise UserError(f"{key}={module}: no module named {module!r} in the launch dir ({launch_dir}) or on "
                         "PYTHONPATH, so python -m would fail; check the name, or launch from its directory")
+    return found.origin
 
 
 def _inputs(inputs: Any, launch_dir: Path) -> list[list[str]]:
@@ -305,6 +322,8 @@ class _Renderer:
         if not (isinstance(value, _SCALARS) or (many and all(isinstance(v, _SCALARS) for v in value))):
             raise UserError(f"{where}={value!r} is not allowed: a number, string, true/false, null, a list "
                             "of those, or a mapping of them (dotted flags: --trainer.lr=...)")
+        if self.style == "hydra":
+            return [hydra_app.override(key, [self.path(v) for v in value] if many else self.path(value), where)]
         if self.style == "configurator":
             text = _literal([self.path(v) for v in value] if many else self.path(value))
             if "=" in key or "=" in text:
