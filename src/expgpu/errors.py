@@ -92,6 +92,11 @@ def first_line(e: BaseException) -> str:
     return " ".join(text.splitlines()[0].split()) if text else type(e).__name__
 
 
+def plural(n: int, word: str) -> str:
+    """'1 job', '2 jobs': a count in a message."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def env_int(env, name: str, *, minimum: int = 0) -> int:
     """Read an integer environment variable, naming it when it is malformed."""
     raw = env.get(name)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from expgpu import procs
-from expgpu.errors import UserError
+from expgpu.errors import UserError, plural
 from expgpu.pool import allocation
 from expgpu.pool import jobs as jobfiles
 from expgpu.pool.allocation import Allocation
@@ -124,7 +124,7 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
         desc = f"GPU {','.join(str(g.index) for g in gpus)}" + (" (simulated)" if simulate is not None else "")
     else:
         desc = f"{s.cpu_slots} CPU slot{'s' if s.cpu_slots > 1 else ''}"
-    log.info("gpu_pool: %d jobs on %s, %s; sweep dir %s", len(jobs), desc, threads_text, sweep_dir)
+    log.info("gpu_pool: %s on %s, %s; sweep dir %s", plural(len(jobs), "job"), desc, threads_text, sweep_dir)
     for job in jobs:
         log.info("\t#%d : %s", job.num, job.label)
     return _pool(jobs, gpus, s, sweep_dir, lease_dir, desc, spares, (hydra_context, task_function),
@@ -169,7 +169,8 @@ def _open_in_allocation(alloc: Allocation, s: Settings, hydra_context, task_func
                else f"threads per job as set ({procs.user_threads()})" if procs.user_threads()
                else "threads per job: the step's CPUs (its share of the node's)")
     desc = alloc.describe()
-    log.info("gpu_pool: %d jobs on %s, each an srun step; %s; sweep dir %s", len(jobs), desc, threads, sweep_dir)
+    log.info("gpu_pool: %s on %s, each an srun step; %s; sweep dir %s", plural(len(jobs), "job"), desc, threads,
+             sweep_dir)
     for job in jobs:
         log.info("\t#%d : %s", job.num, job.label)
     record = Record(sweep_dir, gpus, 0, threads, False, allocation={

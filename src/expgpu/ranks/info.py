@@ -125,7 +125,3 @@ def env_port(env: Mapping[str, str], name: str, default: int | None = None) -> i
     if not re.fullmatch(r"[0-9]{1,5}", raw) or int(raw) > 65535:
         raise UserError(f"{name}={env[name]!r} must be a TCP port in 1..65535")
     return int(raw)
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")

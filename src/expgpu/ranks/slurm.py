@@ -33,8 +33,8 @@ from pathlib import Path
 
 import hostlist
 
-from expgpu.errors import UserError, env_int
-from expgpu.ranks.info import RankInfo, build, env_port, env_str, is_set, plural
+from expgpu.errors import UserError, env_int, plural
+from expgpu.ranks.info import RankInfo, build, env_port, env_str, is_set
 
 log = logging.getLogger("expgpu")
 

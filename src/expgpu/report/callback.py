@@ -23,6 +23,8 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from expgpu.errors import plural
+
 log = logging.getLogger("expgpu")
 
 # The launcher whose sweep runs in another process, inside a SLURM allocation (expgpu.slurm.sweep_job)
@@ -86,7 +88,7 @@ class SweepReport(Callback):
         pruned = sum(r.status == "pruned" for r in rows)
         line = f"sweep report: {sweep / HTML_FILE}"
         if finished:
-            line += (f" ({len(rows)} jobs{f', {pruned} pruned' if pruned else ''}"
+            line += (f" ({plural(len(rows), 'job')}{f', {pruned} pruned' if pruned else ''}"
                      f"{f', {failed} unfinished' if failed else ''}); {headline(ranking)}")
             log.info("%s", line)
             if rerun(rows, ranking):

@@ -14,6 +14,7 @@ import time
 from html import escape
 from pathlib import Path
 
+from expgpu.errors import plural
 from expgpu.report.best import Ranking, metric_columns, place
 from expgpu.report.collect import Row
 from expgpu.report.state import Progress
@@ -56,7 +57,7 @@ _AGE_SCRIPT = """<script>
 def _state(p: Progress) -> list[str]:
     """The page's first line: where the sweep stands and when this was written."""
     when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(p.written))
-    jobs = f"{p.done} of {p.total} job{'s' if p.total != 1 else ''} done"
+    jobs = f"{p.done} of {plural(p.total, 'job')} done"
     if p.state != "running":
         return [f"<p id='sweep-state' class='{p.state}' data-written='{p.written:.3f}'>Sweep {p.state}: {jobs}. "
                 f"Last written {escape(when)} (final).</p>"]
