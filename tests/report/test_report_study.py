@@ -31,8 +31,12 @@ def _sweep(sweep):
                        "last_step": 100 if value is not None else None, "last_value": value})
     (sweep / "study.json").write_text(json.dumps({"study": "s", "objective": ["accuracy"],
                                                   "directions": ["maximize"], "trials": trials}))
-    for n in range(5):   # the sweeper's direction, as Hydra saves it in each job's .hydra/
-        (sweep / str(n) / ".hydra" / "hydra.yaml").write_text("hydra:\n  sweeper:\n    direction: maximize\n")
+    for n in range(5):   # the sweeper's direction and the --config-dir given, as Hydra saves them in each job's .hydra/
+        (sweep / str(n) / ".hydra" / "hydra.yaml").write_text(
+            "hydra:\n  sweeper:\n    direction: maximize\n  job:\n    config_name: config\n  runtime:\n"
+            "    config_sources:\n    - {path: hydra.conf, schema: pkg, provider: hydra}\n"
+            "    - {path: /src/conf, schema: file, provider: main}\n"
+            "    - {path: /home/me/my conf, schema: file, provider: command-line}\n")
 
 
 def test_trials_ranked_pruned_marked_history_drawn_best_rerun(tmp_path, capsys, monkeypatch):
@@ -49,8 +53,8 @@ def test_trials_ranked_pruned_marked_history_drawn_best_rerun(tmp_path, capsys, 
     assert table["1"][2] == "pruned@100" and table["4"][2] == "pruned@100"
     # a pruned trial: the value its pruner judged (its last reported), in the objective's column, and not ranked
     assert table["1"][:4] == ["-", "1", "pruned@100", "0.12"] and table["4"][:4] == ["-", "4", "pruned@100", "0.2"]
-    assert ("rerun the best (job 2): python -m expgpu task.optimizer.lr=0.01 task.layers=b task=digits "
-            "objective=accuracy") in out   # neither the launcher nor the trial's own variable
+    assert ("rerun the best (job 2): python -m expgpu --config-dir '/home/me/my conf' task.optimizer.lr=0.01 "
+            "task.layers=b task=digits objective=accuracy") in out   # neither the launcher nor the trial's variable
     assert (sweep / "optimization.png").exists() and "optimization.png" in (sweep / "report.html").read_text()
     history = figures[-1]
     titles = [ax.get_title() for ax in history.axes if ax.get_visible()]

@@ -37,6 +37,7 @@ class Row:
     metrics: dict[str, float] = field(default_factory=dict)   # result.json's (what the task returned)
     objective: list[str] = field(default_factory=list)        # the job's `objective` key
     maximize: list[bool] | None = None                        # an optimizing sweeper's direction
+    flags: list[str] = field(default_factory=list)            # Hydra's flags it was composed with (--config-dir)
     wall_s: float | None = None
     error: str = ""
     series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)   # metrics.jsonl, by name
@@ -47,11 +48,12 @@ class Row:
         return f"pruned@{self.steps}" if self.status == "pruned" and self.steps is not None else self.status
 
     def command(self) -> str:
-        """The command that reruns this job alone: its overrides, but Hydra's own and the sweep's."""
+        """The command that reruns this job alone: Hydra's flags the sweep was given (--config-dir), its
+        overrides but Hydra's own and the sweep's."""
         import shlex
 
         kept = [o for o in self.overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
-        return "python -m expgpu " + " ".join(shlex.quote(o) for o in kept)
+        return "python -m expgpu " + " ".join(shlex.quote(o) for o in self.flags + kept)
 
     @property
     def curve(self) -> list[tuple[int, float]]:
@@ -136,8 +138,9 @@ def _series(path: Path, row: Row) -> tuple[dict[str, list[tuple[int, float]]], f
     return series, (max(times) - min(times)) if len(times) > 1 else None
 
 
-def _objective(job_dir: Path, row: Row) -> None:
-    """The job's `objective` (a name or a list) and, under an optimizing sweeper, its direction."""
+def _from_hydra(job_dir: Path, row: Row) -> None:
+    """What the job's .hydra/ says: its `objective` (a name or a list), under an optimizing sweeper its
+    direction, and the Hydra flags it was composed with."""
     try:
         from omegaconf import OmegaConf
 
@@ -146,12 +149,24 @@ def _objective(job_dir: Path, row: Row) -> None:
         row.objective = [obj] if isinstance(obj, str) else [str(o) for o in obj or []]
         hydra = OmegaConf.load(job_dir / ".hydra" / "hydra.yaml")
         direction = OmegaConf.select(hydra, "hydra.sweeper.direction", default=None)
+        row.flags = _flags(hydra)
     except Exception:   # no .hydra/ (a run dir expgpu wrote by itself), or unreadable: no objective
         return
     if direction is not None:
         direction = OmegaConf.to_container(direction) if OmegaConf.is_config(direction) else direction
         ways = [direction] if isinstance(direction, str) else list(direction)
         row.maximize = [str(w).lower().endswith("maximize") for w in ways]
+
+
+def _flags(hydra) -> list[str]:
+    """--config-dir (the config source Hydra marks as the command line's) and --config-name when not expgpu's."""
+    from omegaconf import OmegaConf
+
+    sources = OmegaConf.select(hydra, "hydra.runtime.config_sources", default=None) or []
+    flags = [w for s in sources if s.get("provider") == "command-line" and s.get("schema") == "file"
+             for w in ("--config-dir", str(s.get("path")))]
+    name = OmegaConf.select(hydra, "hydra.job.config_name", default=None)
+    return flags + (["--config-name", str(name)] if name not in (None, "config") else [])
 
 
 def failure_line(job_dir: Path, row: Row) -> str | None:
@@ -205,7 +220,7 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
         row.overrides = shown(found)
     result = _read_json(job_dir / RESULT, row)
     row.series, span = _series(job_dir / METRICS, row)
-    _objective(job_dir, row)
+    _from_hydra(job_dir, row)
     if result is not None:
         row.status = str(result.get("status", "unknown"))
         metrics = result.get("metrics") or {}
