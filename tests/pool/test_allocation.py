@@ -11,6 +11,7 @@ import pytest
 from expgpu.pool.allocation import Allocation, Slot, check_job, fit, node_gpus, on_cpu_slots
 from expgpu.pool.node_servers import rank_env, share
 from expgpu.pool.steps import master_port, srun_command, step_cpus, step_env, step_mem_mb
+from expgpu.slurm.cluster import gres_gpus
 
 SCONTROL = """JobId=38 JobName=s.sh
    NumNodes=2 NumCPUs=16 NumTasks=2 CPUs/Task=1 ReqB:S:C:T=0:0:*:*
@@ -102,3 +103,9 @@ def test_an_allocation_without_gpus_is_cpu_slots_each_with_its_share_of_the_node
     job = Job(num=3, overrides=[], dir=Path("/x"), config=None, need=1)
     job.gpus = [Slot("b", 1, True)]
     assert job.where == "b: CPU slot 1"
+
+
+@pytest.mark.parametrize("gres, gpus", [("gpu:4", 4), ("gpu:a100:2(S:0-1),gpu:t4:1,nvme:1", 3), ("(null)", 0),
+                                        ("nvme:1,gpu:8(S:0)", 8), ("gpu:h100:8(S:0-1)", 8), ("gpus_fake:2", 0)])
+def test_a_nodes_gres_in_sinfo_counts_its_gpus_of_every_type(gres, gpus):
+    assert gres_gpus(gres) == gpus   # slurm_pool's warning that whole nodes come with their GPUs

@@ -38,6 +38,7 @@ def test_a_sweep_is_one_slurm_job_followed_to_its_end(slurm_cluster_2n, tmp_path
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     job = _job(sweep)
     assert f"slurm_pool: the sweep is SLURM job {job['job_id']} (2 node(s) x 4 GPU(s))" in done.stdout
+    assert "asks for whole nodes" not in done.stderr
     assert "gpu_pool: done 16/16" in done.stdout   # the pool's board, followed from the allocation's output
     pool = json.loads((sweep / "pool.json").read_text())
     assert pool["allocation"]["job_id"] == job["job_id"]   # one SLURM job ran every trial
@@ -56,6 +57,9 @@ def test_without_gpus_a_sweep_is_one_slurm_job_on_cpu_slots(slurm_cluster_2n, tm
     job = _job(sweep)
     assert f"slurm_pool: the sweep is SLURM job {job['job_id']} (2 node(s) x 2 CPU slot(s))" in done.stdout
     assert "--gres" not in (sweep / ".slurm_pool" / "allocation.sbatch").read_text()
+    # the local nodes have 4 (fake) GPUs each, which whole nodes come with
+    assert ("slurm_pool: warning: gpus_per_node=0 asks for whole nodes (--exclusive) of partition debug, whose "
+            "nodes have up to 4 GPU(s)") in done.stderr, done.stderr[-3000:]
     pool = json.loads((sweep / "pool.json").read_text())
     assert pool["allocation"]["job_id"] == job["job_id"] and pool["allocation"]["cpu_slots_per_node"] == 2
     assert [j["state"] for j in pool["jobs"]] == ["finished"] * 4

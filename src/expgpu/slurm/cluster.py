@@ -7,6 +7,7 @@ Every question has a timeout: an unreachable controller makes scontrol retry for
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -85,6 +86,24 @@ def check(partition: str | None, timeout_s: float) -> str:
     check_tools()
     ping(timeout_s)
     return check_partition(partition, timeout_s)
+
+
+def most_gpus_per_node(partition: str, timeout_s: float) -> int | None:
+    """The most GPUs a node of `partition` has (sinfo's GRES: gpu:4, gpu:a100:4(S:0-1),...); None when sinfo
+    cannot say."""
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-p", partition, "-o", "%G"], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return None
+    return max((gres_gpus(line) for line in proc.stdout.split()), default=0)
+
+
+def gres_gpus(gres: str) -> int:
+    """GPUs in one node's GRES string, every type of them: 'gpu:a100:2,gpu:t4:1,nvme:1' -> 3."""
+    return sum(int(n) for n in re.findall(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)", gres))
 
 
 REQUEUE_TIMEOUT_S = 60.0  # submitit waits as long for the same call

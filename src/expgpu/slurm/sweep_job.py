@@ -169,6 +169,7 @@ def submit_command(params: Mapping[str, Any], command: Sequence[str], sweep_dir:
     check(params)
     cluster.check_tools("hydra/launcher=slurm_pool", "hydra/launcher=gpu_pool")
     partition = cluster.check(params.get("partition"), float(params.get("ping_timeout_s") or 15.0))
+    _warn_idle_gpus(params, partition)
     state.mkdir(parents=True, exist_ok=True)
     script = state / "allocation.sbatch"
     atomic_write_bytes(script, sbatch_script({**params, "partition": partition}, command, Path.cwd(),
@@ -186,6 +187,17 @@ def submit_command(params: Mapping[str, Any], command: Sequence[str], sweep_dir:
               "exit": str(state / f"exit-{job_id}"), "sweep_dir": str(sweep_dir), "submitted": time.time()}
     atomic_write_bytes(state / "job.json", json.dumps(record, indent=1).encode())
     return record
+
+
+def _warn_idle_gpus(params: Mapping[str, Any], partition: str) -> None:
+    """Whole nodes without GPUs asked for (--exclusive) where the nodes have GPUs: SLURM gives them all."""
+    if params["gpus_per_node"] or params.get("cpus_per_node"):
+        return
+    gpus = cluster.most_gpus_per_node(partition, float(params.get("ping_timeout_s") or 15.0))
+    if gpus:
+        print(f"slurm_pool: warning: gpus_per_node=0 asks for whole nodes (--exclusive) of partition {partition}, "
+              f"whose nodes have up to {gpus} GPU(s): SLURM gives them to the allocation, idle; give "
+              "hydra.launcher.cpus_per_node to ask for CPUs only", file=sys.stderr, flush=True)
 
 
 def take_over(params: Mapping[str, Any], config, hydra_context, job_overrides: Sequence[Sequence[str]]) -> None:
