@@ -64,7 +64,7 @@ def _one_line(e: BaseException) -> str | None:
             text += (" (Hydra's optuna sweeper is not installed: pip install 'expgpu[optuna]'; or expgpu's own, "
                      "with the same keys: hydra/sweeper=expgpu_optuna, pip install 'expgpu[tune]')")
         return text
-    on_null = _override_on_null(e) or _sweep_inside_a_value(e)
+    on_null = _override_on_null(e) or _sweep_inside_a_value(e) or _sweeper_params_in_a_dict(e)
     if on_null is not None:
         return on_null
     cause = e
@@ -147,6 +147,34 @@ def _sweep_inside_a_value(e: BaseException) -> str | None:
     return (f"{override.input_line}: a sweep (choice, range, interval, tag) inside a {{dict}} or [list] is not "
             "a value Hydra can set; give each searched key an override of its own, e.g. python -m expgpu -m "
             "'task.optimizer.lr=tag(log, interval(1e-4, 1e-1))'")
+
+
+def _sweeper_params_in_a_dict(e: BaseException) -> str | None:
+    """`hydra.sweeper.params={...}` on the command line, where Hydra cannot set it: under its basic sweeper params
+    is null, and OmegaConf fails merging a dict into it ("'NoneType' object has no attribute 'get'", a traceback);
+    elsewhere a dotted key in it (`{task.optimizer.lr:'tag(...)'}`) is read as nested keys, and the line named
+    hydra.sweeper.params.task.optimizer, which the user never wrote."""
+    from omegaconf import OmegaConf
+
+    override, cfg = _applying(e)
+    if override is None or cfg is None or override.key_or_group != "hydra.sweeper.params":
+        return None
+    try:
+        value = override.value()
+    except Exception:
+        return None
+    if not isinstance(value, dict):
+        return None
+    key = next((str(k) for k in value if "." in str(k)), None) or next(iter(value), "lr")
+    way = (f"give each searched key an override of its own, e.g. python -m expgpu -m '{key}=...', or "
+           "hydra.sweeper.params in a config file")
+    if OmegaConf.select(cfg, "hydra.sweeper.params") is None:
+        return f"{override.input_line}: hydra.sweeper.params is null under this sweeper, and a {{dict}} cannot be " \
+               f"merged into it from the command line; {way}"
+    if "." in key:
+        return (f"{override.input_line}: the dotted key {key!r} inside a {{dict}} is read as nested keys "
+                f"(hydra.sweeper.params.{key}), not as one; {way}")
+    return None
 
 
 # Flags with which Hydra only prints (and runs no job)

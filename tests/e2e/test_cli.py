@@ -219,6 +219,16 @@ def test_user_task_from_own_config_dir(tmp_path):
     (["task.optimizer={lr:tag(log,interval(1e-4,1e-1))}"],
      "task.optimizer={lr:tag(log,interval(1e-4,1e-1))}: a sweep (choice, range, interval, tag) inside a {dict} or "
      "[list] is not a value Hydra can set; give each searched key an override of its own"),
+    # OmegaConf nests a dotted key inside a dict: the line named hydra.sweeper.params.task.optimizer, never written
+    (["-m", "hydra/sweeper=expgpu_optuna", "hydra.sweeper.params={task.optimizer.lr:'choice(0.1,0.01)'}"],
+     "hydra.sweeper.params={task.optimizer.lr:'choice(0.1,0.01)'}: the dotted key 'task.optimizer.lr' inside a {dict} "
+     "is read as nested keys (hydra.sweeper.params.task.optimizer.lr), not as one; give each searched key an override "
+     "of its own, e.g. python -m expgpu -m 'task.optimizer.lr=...'"),
+    # Hydra's basic sweeper: params null, and OmegaConf's merge of a dict into it ended in an AttributeError
+    (["hydra.sweeper.params={lr:'choice(1,2)'}"],
+     "hydra.sweeper.params={lr:'choice(1,2)'}: hydra.sweeper.params is null under this sweeper, and a {dict} cannot "
+     "be merged into it from the command line; give each searched key an override of its own, e.g. python -m expgpu "
+     "-m 'lr=...'"),
 ])
 @pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
