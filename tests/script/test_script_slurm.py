@@ -89,6 +89,21 @@ def test_ddp_example_as_a_two_task_slurm_job(slurm_cluster, tmp_path):
     assert (result["source"], result["exit_codes"], result["status"]) == ("slurm", [0, 0], "finished")
 
 
+@pytest.mark.timeout(240)
+def test_hydra_app_example_as_a_two_task_slurm_job(slurm_cluster, tmp_path):
+    job = slurm_cluster.sbatch(["--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", SBATCH,
+                                "--config-dir", str(REPO / "examples" / "conf"), "task=hydra_script",
+                                f"task.script={REPO / 'examples' / 'scripts' / 'hydra_train' / 'train.py'}",
+                                "task.args.optim=adam"], cwd=tmp_path)
+    assert slurm_cluster.wait_job(job, timeout=200) == "COMPLETED", job_log(tmp_path, job)
+    run_dir = tmp_path / "outputs" / "slurm" / job
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ranks"] == [0, 1] and summary["param_sums"][0] == summary["param_sums"][1]
+    assert summary["cwd"] == str(run_dir) and summary["config"]["optim"]["name"] == "adam"
+    assert "task=hydra_script" in (run_dir / ".hydra" / "overrides.yaml").read_text()   # expgpu's own, kept
+    assert "optim=adam" in (run_dir / ".hydra" / "script" / "overrides.yaml").read_text()
+
+
 @pytest.mark.timeout(300)
 def test_sigusr2_stops_the_script_rank_0_requeues_and_it_resumes(slurm_cluster, tmp_path):
     job = slurm_cluster.sbatch(["--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1", SBATCH, *CONF,
