@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from expgpu.errors import UserError
 from expgpu.rundir import atomic_write_bytes
-from expgpu.slurm import sweep_job
+from expgpu.slurm import follow, sweep_job
 
 JOBS = "jobs.pkl"         # what the allocation runs
 RETURNS = "returns.pkl"   # their JobReturns, written by the allocation as its last act
@@ -48,8 +48,8 @@ def launch(params: Mapping[str, Any], config, hydra_context, task_function, job_
     last = initial_job_idx + len(job_overrides) - 1
     print(f"slurm_pool: jobs #{initial_job_idx}..#{last} are SLURM job {record['job_id']} "
           f"({sweep_job.shape(params)}); its output: {record['output']}", flush=True)
-    code = sweep_job.follow(record)
-    if sweep_job.state_of(record["job_id"]) is not None:   # followed no more (Ctrl-C): the job runs on
+    code = follow.follow(record)
+    if follow.state_of(record["job_id"]) is not None:   # followed no more (Ctrl-C): the job runs on
         raise KeyboardInterrupt
     try:
         return cloudpickle.loads((state / RETURNS).read_bytes())
