@@ -210,6 +210,11 @@ def script_hang_claim(run_dir: Path, launch: str) -> Path:
     return state_dir(run_dir) / f"script-hang-{launch}.json"
 
 
+def script_pruned(run_dir: Path, launch: str) -> Path:
+    """Made by rank 0 of a script task's trial before it stops its script: the other ranks stop theirs."""
+    return state_dir(run_dir) / f"script-pruned-{launch}"
+
+
 def rank_stdout(run_dir: Path, rank: int) -> Path:
     """What a rank other than 0 printed, under launch.stdout=rank0."""
     return Path(run_dir) / "logs" / f"rank{rank}.out"

@@ -1,6 +1,7 @@
 """hydra/sweeper=expgpu_optuna end to end, with real Optuna and real processes: trials that start the
-moment a slot frees, pruning through run.log on every rank at one step, resume after the sweeper is
-stopped, and bad input as one line. The probe task (tests/helpers/tune_probe.py) trains by its trial's number."""
+moment a slot frees, pruning through run.log on every rank at one step (a script's through expgpu.log),
+resume after the sweeper is stopped, and bad input as one line. The probe task (tests/helpers/tune_probe.py)
+and script (tune_script.py) train by their trial's number."""
 
 from __future__ import annotations
 
@@ -101,6 +102,27 @@ def test_pruned_trials_stop_on_every_rank_at_one_step_and_free_their_slot(tmp_pa
     # trial 1's slot was free at once: trial 2 started in it while slow trial 0 still ran
     assert pool[1]["ended"] <= pool[2]["started"] < pool[0]["ended"] and pool[2]["slot"] == pool[1]["slot"], pool
     assert "pruned" in (sweep / "report.csv").read_text()
+
+
+@pytest.mark.timeout(200)
+def test_a_script_trial_is_pruned_on_every_rank_from_the_rows_it_logs(tmp_path):
+    # tests/helpers/tune_script.py: 2 ranks all-reducing every step, score by trial number, no SIGTERM handler
+    sweep = tmp_path / "sweep"
+    done = _sweep(["--config-dir", str(REPO / "tests" / "conf"), "task=tune_script", "objective=score",
+                   "hydra/sweeper=expgpu_optuna", "hydra.sweeper.sampler.seed=0", "task.args.x=interval(0,1)",
+                   *POOL, THRESHOLD, "hydra.sweeper.n_trials=4", "launch.nproc_per_node=2"], sweep)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _states_in_journal(sweep) == {0: "COMPLETE", 1: "PRUNED", 2: "COMPLETE", 3: "PRUNED"}
+    for n in (1, 3):
+        result = json.loads((sweep / str(n) / "result.json").read_text())
+        assert result["status"] == "pruned" and result["stop_signal"] == "PRUNED", result
+        # both ranks' scripts stopped: by the SIGTERM passed on (143), or, rank 1, by its collective with the
+        # stopped rank 0 (1): either way pruned, not failed
+        assert result["exit_codes"][0] == 143 and result["exit_codes"][1] in (1, 143), result
+        assert 3 <= result["steps"] < 40, result   # judged from step 3 (n_warmup_steps=2), stopped soon after
+        assert _study(sweep)[n]["last_step"] is not None
+    assert json.loads((sweep / "0" / "result.json").read_text())["steps"] == 40
+    assert "never logged" not in done.stdout + done.stderr
 
 
 @pytest.mark.timeout(200)

@@ -50,7 +50,7 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
     if cfg.get("script") is not None:   # no torch in this process: the script's child imports it
         from expgpu.script import runner as script_runner
 
-        return script_runner.run_rank(cfg, info, run_dir, node, t_start)
+        return script_runner.run_rank(cfg, info, run_dir, node, t_start, _trial() if info.rank == 0 else None)
     device, my_gpus, host = _own_gpus(cfg, info, node)
 
     from expgpu import task as tasks
@@ -202,14 +202,20 @@ def _sinks(cfg: dict, run_dir: Path) -> list:
     """Where rank 0's rows go besides metrics.jsonl: the chosen loggers and, when an optimizing sweeper
     started this job as a trial, the study (its pruner judges them)."""
     from expgpu import loggers
+
+    return [s for s in (loggers.build(cfg, run_dir), _trial()) if s is not None]
+
+
+def _trial():
+    """The study's reporter, when an optimizing sweeper started this job as a trial whose pruner judges its rows
+    (a function's run.log, a script's expgpu.log); a run that is no trial never imports the bridge."""
     from expgpu.tune import TRIAL_ENV
 
-    sinks = [loggers.build(cfg, run_dir)]
-    if os.environ.get(TRIAL_ENV):
-        from expgpu.tune.bridge import attached
+    if not os.environ.get(TRIAL_ENV):
+        return None
+    from expgpu.tune.bridge import attached
 
-        sinks.append(attached())
-    return [s for s in sinks if s is not None]
+    return attached()
 
 
 def _call(run, spec) -> tuple[str, dict]:

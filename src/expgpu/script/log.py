@@ -34,6 +34,7 @@ import threading
 from pathlib import Path
 
 from expgpu import envvars
+from expgpu.loggers.base import Sink
 from expgpu.loggers.jsonl import LOG_FORMS, ROW_KEYS, MetricsLog, positional_values, read_rows, trim
 from expgpu.procs.stop_signals import NEVER
 from expgpu.rundir import METRICS, atomic_write_bytes, script_held_rows, script_log_marker
@@ -68,17 +69,38 @@ def log(*named, step: int | None = None, max_steps: int | None = None, **scalars
         _beat.beat(step)
 
 
+class _Prompt(Sink):
+    """A trial's objective (its rows to metrics.jsonl at once, where rank 0's supervisor reports them to the
+    study's pruner, not up to a second later with the other rows); the rows go nowhere else from here."""
+
+    def __init__(self, name: str):
+        self.prompt = frozenset({name})
+
+    @staticmethod
+    def of(env) -> _Prompt | None:
+        path = env.get(envvars.TRIAL)
+        try:
+            spec = json.loads(Path(path).read_text()) if path else {}
+        except (OSError, ValueError):
+            return None
+        return _Prompt(spec["objective"]) if spec.get("objective") and spec.get("pruner") else None
+
+    def write(self, rows: list[dict]) -> None:
+        pass
+
+
 class _ScriptLog:
     @staticmethod
     def from_env(env) -> _ScriptLog | None:
         run_dir = env.get(ENV_RUN_DIR)
         if not run_dir or env.get("RANK", "0").strip() not in ("0", ""):
             return None
-        return _ScriptLog(Path(run_dir), env.get(ENV_RESUMED) == "1")
+        return _ScriptLog(Path(run_dir), env.get(ENV_RESUMED) == "1", _Prompt.of(env))
 
-    def __init__(self, run_dir: Path, resumed: bool):
+    def __init__(self, run_dir: Path, resumed: bool, prompt: Sink | None = None):
         self.run_dir, self.resumed = run_dir, resumed
-        self.metrics = MetricsLog(run_dir, show=False)   # rank 0's supervisor shows the progress (script.loggers)
+        # rank 0's supervisor shows the progress (script.loggers), and reports a trial's objective to its pruner
+        self.metrics = MetricsLog(run_dir, show=False, sinks=[prompt] if prompt else ())
         self.next_step: int | None = None
         self.held: list[dict] = []   # an earlier attempt's rows at this attempt's first step, held back
         self.epoch = 0

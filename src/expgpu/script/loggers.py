@@ -1,7 +1,8 @@
 """Rank 0's supervisor hands the chosen loggers (csv, tensorboard, mlflow, wandb) the rows the script's
 expgpu.log appends to metrics.jsonl, at most once a second, and their outcome when the script ends; and shows
 the script's progress from them (expgpu.loggers.progress: its step, of max_steps when the script says it, its
-pace and time left), here, where expgpu's console is, not in the script's own output.
+pace and time left), here, where expgpu's console is, not in the script's own output. When an optimizing
+sweeper started the job as a trial, its pruner gets the rows too (expgpu.tune.bridge, expgpu.script.prune).
 
 The loggers live here, in one process from start to finish, as they live in a function task's rank 0;
 the script's own process only appends rows (one writer: expgpu.loggers.jsonl.MetricsLog). Where this
@@ -21,9 +22,12 @@ from expgpu.loggers import base
 from expgpu.loggers.jsonl import WRITE_EVERY_S
 from expgpu.loggers.progress import FIELDS, Display
 
+TRIAL_POLL_S = 0.2
+
 
 class LoggerFeed:
-    def __init__(self, cfg: dict, run_dir: Path):
+    def __init__(self, cfg: dict, run_dir: Path, trial: base.Sink | None = None):
+        """`trial`: the study's reporter (expgpu.tune.bridge) when the job is a trial whose sweeper prunes."""
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.jsonl = self.run_dir / rundir.METRICS
         self.chosen = loggers.chosen(cfg)
@@ -33,9 +37,12 @@ class LoggerFeed:
         self.offset = 0           # metrics.jsonl's bytes handed on so far
         self.polled = 0.0
         self.last_row: dict | None = None
+        self.trial = trial
 
     def poll(self, force: bool = False) -> None:
-        if not force and time.monotonic() - self.polled < WRITE_EVERY_S:
+        # a trial's rows are looked at more often: the script writes its objective's at once (expgpu.script.log)
+        every = TRIAL_POLL_S if self.trial is not None and not self.trial.done else WRITE_EVERY_S
+        if not force and time.monotonic() - self.polled < every:
             return
         self.polled = time.monotonic()
         if not self.begun and not self._start():
@@ -44,6 +51,8 @@ class LoggerFeed:
         if rows:
             if self.loggers is not None:
                 self.loggers.write(rows)
+            if self.trial is not None:
+                self.trial.write(rows)   # a prune requests a PRUNED stop (expgpu.procs.stop_signals)
             self.last_row = last = rows[-1]
             self.display.update(last["step"], {k: v for k, v in base.values(last).items() if k != "epoch"},
                                 {k: last[k] for k in FIELDS if k in last})

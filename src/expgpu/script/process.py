@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from expgpu import procs
+from expgpu.procs import stop_signals
 
 TICK_S = 0.1        # how often a stop, the grace deadline and the on_tick callback are looked at
 # Under submitit a preemption is SIGTERM to every process of the job's steps, then SIGUSR2, its requeue signal
@@ -120,7 +121,9 @@ def _supervise(proc, tee: _Tee, outcome: Outcome, stopper, grace_s: float, on_ti
         tee.pump(TICK_S)
         if stopper.received and outcome.stopped_by is None and not outcome.hung and proc.poll() is None:
             outcome.stopped_by = stopper.received
-            proc.send_signal(signal.Signals[stopper.received])
+            # a pruner's stop reaches the script as any stop does (it may save; the trial is final anyway)
+            proc.send_signal(signal.SIGTERM if stopper.received == stop_signals.PRUNED
+                             else signal.Signals[stopper.received])
             deadline = time.monotonic() + grace_s
         if watch is not None and deadline is None and proc.poll() is None and watch.tick(proc.pid, tee.output_at):
             outcome.hung = True

@@ -8,6 +8,7 @@ they end together, in destroy_process_group, but waits at most RECORD_WAIT_S) an
                 holds its verdict: the line, the rank(s) at fault);
                 failed: a rank's script exited non-zero (or died) without a stop passed to it;
                 stopped: a stop signal was passed on (the script may have exited 0 on it);
+                pruned: an optimizing sweeper's pruner stopped it (expgpu.script.prune): final, not resumed;
                 finished: every known rank exited 0
     exit_codes  by rank, as a shell reports them (143: killed by SIGTERM); null: not known
     metrics     the last value of each name in metrics.jsonl (expgpu.log), so objective= and the
@@ -28,6 +29,7 @@ from pathlib import Path
 from expgpu import rundir
 from expgpu.gpus import NodePlan
 from expgpu.loggers.jsonl import ROW_KEYS, read_rows
+from expgpu.procs import stop_signals
 from expgpu.ranks import RankInfo
 from expgpu.results import Failure, is_script, write_result
 from expgpu.rundir import atomic_write_bytes
@@ -148,8 +150,11 @@ def write(cfg: dict, info: RankInfo, node: NodePlan, run_dir: Path, spec, record
           argv: list[str], resumed: bool, attempt: int, t_start: float, outcome, hang: dict | None = None) -> dict:
     """result.json from every rank's record; `hang`: the verdict of a hang (status hung)."""
     stops = [r["stopped_by"] for r in records if r is not None and r["stopped_by"]]
+    # a pruner's stop is final (pruned); a signal beside it wins (stopped: resumable), as for a function task
+    signalled = [s for s in stops if s != stop_signals.PRUNED]
     hung = hang is not None or any(r is not None and r.get("hung") for r in records)
-    status = "hung" if hung else "failed" if first_failure(records) else "stopped" if stops else "finished"
+    status = "hung" if hung else "failed" if first_failure(records) else "stopped" if signalled else \
+        "pruned" if stops else "finished"
     rows = read_rows(Path(run_dir) / rundir.METRICS)
     metrics = {k: v for row in rows for k, v in row.items() if k not in ROW_KEYS}
     doc = {
@@ -158,7 +163,7 @@ def write(cfg: dict, info: RankInfo, node: NodePlan, run_dir: Path, spec, record
         "plan": [_plan_row(r, rank) for rank, r in enumerate(records)],
         "metrics": metrics, "steps": _steps(rows, hang), "max_steps": None, "length_keys": [],
         "exit_codes": [r["exit_code"] if r is not None else None for r in records],
-        "stop_signal": ((records[0] or {}).get("stopped_by") or stops[0]) if status == "stopped" else None,
+        "stop_signal": _stop_signal(status, (records[0] or {}).get("stopped_by"), signalled),
         "resumed": resumed, "attempt": attempt,
         "timing": {"startup_s": round(outcome.started - t_start, 3),
                    "train_s": round(outcome.ended - outcome.started, 3)},
@@ -167,6 +172,15 @@ def write(cfg: dict, info: RankInfo, node: NodePlan, run_dir: Path, spec, record
     if hang is not None:
         doc["hang"] = hang
     return write_result(run_dir, doc)
+
+
+def _stop_signal(status: str, rank0s: str | None, signalled: list[str]) -> str | None:
+    """The stop result.json names: PRUNED for a pruned run; rank 0's signal for a stopped one, else the first."""
+    if status == "pruned":
+        return stop_signals.PRUNED
+    if status != "stopped":
+        return None
+    return rank0s if rank0s in signalled else signalled[0]
 
 
 def _steps(rows: list[dict], hang: dict | None) -> int | None:

@@ -25,7 +25,7 @@ from expgpu.gpus import NodePlan, placement
 from expgpu.gpus.mask import gpu_env
 from expgpu.procs import stop_signals
 from expgpu.ranks import RankInfo
-from expgpu.script import environ, process, result
+from expgpu.script import environ, process, prune, result
 from expgpu.script.loggers import LoggerFeed
 from expgpu.script.spec import ScriptSpec
 from expgpu.script.watch import Watch
@@ -33,9 +33,10 @@ from expgpu.script.watch import Watch
 log = logging.getLogger("expgpu")
 
 
-def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: float) -> dict | None:
+def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: float, trial=None) -> dict | None:
     """Run this rank's script; rank 0's result (None elsewhere). A failed rank raises WorkerFailed, on
-    that rank and on rank 0; a stop returns (status stopped) with the stopper's `agreed` signal set."""
+    that rank and on rank 0; a stop returns (status stopped) with the stopper's `agreed` signal set.
+    `trial`: on rank 0 of a trial whose sweeper prunes, the study's reporter (expgpu.script.prune)."""
     spec = ScriptSpec.from_dict(cfg["script"])
     stopper = stop_signals.install()
     previous = result.previous(run_dir)
@@ -59,11 +60,14 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
     feed = None
     if info.rank == 0:
         rundir.script_log_marker(run_dir).unlink(missing_ok=True)   # the rows of this attempt start anew
-        feed = LoggerFeed(cfg, run_dir)   # the loggers, and the script's progress on the console
+        feed = LoggerFeed(cfg, run_dir, trial)   # the loggers (a trial's pruner), the script's progress on the console
     try:
         outcome = process.run_script(argv, env, run_dir, script_log, stopper, spec.grace_s,
-                                     feed.poll if feed else None, watch,
+                                     _on_tick(feed, info, run_dir, launch, stopper), watch,
                                      console_stdout=info.rank == 0 or cfg["launch"]["stdout"] != "rank0")
+        if outcome.stopped_by is None and outcome.exit_code not in (0, None) and prune.is_trial() \
+                and prune.pruned(run_dir, launch):
+            outcome.stopped_by = stop_signals.PRUNED   # rank 0's script, stopped first, broke its collective
         process.await_requeue(outcome, stopper)   # a preemption under submitit: SIGTERM, then SIGUSR2
         if watch is not None and not outcome.hung:
             watch.done()
@@ -97,6 +101,23 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
     elif result.failed(record):
         _raise(result.failure(record, run_dir, spec, argv[len(spec.command):]))
     return doc
+
+
+def _on_tick(feed: LoggerFeed | None, info: RankInfo, run_dir: Path, launch: str, stopper):
+    """What a rank's supervisor does each tick besides watching: rank 0 feeds the loggers and a trial's pruner,
+    whose prune it announces to the other ranks before its script is stopped; another rank of a trial looks for
+    that prune (expgpu.script.prune)."""
+    peers = prune.is_trial() and info.world_size > 1
+    if feed is None:
+        return prune.PeerPrune(run_dir, launch, stopper).poll if peers else None
+    if not peers:
+        return feed.poll
+
+    def tick() -> None:
+        feed.poll()
+        if stopper.received == stop_signals.PRUNED and not prune.pruned(run_dir, launch):
+            prune.announce(run_dir, launch)
+    return tick
 
 
 def _raise(failure) -> None:

@@ -4,9 +4,9 @@ The ranks agree on it at their next stop poll (expgpu.train.agreement), so all o
 save, and the job ends with result.json's status `pruned`: its slot is free for the next trial.
 
 The worker hands a TrialReporter to rank 0's MetricsLog as one of its sinks (expgpu.loggers.base.Sink)
-when the job was started as a trial (TRIAL_ENV names its file) in a process that polls for stops; a run
-that is no trial never imports Optuna. A study that cannot be
-reached is a warning, once: the trial trains on, unpruned.
+when the job was started as a trial (TRIAL_ENV names its file), or to a script task's rank 0 supervisor,
+which feeds it the rows the script logs (expgpu.script.prune); a run that is no trial never imports Optuna.
+A study that cannot be reached is a warning, once: the trial trains on, unpruned.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ class TrialReporter(Sink):
             self.done = True
             step, value = values[-1]
             log.info("trial %s: pruned at step %d (%s %g): stopping", self.spec["number"], step, self.key, value)
-            stop_signals.current().request(stop_signals.PRUNED)
+            stopper = stop_signals.current()   # the run's (its steps poll it), or the script's supervisor's
+            if stopper is not None:
+                stopper.request(stop_signals.PRUNED)
 
     def _open(self):
         import optuna
@@ -89,8 +91,7 @@ def _at_end(row: dict) -> bool:
 
 
 def attached() -> TrialReporter | None:
-    """This process's trial, when an optimizing sweeper started its job as one (the worker asks)."""
+    """This process's trial, when an optimizing sweeper started its job as one (the worker asks, for rank 0's
+    rows: a function task's, or those its script logs)."""
     path = os.environ.get(TRIAL_ENV)
-    if not path or stop_signals.current() is None:   # a script task's own process: it polls no stops
-        return None
-    return TrialReporter.attach(path)
+    return TrialReporter.attach(path) if path else None

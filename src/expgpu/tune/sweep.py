@@ -189,9 +189,9 @@ class Sweep:
         self.warned_unlogged = True
         frozen = self.study.get_trials(deepcopy=False)[num] if num < len(self.study.trials) else None
         if frozen is not None and frozen.number == num and not frozen.intermediate_values:
-            log.warning("hydra.sweeper.pruner: trial %d never logged %s with run.log, so the pruner has nothing to "
-                        "go on and prunes no trial; log it where you evaluate (run.log(%s=...))", num,
-                        self.s.metric, self.s.metric)
+            log.warning("hydra.sweeper.pruner: trial %d never logged %s with run.log (expgpu.log in a script task), "
+                        "so the pruner has nothing to go on and prunes no trial; log it where you evaluate "
+                        "(run.log(%s=...))", num, self.s.metric, self.s.metric)
 
     def _drain(self) -> None:
         """Wait for the stopped trials' jobs to end (they save); they stay RUNNING for a rerun."""
