@@ -252,12 +252,15 @@ def test_the_log_never_shows_more_jobs_running_than_slots(tmp_path):
     ("hydra.launcher.max_requeues=-1", "hydra.launcher.max_requeues=-1 is not allowed: an integer >= 0"),
     ("hydra.launcher.timeout_min=-1", "hydra.launcher.timeout_min=-1.0 is not allowed: minutes > 0 (e.g. 90 or 0.5), "
                                       "or 0 or null for no limit"),
+    ("hydra.launcher.jobs_per_gpu=0", "hydra.launcher.jobs_per_gpu=0 is not allowed: an integer >= 1"),
+    ("hydra.launcher.gpus_per_job=2 hydra.launcher.jobs_per_gpu=4 hydra.launcher.gpus=[0]",
+     "needs 2 GPUs (hydra.launcher.gpus_per_job), but the pool has 1 (0)"),   # a job's shares: on different GPUs
 ])
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_bad_launcher_settings_are_one_line_errors(tmp_path, override, message):
     sweep = Sweep(tmp_path)
-    done = sweep.run(["task=sleep", "task.model.tag=0,1", simulate(2), override], timeout=60)
+    done = sweep.run(["task=sleep", "task.model.tag=0,1", simulate(2), *override.split()], timeout=60)
     assert done.returncode == 2, done.stderr
     assert "expgpu: error: " in done.stderr and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from expgpu.errors import UserError, WorkerFailed, one_line
+from expgpu.pool.sharing import shown
 from expgpu.rundir import CONSOLE, STATE
 from expgpu.rundir import POOL_JOB as JOB_FILE
 from expgpu.rundir import POOL_RECORD as RECORD
@@ -72,7 +73,7 @@ class Job:
             per = len(self.gpus) // len(nodes)
             return f"{','.join(nodes)}: {per} GPU{'s' if per > 1 else ''}" + (" each" if len(nodes) > 1 else "")
         if self.gpus:
-            return "GPU " + ",".join(str(g.index) for g in self.gpus)
+            return shown(self.gpus)   # GPU 0,1; a share of them: GPU 0 (share 2 of 4)
         return f"cpu slot {self.slot}" if self.slot is not None else "-"
 
     def close_exit_fd(self) -> None:
@@ -246,7 +247,7 @@ class Record:
     """pool.json: every job of every launch() batch of this sweep, in launch order."""
 
     def __init__(self, sweep_dir: Path, pool_gpus: list, cpu_slots: int, threads: str, simulated: bool,
-                 allocation: dict | None = None):
+                 allocation: dict | None = None, jobs_per_gpu: int = 1):
         self.path = sweep_dir / RECORD
         self.before = _earlier.setdefault(str(sweep_dir), [])
         if not self.before:   # a rerun of the sweep dir (a requeued allocation): its earlier jobs stay listed
@@ -255,6 +256,8 @@ class Record:
                      "threads_per_job": threads}
         if allocation is not None:   # inside a SLURM allocation: its job id, nodes and their GPUs
             self.head["allocation"] = allocation
+        if jobs_per_gpu > 1:   # each GPU shared by that many jobs (expgpu.pool.sharing)
+            self.head["jobs_per_gpu"] = jobs_per_gpu
         self.simulated = simulated
         self.batch = len({r["batch"] for r in self.before})   # this launch()'s number, from 0
 
@@ -274,6 +277,7 @@ class Record:
         return {
             "num": j.num, "overrides": j.overrides, "dir": str(j.dir), "state": j.state,
             "gpus": [g.index for g in j.gpus], "gpu_names": [g.name for g in j.gpus],
+            **({"shares": [g.share for g in j.gpus]} if j.gpus and hasattr(j.gpus[0], "share") else {}),
             "simulated": self.simulated, "slot": j.slot,
             "need": j.need, "nodes": sorted({g.node for g in j.gpus if hasattr(g, "node")}),
             "pid": j.proc.pid if j.proc else None, "started": j.started, "ended": j.ended,

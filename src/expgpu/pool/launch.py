@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from expgpu import procs
 from expgpu.errors import UserError, plural
-from expgpu.pool import allocation
+from expgpu.pool import allocation, sharing
 from expgpu.pool import jobs as jobfiles
 from expgpu.pool.allocation import Allocation
 from expgpu.pool.compose import settle, stop_if_asked, thaw
@@ -95,6 +95,9 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
     _say_what_only_an_allocation_reads(s)
     simulate = _simulated(config)
     gpus = pool_gpus(s, simulate)
+    if s.jobs_per_gpu > 1 and not gpus:
+        raise UserError(f"hydra.launcher.jobs_per_gpu={s.jobs_per_gpu} shares GPUs, and this pool has none "
+                        "(its jobs take CPU slots): drop it, or give more jobs at once with hydra.launcher.cpu_slots")
     sweep_dir = Path(str(config.hydra.sweep.dir))
     state = sweep_dir / jobfiles.STATE
     state.mkdir(parents=True, exist_ok=True)
@@ -103,7 +106,7 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
     # are composed: with the modules the sweep's own config names, then those of its first job.
     own_code = not gpus or simulate is not None
     warm = task_modules(config, own_code)
-    first_wave = min(len(first), len(gpus) or s.cpu_slots, s.max_parallel or math.inf)
+    first_wave = min(len(first), len(gpus) * s.jobs_per_gpu or s.cpu_slots, s.max_parallel or math.inf)
     server = _server(state, bool(gpus), warm)
     spares = [Spare(state, hide_gpus=bool(gpus), server=server) for _ in range(first_wave)]
     try:
@@ -119,16 +122,20 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
         for spare in spares:
             spare.warm(more)
     warm += more
-    threads, job_env, threads_text = _threads(s, [j.need for j in jobs] + [jobs[0].need] * (planned - len(jobs)), gpus)
+    slots = sharing.shares(gpus, s.jobs_per_gpu)   # what the jobs take: the GPUs, or jobs_per_gpu shares of each
+    threads, job_env, threads_text = _threads(s, [j.need for j in jobs] + [jobs[0].need] * (planned - len(jobs)),
+                                              slots)
     if gpus:
-        desc = f"GPU {','.join(str(g.index) for g in gpus)}" + (" (simulated)" if simulate is not None else "")
+        desc = f"GPU {','.join(str(g.index) for g in gpus)}" + (" (simulated)" if simulate is not None else "") \
+            + (f", {s.jobs_per_gpu} jobs on each" if s.jobs_per_gpu > 1 else "")
     else:
         desc = f"{s.cpu_slots} CPU slot{'s' if s.cpu_slots > 1 else ''}"
     log.info("gpu_pool: %s on %s, %s; sweep dir %s", plural(len(jobs), "job"), desc, threads_text, sweep_dir)
     for job in jobs:
         log.info("\t#%d : %s", job.num, job.label)
-    return _pool(jobs, gpus, s, sweep_dir, lease_dir, desc, spares, (hydra_context, task_function),
-                 Record(sweep_dir, gpus, s.cpu_slots, threads_text, simulate is not None and bool(gpus)),
+    return _pool(jobs, slots, s, sweep_dir, lease_dir, desc, spares, (hydra_context, task_function),
+                 Record(sweep_dir, gpus, s.cpu_slots, threads_text, simulate is not None and bool(gpus),
+                        jobs_per_gpu=s.jobs_per_gpu),
                  job_env, threads, warm, own_code, server)
 
 
@@ -156,6 +163,10 @@ def _open_in_allocation(alloc: Allocation, s: Settings, hydra_context, task_func
     if s.gpus is not None:
         raise UserError(f"hydra.launcher.gpus={list(s.gpus)} is not allowed inside a SLURM allocation: all "
                         f"(the allocation's GPUs, {alloc.describe()})")
+    if s.jobs_per_gpu > 1:   # SLURM gives a step's GPUs (--gres) to no other step
+        raise UserError(f"hydra.launcher.jobs_per_gpu={s.jobs_per_gpu} is not allowed inside a SLURM allocation "
+                        f"({alloc.describe()}), whose srun steps never share a GPU: 1 (it shares this machine's "
+                        "GPUs, outside SLURM)")
     if not alloc.gpus_per_node and s.gpus_per_job:
         raise UserError(f"hydra.launcher.gpus_per_job={s.gpus_per_job} is not allowed in {alloc.describe()}, "
                         "which has no GPUs: null or 0 (each job takes a CPU slot on each of its nodes, "
@@ -229,6 +240,7 @@ def compose_job(ctx, config, overrides: Sequence[str], num: int, s: Settings, gp
                 alloc: Allocation | None = None) -> Job:
     """Job number `num`, composed as Hydra's launchers do, checked against the pool's GPUs (inside a SLURM
     allocation: against its nodes and their GPUs)."""
+    gpus = sharing.physical(gpus)   # a job's GPUs are different cards, whatever their shares
     job = jobfiles.compose(ctx, config, overrides, num, lambda cfg: job_need(cfg, s, len(gpus)))
     job.nodes, key = job_nodes(job.config, s)
     if alloc is not None:

@@ -20,6 +20,10 @@ Two rules follow from flock semantics:
   release() unlocks);
 - never delete a lock file: a new file under the same name would be a second, independent lock.
 
+A share of a GPU (hydra.launcher.jobs_per_gpu, expgpu.pool.sharing) holds the GPU's lock file shared
+(LOCK_SH) and its share's own file (<host>.<uuid>.share<k>.lock) exclusive: a whole-GPU lease waits for every
+share of the card, and sharers wait only for their share's holder.
+
 Locks are keyed by GPU UUID (unique per card, whatever CUDA_VISIBLE_DEVICES renumbers) and host
 (simulated GPUs share UUIDs across machines), so a lease dir on a shared home directory is fine.
 flock on NFS works across clients on Linux (emulated with POSIX locks) and also dies with its holder.
@@ -27,6 +31,7 @@ flock on NFS works across clients on Linux (emulated with POSIX locks) and also 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
@@ -69,17 +74,25 @@ def lease_dir(configured: str | None = None, env: Mapping[str, str] | None = Non
 
 
 def lock_path(directory: Path, gpu: Gpu) -> Path:
+    """The GPU's lock file; a share's own (expgpu.pool.sharing) beside it."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in gpu.uuid or f"index{gpu.index}")
-    return directory / f"{socket.gethostname()}.{safe}.lock"
+    share = f".share{gpu.share}" if getattr(gpu, "of", 1) > 1 else ""
+    return directory / f"{socket.gethostname()}.{safe}{share}.lock"
 
 
 @dataclass
 class Lease:
-    """A held lock on one GPU. `fd` is ours until handed to a job (then only the job's)."""
+    """A held lock on one GPU (or share of one). `fd` is ours until handed to a job (then only the job's);
+    `card_fd`: a share's shared lock on the GPU's own file, handed over with it."""
 
     gpu: Gpu
     path: Path
     fd: int | None
+    card_fd: int | None = None
+
+    @property
+    def fds(self) -> list[int]:
+        return [fd for fd in (self.fd, self.card_fd) if fd is not None]
 
     def note(self, **holder) -> None:
         """Record who holds it (diagnostics only: the lock itself is the truth)."""
@@ -95,16 +108,16 @@ class Lease:
 
     def release(self) -> None:
         """Give the GPU back before any job got it."""
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
+        for fd in self.fds:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        self.fd = self.card_fd = None
 
     def handed_over(self) -> None:
-        """The job inherited the descriptor: close our copy only (the job keeps the lock)."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        """The job inherited the descriptors: close our copies only (the job keeps the locks)."""
+        for fd in self.fds:
+            os.close(fd)
+        self.fd = self.card_fd = None
 
 
 def _open(path: Path) -> int:
@@ -121,17 +134,36 @@ def _open(path: Path) -> int:
 
 
 def try_acquire(directory: Path, gpu: Gpu) -> Lease | None:
-    """The lease on `gpu` if nobody holds it; never waits."""
+    """The lease on `gpu` (or a share of it) if nobody holds it; never waits."""
+    card_fd = None
+    if getattr(gpu, "of", 1) > 1:   # a share: the card shared with its other sharers, then the share alone
+        card_fd = _lock(lock_path(directory, _card(gpu)), fcntl.LOCK_SH)
+        if card_fd is None:
+            return None
     path = lock_path(directory, gpu)
+    fd = _lock(path, fcntl.LOCK_EX)
+    if fd is None:
+        if card_fd is not None:
+            os.close(card_fd)
+        return None
+    return Lease(gpu, path, fd, card_fd)
+
+
+def _lock(path: Path, how: int) -> int | None:
     fd = _open(path)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return None
         raise
-    return Lease(gpu, path, fd)
+    return fd
+
+
+def _card(gpu: Gpu) -> Gpu:
+    """The GPU a share is of (its lock file: the card's)."""
+    return Gpu(**{f.name: getattr(gpu, f.name) for f in dataclasses.fields(Gpu)})
 
 
 def acquire_free(directory: Path, gpus: Iterable[Gpu]) -> list[Lease]:
@@ -150,9 +182,21 @@ def release_all(leases: Sequence[Lease]) -> None:
 
 
 def noted(directory: Path, gpu: Gpu) -> dict:
-    """What the lock file says about its last holder (without taking the lock)."""
+    """What the lock file says about its last holder (without taking the lock); for a share, the newer of its
+    own file's word and its card's (a sweep without sharing may hold the whole card)."""
+    if getattr(gpu, "of", 1) > 1:
+        return max((_note(lock_path(directory, g)) for g in (gpu, _card(gpu))), key=_since)
+    return _note(lock_path(directory, gpu))
+
+
+def _since(note: dict) -> float:
+    since = note.get("since")
+    return since if isinstance(since, (int, float)) else 0.0
+
+
+def _note(path: Path) -> dict:
     try:
-        info = json.loads(lock_path(directory, gpu).read_text() or "{}")
+        info = json.loads(path.read_text() or "{}")
     except (OSError, ValueError):
         info = {}
     return info if isinstance(info, dict) else {}

@@ -103,5 +103,6 @@ def capacity(launcher) -> int:
         simulate = OmegaConf.to_container(simulate, resolve=True)
     gpus = pool_gpus(s, simulate)
     need = job_need(launcher.config, s, len(gpus))
-    many = len(gpus) + s.cpu_slots   # more jobs than could ever run at once
-    return at_once([need] * many, len(gpus), s.cpu_slots, s.max_parallel)
+    shares = len(gpus) * s.jobs_per_gpu   # hydra.launcher.jobs_per_gpu: each GPU that many times
+    many = shares + s.cpu_slots   # more jobs than could ever run at once
+    return at_once([need] * many, shares, s.cpu_slots, s.max_parallel)

@@ -24,6 +24,7 @@ class Settings:
     max_requeues: int = 0                # inside a batch allocation: its requeues on SIGUSR2 (expgpu.pool.requeue)
     warm_starts: bool = True             # inside an allocation: jobs forked by a warm process per node
     timeout_min: float | None = None     # a job's time limit from its start (expgpu.pool.loop); None: none
+    jobs_per_gpu: int = 1                # jobs on one GPU at once (expgpu.pool.sharing)
 
 
 def settings(params: Mapping[str, Any]) -> Settings:
@@ -40,7 +41,8 @@ def settings(params: Mapping[str, Any]) -> Settings:
                     grace_s=_seconds(p, "grace_s", False),
                     threads_per_job=_whole(p, "threads_per_job", 1, True), nodes=_whole(p, "nodes", 1, True),
                     max_requeues=_whole({"max_requeues": 0, **p}, "max_requeues", 0, False),
-                    warm_starts=_flag(p, "warm_starts"), timeout_min=_minutes(p, "timeout_min"))
+                    warm_starts=_flag(p, "warm_starts"), timeout_min=_minutes(p, "timeout_min"),
+                    jobs_per_gpu=_whole({"jobs_per_gpu": 1, **p}, "jobs_per_gpu", 1, False))
 
 
 def _flag(p: Mapping[str, Any], key: str) -> bool:

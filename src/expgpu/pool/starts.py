@@ -13,6 +13,7 @@ from expgpu import envvars, procs
 from expgpu.errors import one_line
 from expgpu.gpus.mask import gpu_env
 from expgpu.pool import jobs as jobfiles
+from expgpu.pool import sharing
 from expgpu.pool.jobs import Job
 from expgpu.pool.spares import Spare
 
@@ -29,18 +30,19 @@ class Starter:
         if room <= 0:
             return
         waiting = [(j.num, j.need) for j in self.jobs if j.state == "queued"]
-        held: dict[int, Any] = {}
+        held: dict[tuple[int, int], Any] = {}
         if self.gpus and any(need for _, need in waiting):
-            ours = {g.index for j in running for g in j.gpus}
-            candidates = [g for g in self.gpus if g.index not in ours]
-            held = {lease.gpu.index: lease for lease in leases.acquire_free(self.lease_dir, candidates)}
-            self._busy_elsewhere = tuple(g for g in candidates if g.index not in held)
+            ours = {sharing.key(g) for j in running for g in j.gpus}
+            candidates = [g for g in self.gpus if sharing.key(g) not in ours]
+            held = {sharing.key(lease.gpu): lease for lease in leases.acquire_free(self.lease_dir, candidates)}
+            self._busy_elsewhere = tuple(g for g in candidates if sharing.key(g) not in held)
         try:
             used = {j.slot for j in running}
             slots = [i for i in range(self.s.cpu_slots) if i not in used]
             by_num = {j.num: j for j in self.jobs}
-            for num, indices, slot in self.scheduler.pick(waiting, list(held), slots, room):
-                self._start(by_num[num], [held.pop(i) for i in indices], slot)
+            fit = sharing.distinct if self.s.jobs_per_gpu > 1 else None   # a job's shares on as many GPUs
+            for num, keys, slot in self.scheduler.pick(waiting, list(held), slots, room, fit):
+                self._start(by_num[num], [held.pop(k) for k in keys], slot)
         finally:
             leases.release_all(list(held.values()))
 
@@ -132,7 +134,7 @@ class Starter:
             if not job.primed:
                 spec.update(job_file=str(jobfiles.write_job_file(job, self.context)),
                             console=str(job.dir / jobfiles.CONSOLE))
-            spare.give(spec, [lease.fd for lease in job_leases])
+            spare.give(spec, [fd for lease in job_leases for fd in lease.fds])
             job.exit_fd = procs.exit_fd(pid)
         except OSError as e:
             leases.release_all(job_leases)
@@ -165,7 +167,7 @@ class Starter:
             self.board.waiting("")
             self._waiting_since = None
             return
-        who = "; ".join(f"GPU {g.index}: {leases.describe_holder(h or {'pid': '?'})}" for g, h in holders[:4])
+        who = "; ".join(f"{sharing.shown([g])}: {leases.describe_holder(h or {'pid': '?'})}" for g, h in holders[:4])
         self.board.waiting(f"waiting for GPUs leased by others ({who})")
         if self._running() or self.s.wait_timeout_s is None:
             self._waiting_since = None
