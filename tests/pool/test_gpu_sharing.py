@@ -4,6 +4,9 @@ other shares, and never beside a lease of the whole card (another sweep's withou
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from pool_sweep import Sweep, gpus_of, most_at_once, runs, simulate
 
@@ -75,3 +78,20 @@ def test_jobs_per_gpu_on_a_pool_without_gpus_is_one_line(tmp_path):
     assert done.stderr.strip().splitlines()[-1] == (
         "expgpu: error: hydra.launcher.jobs_per_gpu=2 shares GPUs, and this pool has none (its jobs take CPU "
         "slots): drop it, or give more jobs at once with hydra.launcher.cpu_slots")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_on_a_real_gpu_its_jobs_train_on_it_at_once(tmp_path):
+    sweep = Sweep(tmp_path, lease_dir=tmp_path / "gpu-leases")
+    done = sweep.run(["task=a", "task.max_steps=1500", "task.seed=range(4)", "hydra.launcher.gpus=[0]",
+                      "hydra.launcher.jobs_per_gpu=2"], timeout=280)
+    assert done.returncode == 0, done.stderr
+    jobs = sweep.pool()["jobs"]
+    spans = []
+    for j in jobs:
+        result = json.loads((Path(j["dir"]) / "result.json").read_text())
+        assert result["status"] == "finished" and result["plan"][0]["device"].startswith("cuda"), result
+        assert j["gpus"] == [0] and result["plan"][0]["gpus"] == [0]
+        spans.append({"t0": j["started"], "t1": j["ended"]})
+    assert most_at_once(spans) == 2   # two on GPU 0 at once, never three
