@@ -2,6 +2,7 @@
 
     spawn.py        `launch.nproc_per_node=N`: the supervisor of N worker processes (fail-fast, no orphans)
     worker.py       one rank, from "who am I" to result.json (`python -m expgpu.launch.worker RUN_DIR`)
+    task_env.py     what a task function finds around it: its prints a whole line at a time, torchrun's variables
     failures.py     a rank's failure record, and whose failure a rank's error echoes (one line, not a traceback)
     warm.py         this launch's ranks forked from one process that imported torch once
     warm_server.py  such a process shared by every launch on the machine (`python -m expgpu.warm_server`)
@@ -16,4 +17,5 @@ Launchers only start processes with the right environment; each rank then walks 
 line (docs/architecture.md). Nothing here is imported at `import expgpu`.
 """
 
-__all__ = ["bad_nodes", "failures", "requeue", "restarts", "spawn", "warm", "warm_client", "warm_server", "worker"]
+__all__ = ["bad_nodes", "failures", "requeue", "restarts", "spawn", "task_env", "warm", "warm_client", "warm_server",
+           "worker"]
