@@ -31,7 +31,6 @@ flock on NFS works across clients on Linux (emulated with POSIX locks) and also 
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import fcntl
 import json
@@ -45,6 +44,7 @@ from typing import Iterable, Mapping, Sequence
 from expgpu import envvars
 from expgpu.errors import UserError
 from expgpu.gpus.inventory import Gpu
+from expgpu.pool import sharing
 
 ENV_DIR = envvars.LEASE_DIR
 
@@ -76,7 +76,7 @@ def lease_dir(configured: str | None = None, env: Mapping[str, str] | None = Non
 def lock_path(directory: Path, gpu: Gpu) -> Path:
     """The GPU's lock file; a share's own (expgpu.pool.sharing) beside it."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in gpu.uuid or f"index{gpu.index}")
-    share = f".share{gpu.share}" if getattr(gpu, "of", 1) > 1 else ""
+    share = f".share{gpu.share}" if sharing.is_share(gpu) else ""
     return directory / f"{socket.gethostname()}.{safe}{share}.lock"
 
 
@@ -136,8 +136,8 @@ def _open(path: Path) -> int:
 def try_acquire(directory: Path, gpu: Gpu) -> Lease | None:
     """The lease on `gpu` (or a share of it) if nobody holds it; never waits."""
     card_fd = None
-    if getattr(gpu, "of", 1) > 1:   # a share: the card shared with its other sharers, then the share alone
-        card_fd = _lock(lock_path(directory, _card(gpu)), fcntl.LOCK_SH)
+    if sharing.is_share(gpu):   # the card shared with its other sharers, then the share alone
+        card_fd = _lock(lock_path(directory, sharing.card(gpu)), fcntl.LOCK_SH)
         if card_fd is None:
             return None
     path = lock_path(directory, gpu)
@@ -161,11 +161,6 @@ def _lock(path: Path, how: int) -> int | None:
     return fd
 
 
-def _card(gpu: Gpu) -> Gpu:
-    """The GPU a share is of (its lock file: the card's)."""
-    return Gpu(**{f.name: getattr(gpu, f.name) for f in dataclasses.fields(Gpu)})
-
-
 def acquire_free(directory: Path, gpus: Iterable[Gpu]) -> list[Lease]:
     """Leases on every GPU of `gpus` that nobody holds now (in the order given)."""
     out = []
@@ -184,8 +179,8 @@ def release_all(leases: Sequence[Lease]) -> None:
 def noted(directory: Path, gpu: Gpu) -> dict:
     """What the lock file says about its last holder (without taking the lock); for a share, the newer of its
     own file's word and its card's (a sweep without sharing may hold the whole card)."""
-    if getattr(gpu, "of", 1) > 1:
-        return max((_note(lock_path(directory, g)) for g in (gpu, _card(gpu))), key=_since)
+    if sharing.is_share(gpu):
+        return max((_note(lock_path(directory, g)) for g in (gpu, sharing.card(gpu))), key=_since)
     return _note(lock_path(directory, gpu))
 
 

@@ -33,8 +33,20 @@ def shares(gpus: Sequence[Gpu], n: int) -> list:
     """The pool's GPUs as n shares each, spread first; the GPUs themselves when n is 1."""
     if n == 1:
         return list(gpus)
-    return [Share(**{f.name: getattr(g, f.name) for f in dataclasses.fields(Gpu)}, share=k, of=n)
-            for k in range(n) for g in gpus]
+    return [Share(**_fields(g), share=k, of=n) for k in range(n) for g in gpus]
+
+
+def is_share(gpu: Any) -> bool:
+    return isinstance(gpu, Share) and gpu.of > 1
+
+
+def card(gpu: Gpu) -> Gpu:
+    """The GPU a share is of."""
+    return Gpu(**_fields(gpu))
+
+
+def _fields(gpu: Gpu) -> dict:
+    return {f.name: getattr(gpu, f.name) for f in dataclasses.fields(Gpu)}
 
 
 def key(gpu: Any) -> tuple[int, int]:
