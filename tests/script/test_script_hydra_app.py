@@ -29,7 +29,10 @@ def main(cfg):
 @pytest.fixture
 def launch(tmp_path):
     (tmp_path / "app.py").write_text(APP)
-    (tmp_path / "plain.py").write_text("'''Not one: @hydra.main is only named here.'''\nprint('hi')\n")
+    (tmp_path / "aliased.py").write_text("from hydra import main as entry\n\n\n@entry(config_path=None)\ndef f(cfg):\n"
+                                         "    pass\n")
+    (tmp_path / "plain.py").write_text("'''Not one: hydra.main is only named here:\n"
+                                       "@hydra.main(config_path=None)\n'''\nprint('hi')\n")
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "train.py").write_text(APP)
@@ -91,6 +94,7 @@ def test_each_mistake_is_one_line(launch, task, message):
 def test_a_script_that_only_names_hydra_main_is_not_taken_for_one(launch):
     assert build({"script": "plain.py", "args": {"lr": 0.1}}, launch).args == ["--lr", "0.1"]
     assert hydra_app.main_line(launch / "app.py") == 3 and hydra_app.main_line(launch / "plain.py") is None
+    assert hydra_app.main_line(launch / "aliased.py") == 4   # from hydra import main as entry; @entry(...)
 
 
 EXAMPLE = ["--config-dir", str(REPO / "examples" / "conf"), "task=hydra_script"]

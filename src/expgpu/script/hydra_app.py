@@ -11,6 +11,7 @@ config in .hydra/script/; the user's own overrides of these come after and win.
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 from pathlib import Path
@@ -19,19 +20,26 @@ from typing import Any
 from expgpu.errors import UserError, first_line
 
 OWN = ["hydra.run.dir=.", "hydra.output_subdir=.hydra/script"]
-_MAIN = re.compile(r"^[ \t]*@hydra\.main\b", re.M)
 
 
 def main_line(path: str | Path | None) -> int | None:
-    """The line of the script's @hydra.main, None if it has none (or cannot be read)."""
+    """The line of the script's @hydra.main (or `from hydra import main` and @main), None if no function of it
+    has one, or it cannot be read or parsed (its own run then says what is wrong with it)."""
     if path is None:
         return None
     try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
+        tree = ast.parse(Path(path).read_bytes(), str(path))
+    except (OSError, SyntaxError, ValueError):
         return None
-    found = _MAIN.search(text)
-    return text.count("\n", 0, found.start()) + 1 if found else None
+    names = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "hydra"
+             for a in n.names if a.name == "main"}
+    for node in ast.walk(tree):
+        for d in getattr(node, "decorator_list", ()):
+            f = d.func if isinstance(d, ast.Call) else d
+            if (isinstance(f, ast.Attribute) and f.attr == "main" and isinstance(f.value, ast.Name)
+                    and f.value.id == "hydra") or (isinstance(f, ast.Name) and f.id in names):
+                return d.lineno
+    return None
 
 
 def override(key: str, value: Any, where: str) -> str:
