@@ -253,6 +253,8 @@ def test_the_log_never_shows_more_jobs_running_than_slots(tmp_path):
     ("hydra.launcher.timeout_min=-1", "hydra.launcher.timeout_min=-1.0 is not allowed: minutes > 0 (e.g. 90 or 0.5), "
                                       "or 0 or null for no limit"),
     ("hydra.launcher.jobs_per_gpu=0", "hydra.launcher.jobs_per_gpu=0 is not allowed: an integer >= 1"),
+    ("hydra.launcher.jobs_per_gpu=2 hydra.launcher.gpus_per_job=0",   # it would change nothing: said, not ignored
+     "hydra.launcher.jobs_per_gpu=2 shares GPUs, and hydra.launcher.gpus_per_job=0 puts every job on a CPU slot"),
     ("hydra.launcher.gpus_per_job=2 hydra.launcher.jobs_per_gpu=4 hydra.launcher.gpus=[0]",
      "needs 2 GPUs (hydra.launcher.gpus_per_job), but the pool has 1 (0)"),   # a job's shares: on different GPUs
 ])

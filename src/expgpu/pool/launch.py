@@ -95,9 +95,11 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
     _say_what_only_an_allocation_reads(s)
     simulate = _simulated(config)
     gpus = pool_gpus(s, simulate)
-    if s.jobs_per_gpu > 1 and not gpus:
-        raise UserError(f"hydra.launcher.jobs_per_gpu={s.jobs_per_gpu} shares GPUs, and this pool has none "
-                        "(its jobs take CPU slots): drop it, or give more jobs at once with hydra.launcher.cpu_slots")
+    if s.jobs_per_gpu > 1 and (not gpus or s.gpus_per_job == 0):
+        where = ("hydra.launcher.gpus_per_job=0 puts every job on a CPU slot" if gpus
+                 else "this pool has none (its jobs take CPU slots)")
+        raise UserError(f"hydra.launcher.jobs_per_gpu={s.jobs_per_gpu} shares GPUs, and {where}: drop it, or give "
+                        "more jobs at once with hydra.launcher.cpu_slots")
     sweep_dir = Path(str(config.hydra.sweep.dir))
     state = sweep_dir / jobfiles.STATE
     state.mkdir(parents=True, exist_ok=True)
