@@ -127,16 +127,21 @@ def _applying(e: BaseException) -> tuple:
     return (None, None) if tb is None else (tb.tb_frame.f_locals.get("override"), tb.tb_frame.f_locals.get("cfg"))
 
 
+def _value(override) -> object:
+    """The override's value as Hydra's parser reads it; None without an override, or where it cannot say."""
+    try:
+        return override.value() if override is not None else None
+    except Exception:
+        return None
+
+
 def _sweep_inside_a_value(e: BaseException) -> str | None:
     """`hydra.sweeper.params={lr:tag(log,interval(1e-4,1e-1))}`: Hydra's grammar makes a sweep inside a dict or
     list a sweep object, which OmegaConf cannot hold: "tags: Unexpected type annotation: Set[str]" named nothing."""
     from hydra.core.override_parser.types import Sweep
 
     override, _ = _applying(e)
-    try:
-        value = override.value() if override is not None else None
-    except Exception:
-        return None
+    value = _value(override)
 
     def holds(v) -> bool:
         items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
@@ -159,10 +164,7 @@ def _sweeper_params_in_a_dict(e: BaseException) -> str | None:
     override, cfg = _applying(e)
     if override is None or cfg is None or override.key_or_group != "hydra.sweeper.params":
         return None
-    try:
-        value = override.value()
-    except Exception:
-        return None
+    value = _value(override)
     if not isinstance(value, dict):
         return None
     key = next((str(k) for k in value if "." in str(k)), None) or next(iter(value), "lr")

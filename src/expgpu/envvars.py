@@ -45,6 +45,7 @@ LEASE_DIR = "EXPGPU_LEASE_DIR"       # user: where the per-GPU lock files live
 SCRIPT_RUN_DIR = "EXPGPU_SCRIPT_RUN_DIR"
 SCRIPT_RESUMED = "EXPGPU_SCRIPT_RESUMED"
 SCRIPT_HEARTBEAT = "EXPGPU_SCRIPT_HEARTBEAT"   # the file expgpu.log beats in, each rank's (expgpu.script.heartbeat)
+SCRIPT_PROMPT = "EXPGPU_SCRIPT_PROMPT"   # a trial's objective, whose rows expgpu.log writes at once (script.prune)
 
 TRIAL = "EXPGPU_TRIAL"               # an optimizing sweeper's trial file (expgpu.tune)
 CACHE_DIR = "EXPGPU_CACHE_DIR"       # user: measured GPU scores (default ~/.cache/expgpu)

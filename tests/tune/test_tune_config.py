@@ -4,6 +4,8 @@ PRUNED stop request (expgpu.tune, expgpu.procs.stop_signals)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from expgpu.errors import UserError
@@ -273,3 +275,22 @@ def test_a_trial_is_not_pruned_at_its_last_step(tmp_path, monkeypatch, max_steps
     reporter.write([{"step": 10, "loss": 0.9, "max_steps": max_steps}])   # above the threshold
     assert (signals.received == stop_signals.PRUNED) is pruned
     assert study.trials[0].intermediate_values == {10: 0.9}   # reported either way
+
+
+def test_a_script_writes_the_rows_its_trials_pruner_judges_at_once(tmp_path):
+    # expgpu.log in a script (rank 0): rows are written at most once a second, but those holding the objective its
+    # supervisor named (EXPGPU_SCRIPT_PROMPT, a trial's) at once, where the supervisor reports them to the pruner
+    from expgpu.script.log import _ScriptLog
+
+    def written(env: dict) -> list:
+        run_dir = tmp_path / str(len(env))
+        run_dir.mkdir()
+        log = _ScriptLog.from_env({"EXPGPU_SCRIPT_RUN_DIR": str(run_dir), "RANK": "0", **env})
+        for step in (1, 2, 3):
+            log.log(step, {"score": 0.5} if step == 3 else {"loss": 1.0})
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        log.close()
+        return [r["step"] for r in rows]
+
+    assert written({}) == []                                         # none yet: handed over within a second
+    assert written({"EXPGPU_SCRIPT_PROMPT": "score"}) == [1, 2, 3]   # the objective's row, and what came before it

@@ -29,7 +29,8 @@ from expgpu.script.log import ENV_RESUMED, ENV_RUN_DIR
 
 # What expgpu's spawn tells its own workers: not the script's (a `python -m expgpu` it starts
 # would take itself for one of expgpu's workers).
-_NOT_PASSED = (*local_source.VARIABLES.values(), envvars.LAUNCH_ID, envvars.STOP_SIGNALS, envvars.SCRIPT_HEARTBEAT)
+_NOT_PASSED = (*local_source.VARIABLES.values(), envvars.LAUNCH_ID, envvars.STOP_SIGNALS, envvars.SCRIPT_HEARTBEAT,
+               envvars.SCRIPT_PROMPT)
 
 
 def torchrun_variables(info: RankInfo, run_id: str, restarts: int) -> dict[str, str]:
@@ -64,8 +65,10 @@ def visible_gpus(node: NodePlan, local_rank: int, isolation: str) -> tuple:
 
 
 def child_env(base: Mapping[str, str], info: RankInfo, node: NodePlan, isolation: str, *, run_dir: Path,
-              launch_dir: str, module: bool, run_id: str, restarts: int, resumed: bool) -> dict[str, str]:
-    """`base` (this rank's environment) with torchrun's variables, the GPU mask and what expgpu.log reads."""
+              launch_dir: str, module: bool, run_id: str, restarts: int, resumed: bool,
+              prompt: str | None = None) -> dict[str, str]:
+    """`base` (this rank's environment) with torchrun's variables, the GPU mask and what expgpu.log reads;
+    `prompt`: the objective of a trial whose pruner judges rank 0's rows (expgpu.script.prune)."""
     env = {k: v for k, v in base.items() if k not in _NOT_PASSED}
     env.update(torchrun_variables(info, run_id, restarts))
     if env.keys() & {"WORLD_SIZE", "RANK"}:
@@ -78,4 +81,6 @@ def child_env(base: Mapping[str, str], info: RankInfo, node: NodePlan, isolation
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[ENV_RUN_DIR] = str(Path(run_dir).absolute())
     env[ENV_RESUMED] = "1" if resumed else "0"
+    if prompt:
+        env[envvars.SCRIPT_PROMPT] = prompt
     return env

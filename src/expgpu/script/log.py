@@ -78,12 +78,8 @@ class _Prompt(Sink):
 
     @staticmethod
     def of(env) -> _Prompt | None:
-        path = env.get(envvars.TRIAL)
-        try:
-            spec = json.loads(Path(path).read_text()) if path else {}
-        except (OSError, ValueError):
-            return None
-        return _Prompt(spec["objective"]) if spec.get("objective") and spec.get("pruner") else None
+        name = env.get(envvars.SCRIPT_PROMPT)   # set by rank 0's supervisor, which reports to the trial
+        return _Prompt(name) if name else None
 
     def write(self, rows: list[dict]) -> None:
         pass

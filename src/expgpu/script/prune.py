@@ -1,7 +1,8 @@
 """A script task run as an optimizing sweeper's trial is pruned as a function task is: rank 0's supervisor
 reports the objective from the rows the script logs with expgpu.log (expgpu.script.loggers feeds them to the
-TrialReporter of expgpu.tune.bridge, which expgpu.launch.worker hands it), and when the study's pruner says so,
-a PRUNED stop is requested.
+TrialReporter of expgpu.tune.bridge, which expgpu.launch.worker hands it; the script, told the objective's name
+in EXPGPU_SCRIPT_PROMPT, writes those rows at once), and when the study's pruner says so, a PRUNED stop is
+requested.
 
 The ranks share no store (the script makes its own process group), only the run dir, so rank 0 first makes
 RUN_DIR/.expgpu/script-pruned-<launch> and then stops its script (SIGTERM, as for any stop; grace_s, then

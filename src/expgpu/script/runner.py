@@ -46,7 +46,8 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
     _link_inputs(spec, run_dir)
     launch = attempt_id(info)
     env = environ.child_env(os.environ, info, node, isolation, run_dir=run_dir, launch_dir=spec.launch_dir,
-                            module=spec.module, run_id=launch, restarts=attempt, resumed=resumed)
+                            module=spec.module, run_id=launch, restarts=attempt, resumed=resumed,
+                            prompt=trial.key if trial is not None else None)
     argv = spec.argv(resumed)
     script_log = rundir.script_log(run_dir, info.rank)
     watch = Watch.of(cfg, spec.output_timeout_s, info.rank, info.world_size, run_dir, launch, script_log)
