@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from expgpu.errors import UserError, WorkerFailed, one_line
-from expgpu.pool.sharing import shown
+from expgpu.pool.sharing import is_share, shown
 from expgpu.rundir import CONSOLE, STATE
 from expgpu.rundir import POOL_JOB as JOB_FILE
 from expgpu.rundir import POOL_RECORD as RECORD
@@ -277,7 +277,7 @@ class Record:
         return {
             "num": j.num, "overrides": j.overrides, "dir": str(j.dir), "state": j.state,
             "gpus": [g.index for g in j.gpus], "gpu_names": [g.name for g in j.gpus],
-            **({"shares": [g.share for g in j.gpus]} if j.gpus and hasattr(j.gpus[0], "share") else {}),
+            **({"shares": [g.share for g in j.gpus]} if j.gpus and is_share(j.gpus[0]) else {}),
             "simulated": self.simulated, "slot": j.slot,
             "need": j.need, "nodes": sorted({g.node for g in j.gpus if hasattr(g, "node")}),
             "pid": j.proc.pid if j.proc else None, "started": j.started, "ended": j.ended,

@@ -74,6 +74,6 @@ def physical(gpus: Sequence[Any]) -> list:
 def shown(gpus: Sequence[Any]) -> str:
     """'GPU 0,1', and which share of them when shared: 'GPU 0 (share 2 of 4)'."""
     text = "GPU " + ",".join(str(g.index) for g in gpus)
-    if gpus and isinstance(gpus[0], Share):
+    if gpus and is_share(gpus[0]):
         text += f" (share{'s' if len(gpus) > 1 else ''} {','.join(str(g.share + 1) for g in gpus)} of {gpus[0].of})"
     return text
