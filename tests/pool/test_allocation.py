@@ -105,6 +105,66 @@ def test_an_allocation_without_gpus_is_cpu_slots_each_with_its_share_of_the_node
     assert job.where == "b: CPU slot 1"
 
 
+def test_shared_gpus_of_an_allocation_fill_every_gpu_before_a_second_share_and_a_job_never_takes_two_of_one():
+    from expgpu.pool.sharing import SlotShare, shares
+
+    slots = shares([Slot("a", 0), Slot("a", 1), Slot("b", 0)], 2)
+    assert [(s.node, s.index, s.share) for s in slots] == [("a", 0, 0), ("a", 1, 0), ("b", 0, 0),
+                                                           ("a", 0, 1), ("a", 1, 1), ("b", 0, 1)]
+    free = list(slots)
+    one = fit(free, 1, 1)
+    assert one == (SlotShare("b", 0, share=0, of=2),)   # an idle GPU, on the fullest node that fits
+    free = [s for s in free if s not in one]
+    two = fit(free, 2, 1)
+    assert [(s.node, s.index, s.share) for s in two] == [("a", 0, 0), ("a", 1, 0)]   # two GPUs, not one twice
+    free = [s for s in free if s not in two]
+    assert fit(free, 1, 1) == (SlotShare("b", 0, share=1, of=2),)   # every GPU busy: a second share, packed
+    assert fit(free, 2, 1) == (SlotShare("a", 0, share=1, of=2), SlotShare("a", 1, share=1, of=2))
+    assert fit(free, 2, 2) == (SlotShare("b", 0, share=1, of=2), SlotShare("a", 0, share=1, of=2))
+    assert fit([SlotShare("a", 0, share=0, of=2), SlotShare("a", 0, share=1, of=2)], 2, 1) is None
+    from expgpu.pool.jobs import Job
+
+    job = Job(num=3, overrides=[], dir=Path("/x"), config=None, need=1)
+    job.gpus = [SlotShare("a", 1, share=1, of=2)]
+    assert job.where == "a: 1 GPU (share 2 of 2)"
+
+
+def test_a_share_of_a_gpu_forked_by_its_nodes_warm_process_gets_its_part_of_that_gpus_cpus():
+    info = {"gpus": ["0", "1"], "step_gpus": ["0", "1"], "cpus": list(range(8))}   # 4 CPUs per GPU
+    assert share([1], [0, 1], info, shares=[0], of=2) == ("1", "1", [4, 5])
+    assert share([1], [0, 1], info, shares=[1], of=2) == ("1", "1", [6, 7])
+    assert share([0, 1], [0, 1], info, shares=[1, 0], of=2) == ("0,1", "0,1", [2, 3, 4, 5])
+    assert share([1], [0, 1], info, shares=[3], of=4) == ("1", "1", [7])
+    # fewer CPUs per GPU than shares: each share gets all of its GPU's, and none of the other GPU's
+    assert share([1], [0, 1], info, shares=[5], of=8) == ("1", "1", [4, 5, 6, 7])
+
+
+def test_shared_gpus_become_one_job_each_when_warm_starts_go_off_before_any_job_started(caplog):
+    """A node's warm process that ended before it was ready: the jobs are srun steps of their own, which SLURM
+    never lets share a GPU, so the pool counts each GPU once from then on, and says so."""
+    import types
+
+    from expgpu.pool.sharing import shares
+    from expgpu.pool.steps import StepStarter
+
+    class Ended:   # a node's warm process whose srun step ended before it said "ready"
+        node, info, gone, proc = "a", None, True, types.SimpleNamespace(poll=lambda: 1)
+
+        def pump(self):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    pool = StepStarter()
+    pool.node_servers, pool.s = {"a": Ended()}, types.SimpleNamespace(jobs_per_gpu=2)
+    pool.gpus = shares([Slot("a", 0), Slot("a", 1)], 2)
+    pool.board = types.SimpleNamespace(waiting=lambda text: None)
+    assert pool._servers_ready() and pool.node_servers is None
+    assert pool.gpus == [Slot("a", 0), Slot("a", 1)]
+    assert "one on each GPU (hydra.launcher.jobs_per_gpu=2 off)" in caplog.text
+
+
 @pytest.mark.parametrize("gres, gpus", [("gpu:4", 4), ("gpu:a100:2(S:0-1),gpu:t4:1,nvme:1", 3), ("(null)", 0),
                                         ("nvme:1,gpu:8(S:0)", 8), ("gpu:h100:8(S:0-1)", 8), ("gpus_fake:2", 0)])
 def test_a_nodes_gres_in_sinfo_counts_its_gpus_of_every_type(gres, gpus):

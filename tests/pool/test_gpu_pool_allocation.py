@@ -194,6 +194,34 @@ def test_an_allocation_without_gpus_runs_its_jobs_on_cpu_slots_of_every_node_and
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_jobs_per_gpu_forks_that_many_jobs_onto_each_gpu_of_the_allocation(slurm_cluster_2n, tmp_path):
+    # 2 nodes x 1 GPU, 2 jobs on each: 6 jobs of 3 s run 4 at once, never 3 on one GPU
+    done = _sweep(slurm_cluster_2n, tmp_path, ["hydra.launcher.jobs_per_gpu=2", "task.model.seconds=3",
+                                               "task.model.tag=range(6)"],
+                  salloc=["salloc", "-N", "2", "--gres=gpu:1", "--cpus-per-task=4", "--time=10"])
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "x 1 GPU(s), 2 jobs on each GPU" in out and "(share 2 of 2)" in out, out
+    pool = json.loads((tmp_path / "sweep" / "pool.json").read_text())
+    assert pool["jobs_per_gpu"] == 2 and [j["state"] for j in pool["jobs"]] == ["finished"] * 6
+    assert {j["shares"][0] for j in pool["jobs"]} == {0, 1}
+    spans = [r for ranks in _by_job(_records(tmp_path)).values() for r in ranks]
+    assert len(spans) == 6 and all(len(_gpus(r)) == 1 for r in spans)
+
+    def together(r: dict, same_gpu: bool) -> list[dict]:
+        return [o for o in spans if o["t0"] <= r["t0"] < o["t1"] and (not same_gpu or _gpus(o) == _gpus(r))]
+
+    assert max(len(together(r, True)) for r in spans) == 2, "two jobs on one GPU at once, never three"
+    assert max(len(together(r, False)) for r in spans) >= 3, "jobs ran side by side on both nodes' GPUs"
+    if len(os.sched_getaffinity(0)) >= 2:   # each share its half of its GPU's CPUs
+        for r in spans:
+            for o in together(r, True):
+                assert o is r or not set(o["cpus"]) & set(r["cpus"]), (o, r)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_failing_job_is_named_and_the_others_finish(slurm_cluster_2n, tmp_path):
     done = _sweep(slurm_cluster_2n, tmp_path, ["task.model.seconds=0.5", "task.model.fail=false,true,false"])
@@ -217,6 +245,8 @@ def test_a_failing_job_is_named_and_the_others_finish(slurm_cluster_2n, tmp_path
      "gpu_map.gpus_per_rank=6) needs 6 GPUs on each of 1 node(s), but the allocation has at most 4 GPU(s) per node"),
     (["gpu_map.gpus_per_rank=6", "launch.nodes=2"], "but the allocation has at most 4 GPU(s) per node"),
     (["launch.nodes=3"], "asks for launch.nodes=3, but the allocation has 2 node(s); allowed: 1..2"),
+    (["hydra.launcher.jobs_per_gpu=2", "hydra.launcher.warm_starts=false"], "expgpu: error: hydra.launcher."
+     "jobs_per_gpu=2 is not allowed with hydra.launcher.warm_starts=false inside a SLURM allocation"),
 ])
 def test_a_job_that_cannot_fit_the_allocation_is_one_line_and_exit_2(slurm_cluster_2n, tmp_path, overrides, message):
     done = _sweep(slurm_cluster_2n, tmp_path, ["task.model.tag=0,1", *overrides], timeout=120)

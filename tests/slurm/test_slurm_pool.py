@@ -242,6 +242,28 @@ def test_an_optimizing_study_runs_inside_the_allocation_trials_beside_each_other
     assert (sweep / "optimization_results.yaml").exists()
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_study_with_jobs_per_gpu_runs_that_many_trials_at_once_on_one_gpu(slurm_cluster_2n, tmp_path):
+    sweep = tmp_path / "study"
+    args = ["--config-dir", str(REPO / "tests" / "conf"), "task=tune_probe", "objective=score",
+            "hydra/sweeper=expgpu_optuna", "hydra.sweeper.sampler.seed=0", "task.x=interval(0,1)",
+            "hydra.sweeper.n_trials=4", "task.max_steps=60", "task.step_s=0.05", "task.slow_step_s=0.05",
+            "hydra/launcher=slurm_pool", "hydra.launcher.nodes=1",
+            "hydra.launcher.gpus_per_node=1", "hydra.launcher.cpus_per_node=2", "hydra.launcher.pool.jobs_per_gpu=2",
+            "logger=none"]
+    env = {**slurm_cluster_2n.env, "PYTHONPATH": pythonpath(HELPERS)}
+    done = _run(slurm_cluster_2n, args, sweep, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    pool = json.loads((sweep / "pool.json").read_text())
+    assert "4 trials, 2 at once" in done.stdout + done.stderr   # the sweeper asks the pool for its GPU's 2 shares
+    assert pool["jobs_per_gpu"] == 2 and [j["state"] for j in pool["jobs"]] == ["finished"] * 4
+    assert {j["shares"][0] for j in pool["jobs"]} == {0, 1}
+    spans = [(j["started"], j["ended"]) for j in pool["jobs"]]
+    assert max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans) == 2, "two trials at once on its one GPU"
+
+
 def test_its_dry_run_prints_the_allocations_script_and_where_the_first_jobs_go(tmp_path):
     sweep = tmp_path / "sweep"
     done = subprocess.run([sys.executable, "-m", "expgpu", "-m", *SWEEP, "gpu_map.gpus_per_rank=1,2",
@@ -253,6 +275,7 @@ def test_its_dry_run_prints_the_allocations_script_and_where_the_first_jobs_go(t
                  "#SBATCH --requeue", "#SBATCH --signal=B:USR2@120",
                  "-m expgpu -m hydra/launcher=gpu_pool task=a task.max_steps=20 logger=none gpu_map.gpus_per_rank=1,2 "
                  "launch.nodes=1,2 dry_run=true hydra.launcher.grace_s=15.0 hydra.launcher.warm_starts=true "
+                 "hydra.launcher.jobs_per_gpu=1 "
                  "hydra.launcher.max_requeues=3 "
                  "hydra.sweep.dir=" + str(sweep)):
         assert line in out, out
@@ -277,6 +300,21 @@ def test_without_gpus_its_dry_run_asks_for_none_and_places_the_jobs_on_cpu_slots
     assert "task.seed=3 launch.nodes=1 dry_run=True -> node2: CPU slot 0\n" in out, out
 
 
+def test_with_jobs_per_gpu_its_dry_run_places_the_first_jobs_on_every_gpu_then_on_second_shares(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = subprocess.run([sys.executable, "-m", "expgpu", "-m", *SWEEP, "hydra.launcher.gpus_per_node=1",
+                           "hydra.launcher.pool.jobs_per_gpu=2", "task.seed=range(5)", "dry_run=true",
+                           f"hydra.sweep.dir={sweep}"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "hydra.launcher.jobs_per_gpu=2" in out and "#SBATCH --gres=gpu:1" in out, out
+    assert "the first 5 job(s) on 2 node(s) x 1 GPU(s), 2 jobs on each" in out, out
+    assert [ln.split(" -> ")[1] for ln in out.splitlines() if " -> " in ln] == [
+        "node1: GPU 0 (share 1 of 2)", "node2: GPU 0 (share 1 of 2)", "node1: GPU 0 (share 2 of 2)",
+        "node2: GPU 0 (share 2 of 2)", "waits for GPUs to free"], out
+
+
 @pytest.mark.parametrize("args, message", [
     (["hydra.launcher.gpus_per_node=-1"], "hydra.launcher.gpus_per_node=-1 is not allowed: an integer >= 0 (the "
                                           "allocation's GPUs on each node; 0: none, the jobs take CPU slots)"),
@@ -287,6 +325,13 @@ def test_without_gpus_its_dry_run_asks_for_none_and_places_the_jobs_on_cpu_slots
     (["hydra.launcher.pool.gpus=[0]"], "hydra.launcher.pool.gpus: unknown key; allowed under hydra.launcher.pool: "
                                        "gpus_per_job, max_parallel, nodes, grace_s"),
     (["hydra.launcher.pool.max_parallel=0"], "hydra.launcher.pool.max_parallel=0 is not allowed: an integer >= 1"),
+    (["hydra.launcher.pool.jobs_per_gpu=0"], "hydra.launcher.pool.jobs_per_gpu=0 is not allowed: an integer >= 1"),
+    (["hydra.launcher.pool.jobs_per_gpu=2", "hydra.launcher.pool.warm_starts=false"],
+     "hydra.launcher.pool.jobs_per_gpu=2 is not allowed with hydra.launcher.pool.warm_starts=false inside a SLURM "
+     "allocation"),
+    (["hydra.launcher.pool.jobs_per_gpu=2", "hydra.launcher.gpus_per_node=0"],
+     "hydra.launcher.pool.jobs_per_gpu=2 shares GPUs, and hydra.launcher.gpus_per_node=0 asks for none (its jobs "
+     "take CPU slots): drop it, or give more jobs at once with hydra.launcher.pool.cpu_slots"),
     (["hydra.launcher.pool.timeout_min=-1"], "hydra.launcher.pool.timeout_min=-1.0 is not allowed: minutes > 0"),
     (["hydra.launcher.max_requeues=-1"], "hydra.launcher.max_requeues=-1 is not allowed: an integer >= 0 (how often "
                                          "the allocation may requeue itself before its time limit)"),

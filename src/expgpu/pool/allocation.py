@@ -172,12 +172,23 @@ def check_job(label: str, need: int, nodes: int, alloc: Allocation, nodes_key: s
 def fit(free: Sequence[Slot], need: int, nodes: int) -> tuple[Slot, ...] | None:
     """`need` GPUs, need/nodes on each of `nodes` nodes, from the free ones; None when they do not fit.
     The nodes with the fewest free GPUs that still fit come first: whole nodes stay free for the jobs
-    that need them (several nodes, a node's every GPU)."""
+    that need them (several nodes, a node's every GPU). Shared GPUs (hydra.launcher.jobs_per_gpu,
+    expgpu.pool.sharing): a job's are different GPUs, and GPUs that no job uses are taken before a second
+    share of any (its first shares fit as above; then its second, ...)."""
+    levels = sorted({getattr(s, "share", 0) for s in free})
+    for top in levels:
+        taken = _fit([s for s in free if getattr(s, "share", 0) <= top], need, nodes)
+        if taken is not None:
+            return taken
+    return None
+
+
+def _fit(free: Sequence[Slot], need: int, nodes: int) -> tuple[Slot, ...] | None:
     per = need // nodes
-    by_node: dict[str, list[Slot]] = {}
-    for slot in free:
-        by_node.setdefault(slot.node, []).append(slot)
+    by_node: dict[str, dict[int, Slot]] = {}
+    for slot in sorted(free, key=lambda s: getattr(s, "share", 0)):
+        by_node.setdefault(slot.node, {}).setdefault(slot.index, slot)   # one share of each GPU, the first free
     fitting = sorted((n for n, s in by_node.items() if len(s) >= per), key=lambda n: len(by_node[n]))
     if len(fitting) < nodes:
         return None
-    return tuple(s for n in fitting[:nodes] for s in by_node[n][:per])
+    return tuple(s for n in fitting[:nodes] for s in list(by_node[n].values())[:per])

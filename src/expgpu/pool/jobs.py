@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from expgpu.errors import UserError, WorkerFailed, one_line
-from expgpu.pool.sharing import is_share, shown
+from expgpu.pool.sharing import is_share, shown, which
 from expgpu.rundir import CONSOLE, STATE
 from expgpu.rundir import POOL_JOB as JOB_FILE
 from expgpu.rundir import POOL_RECORD as RECORD
@@ -71,7 +71,8 @@ class Job:
                 return (f"{nodes[0]}: CPU slot {self.gpus[0].index}" if len(nodes) == 1
                         else f"{','.join(nodes)}: a CPU slot each")
             per = len(self.gpus) // len(nodes)
-            return f"{','.join(nodes)}: {per} GPU{'s' if per > 1 else ''}" + (" each" if len(nodes) > 1 else "")
+            return (f"{','.join(nodes)}: {per} GPU{'s' if per > 1 else ''}" + (" each" if len(nodes) > 1 else "")
+                    + which(self.gpus))
         if self.gpus:
             return shown(self.gpus)   # GPU 0,1; a share of them: GPU 0 (share 2 of 4)
         return f"cpu slot {self.slot}" if self.slot is not None else "-"

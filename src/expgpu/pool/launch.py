@@ -95,11 +95,7 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
     _say_what_only_an_allocation_reads(s)
     simulate = _simulated(config)
     gpus = pool_gpus(s, simulate)
-    if s.jobs_per_gpu > 1 and (not gpus or s.gpus_per_job == 0):
-        where = ("hydra.launcher.gpus_per_job=0 puts every job on a CPU slot" if gpus
-                 else "this pool has none (its jobs take CPU slots)")
-        raise UserError(f"hydra.launcher.jobs_per_gpu={s.jobs_per_gpu} shares GPUs, and {where}: drop it, or give "
-                        "more jobs at once with hydra.launcher.cpu_slots")
+    sharing.check(s, bool(gpus))
     sweep_dir = Path(str(config.hydra.sweep.dir))
     state = sweep_dir / jobfiles.STATE
     state.mkdir(parents=True, exist_ok=True)
@@ -165,30 +161,27 @@ def _open_in_allocation(alloc: Allocation, s: Settings, hydra_context, task_func
     if s.gpus is not None:
         raise UserError(f"hydra.launcher.gpus={list(s.gpus)} is not allowed inside a SLURM allocation: all "
                         f"(the allocation's GPUs, {alloc.describe()})")
-    if s.jobs_per_gpu > 1:   # SLURM gives a step's GPUs (--gres) to no other step
-        raise UserError(f"hydra.launcher.jobs_per_gpu={s.jobs_per_gpu} is not allowed inside a SLURM allocation "
-                        f"({alloc.describe()}), whose srun steps never share a GPU: 1 (it shares this machine's "
-                        "GPUs, outside SLURM)")
     if not alloc.gpus_per_node and s.gpus_per_job:
         raise UserError(f"hydra.launcher.gpus_per_job={s.gpus_per_job} is not allowed in {alloc.describe()}, "
                         "which has no GPUs: null or 0 (each job takes a CPU slot on each of its nodes, "
                         "hydra.launcher.cpu_slots per node); or ask salloc/sbatch for GPUs (--gres=gpu:N)")
+    sharing.check_in_allocation(s, bool(alloc.gpus_per_node))
     alloc = allocation.on_cpu_slots(alloc, s.cpu_slots) if allocation.cpu_jobs(alloc, s) else alloc
-    gpus = alloc.slots()
+    gpus = sharing.shares(alloc.slots(), s.jobs_per_gpu)   # jobs_per_gpu shares of each (expgpu.pool.sharing)
     sweep_dir = Path(str(config.hydra.sweep.dir))
     (sweep_dir / jobfiles.STATE).mkdir(parents=True, exist_ok=True)
     jobs = _compose_all(hydra_context, config, first, s, gpus, alloc)
     threads = (f"{s.threads_per_job} thread(s) per job (hydra.launcher.threads_per_job)" if s.threads_per_job
                else f"threads per job as set ({procs.user_threads()})" if procs.user_threads()
                else "threads per job: the step's CPUs (its share of the node's)")
-    desc = alloc.describe()
+    desc = alloc.describe() + (f", {s.jobs_per_gpu} jobs on each GPU" if s.jobs_per_gpu > 1 else "")
     log.info("gpu_pool: %s on %s, each an srun step; %s; sweep dir %s", plural(len(jobs), "job"), desc, threads,
              sweep_dir)
     for job in jobs:
         log.info("\t#%d : %s", job.num, job.label)
-    record = Record(sweep_dir, gpus, 0, threads, False, allocation={
+    record = Record(sweep_dir, alloc.slots(), 0, threads, False, allocation={
         "job_id": alloc.job_id, "nodes": {n: list(alloc.gpus[n]) for n in alloc.nodes},
-        **({"cpu_slots_per_node": s.cpu_slots} if alloc.cpu else {})})
+        **({"cpu_slots_per_node": s.cpu_slots} if alloc.cpu else {})}, jobs_per_gpu=s.jobs_per_gpu)
     pool = _pool(jobs, gpus, s, sweep_dir, None, desc, [], (hydra_context, task_function), record, {}, None, [],
                  False, None, alloc)
     if s.warm_starts and (not jobs or any(j.state == "queued" for j in jobs)):

@@ -95,10 +95,12 @@ class NodeServer:
             return self.codes[num]
         return -signal.SIGKILL if self.gone else None
 
-    def gpus_and_cpus(self, indices: Sequence[int], alloc: Allocation) -> tuple[str, str, list[int]]:
-        """(CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS, CPUs) of a job given these of the node's GPUs (SLURM's IDX);
-        of its CPU slots in an allocation without GPUs: no GPU, and the slots' share of the CPUs."""
-        return share(indices, list(alloc.gpus[self.node]), self.info, alloc.cpu)
+    def gpus_and_cpus(self, slots: Sequence[Slot], alloc: Allocation) -> tuple[str, str, list[int]]:
+        """(CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS, CPUs) of a job given these of the node's GPUs (or shares of
+        them: expgpu.pool.sharing); of its CPU slots in an allocation without GPUs: no GPU, and the slots'
+        share of the CPUs."""
+        return share([s.index for s in slots], list(alloc.gpus[self.node]), self.info, alloc.cpu,
+                     [getattr(s, "share", 0) for s in slots], getattr(slots[0], "of", 1))
 
     def close(self) -> None:
         """End of its input: it kills what runs and exits; its step ends with it."""
@@ -113,16 +115,24 @@ class NodeServer:
             self.proc.wait()
 
 
-def share(indices: Sequence[int], node_gpus: list[int], info: dict, cpu: bool = False) -> tuple[str, str, list[int]]:
+def share(indices: Sequence[int], node_gpus: list[int], info: dict, cpu: bool = False,
+          shares: Sequence[int] = (), of: int = 1) -> tuple[str, str, list[int]]:
     """(CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS, CPUs) of a job given `indices` of the node's GPUs (SLURM's IDX),
     from what the node's server said of its step: its GPUs as SLURM showed them to it (`gpus`, `step_gpus`)
     and its CPUs, shared out equally per GPU (all of them to every job where there are fewer CPUs than GPUs).
+    `shares`, `of`: which of `of` shares of each GPU the job has (hydra.launcher.jobs_per_gpu): that part of
+    the GPU's CPUs (all of the GPU's, where it has fewer than `of`).
     `cpu`: the indices are CPU slots (an allocation without GPUs): no GPU, and the slots' share of the CPUs."""
     step = [] if cpu else info.get("step_gpus") or [str(i) for i in node_gpus]
     seen = info.get("gpus") or step
     at = [step.index(str(i)) if str(i) in step else node_gpus.index(i) for i in indices]
     cpus, per = info["cpus"], len(info["cpus"]) // max(1, len(node_gpus))
-    mine = [c for p in at for c in cpus[p * per:(p + 1) * per]] if per else list(cpus)
+    part = per // of   # a share's CPUs of its GPU's; 0: fewer than `of` there, all of them to each share
+    mine = []
+    for p, k in zip(at, shares or [0] * len(at)):
+        low = p * per + (k * part if part else 0)
+        mine += cpus[low:low + (part or per)]
+    mine = mine or list(cpus)
     if cpu:
         return "", "", mine
     return ",".join(seen[p] for p in at), ",".join(step[p] for p in at), mine
@@ -190,9 +200,9 @@ def waiting(servers: dict[str, NodeServer]) -> str | None:
     return "" if any(s.info is None for s in servers.values()) else None
 
 
-def job_slots(slots: Sequence[Slot]) -> dict[str, list[int]]:
+def job_slots(slots: Sequence[Slot]) -> dict[str, list[Slot]]:
     """The job's GPUs by node, in SLURM's node order as given."""
-    out: dict[str, list[int]] = {}
+    out: dict[str, list[Slot]] = {}
     for s in slots:
-        out.setdefault(s.node, []).append(s.index)
+        out.setdefault(s.node, []).append(s)
     return out

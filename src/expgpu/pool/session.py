@@ -95,9 +95,9 @@ def capacity(launcher) -> int:
     if alloc is not None:   # inside a SLURM allocation: its GPUs (or CPU slots), a job's on each of its nodes
         if allocation.cpu_jobs(alloc, s):
             alloc = allocation.on_cpu_slots(alloc, s.cpu_slots)
-        gpus = alloc.slots()
+        shares = len(alloc.slots()) * (1 if alloc.cpu else s.jobs_per_gpu)
         need = need_in_allocation(launcher.config, s, alloc, job_nodes(launcher.config, s)[0])
-        return at_once([need] * (len(gpus) + 1), len(gpus), s.cpu_slots, s.max_parallel)
+        return at_once([need] * (shares + 1), shares, s.cpu_slots, s.max_parallel)
     simulate = OmegaConf.select(launcher.config, "inventory.simulate", default=None)
     if OmegaConf.is_config(simulate):
         simulate = OmegaConf.to_container(simulate, resolve=True)

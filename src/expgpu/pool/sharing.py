@@ -9,6 +9,11 @@ of every GPU first, then share 1, ...: jobs spread over the cards before they do
 exclusive, so a sweep without sharing (which takes the GPU's lock exclusive) waits for every sharing job on
 it, and sweeps that share a card with each other keep to N jobs on it by the share files they hold.
 
+Inside a SLURM allocation the pool's GPUs are its slots (expgpu.pool.allocation.Slot: a node's GPU), shared the
+same way (SlotShare), with no lease: the jobs are forked by each node's warm process (expgpu.pool.node_servers),
+which holds all the node's GPUs, so two jobs can be given one (an srun step of its own cannot: SLURM gives a
+step's GPUs to no other step). A share gets its part of its GPU's CPUs.
+
 The jobs of one GPU share its memory as they use it (each allocates what it needs, no more; PyTorch's caching
 allocator keeps what it freed for its own next use): N jobs must fit in its memory together, or one fails
 with CUDA out of memory, as it would beside any other process.
@@ -20,7 +25,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from expgpu.errors import UserError
 from expgpu.gpus.inventory import Gpu
+from expgpu.pool.allocation import Slot
 
 
 @dataclass(frozen=True)
@@ -29,24 +36,59 @@ class Share(Gpu):
     of: int = 1       # hydra.launcher.jobs_per_gpu
 
 
-def shares(gpus: Sequence[Gpu], n: int) -> list:
-    """The pool's GPUs as n shares each, spread first; the GPUs themselves when n is 1."""
+@dataclass(frozen=True)
+class SlotShare(Slot):
+    """A share of one of a SLURM allocation's GPUs."""
+    share: int = 0
+    of: int = 1
+
+
+_SHARE_OF = {Gpu: Share, Slot: SlotShare}   # what a share of each kind of GPU is
+
+
+def shares(gpus: Sequence[Any], n: int) -> list:
+    """The pool's GPUs (this machine's, or an allocation's slots) as n shares each, spread first: share 0 of
+    every GPU, then share 1, ...; the GPUs themselves when n is 1."""
     if n == 1:
         return list(gpus)
-    return [Share(**_fields(g), share=k, of=n) for k in range(n) for g in gpus]
+    return [_SHARE_OF[type(g)](**_fields(g), share=k, of=n) for k in range(n) for g in gpus]
+
+
+def check(s, has_gpus: bool) -> None:
+    """hydra.launcher.jobs_per_gpu against where the jobs run (s: expgpu.pool.settings.Settings): on GPUs."""
+    if s.jobs_per_gpu > 1 and (not has_gpus or s.gpus_per_job == 0):
+        where = ("hydra.launcher.gpus_per_job=0 puts every job on a CPU slot" if has_gpus
+                 else "this pool has none (its jobs take CPU slots)")
+        raise UserError(f"hydra.launcher.jobs_per_gpu={s.jobs_per_gpu} shares GPUs, and {where}: drop it, or give "
+                        "more jobs at once with hydra.launcher.cpu_slots")
+
+
+def check_in_allocation(s, has_gpus: bool) -> None:
+    """The same inside a SLURM allocation, where the jobs must be forked by the nodes' warm processes, which
+    hold all of a node's GPUs: an srun step of its own gets GPUs that SLURM gives to no other step."""
+    check(s, has_gpus)
+    if s.jobs_per_gpu > 1 and not s.warm_starts:
+        raise UserError(f"hydra.launcher.jobs_per_gpu={s.jobs_per_gpu} is not allowed with "
+                        "hydra.launcher.warm_starts=false inside a SLURM allocation: an srun step of its own "
+                        "never shares its GPUs; true (the jobs forked by a warm process per node, which share "
+                        "them), or jobs_per_gpu=1")
 
 
 def is_share(gpu: Any) -> bool:
-    return isinstance(gpu, Share) and gpu.of > 1
+    return isinstance(gpu, (Share, SlotShare)) and gpu.of > 1
 
 
-def card(gpu: Gpu) -> Gpu:
-    """The GPU a share is of."""
-    return Gpu(**_fields(gpu))
+def card(gpu: Any) -> Any:
+    """The GPU a share is of (a Gpu, or an allocation's Slot)."""
+    return _base(gpu)(**_fields(gpu))
 
 
-def _fields(gpu: Gpu) -> dict:
-    return {f.name: getattr(gpu, f.name) for f in dataclasses.fields(Gpu)}
+def _base(gpu: Any) -> type:
+    return Slot if isinstance(gpu, Slot) else Gpu
+
+
+def _fields(gpu: Any) -> dict:
+    return {f.name: getattr(gpu, f.name) for f in dataclasses.fields(_base(gpu))}
 
 
 def key(gpu: Any) -> tuple[int, int]:
@@ -73,7 +115,11 @@ def physical(gpus: Sequence[Any]) -> list:
 
 def shown(gpus: Sequence[Any]) -> str:
     """'GPU 0,1', and which share of them when shared: 'GPU 0 (share 2 of 4)'."""
-    text = "GPU " + ",".join(str(g.index) for g in gpus)
-    if gpus and is_share(gpus[0]):
-        text += f" (share{'s' if len(gpus) > 1 else ''} {','.join(str(g.share + 1) for g in gpus)} of {gpus[0].of})"
-    return text
+    return "GPU " + ",".join(str(g.index) for g in gpus) + which(gpus)
+
+
+def which(gpus: Sequence[Any]) -> str:
+    """' (share 2 of 4)', ' (shares 1,2 of 4)': which share of their GPUs a job's are; '' when not shared."""
+    if not gpus or not is_share(gpus[0]):
+        return ""
+    return f" (share{'s' if len(gpus) > 1 else ''} {','.join(str(g.share + 1) for g in gpus)} of {gpus[0].of})"

@@ -27,7 +27,7 @@ from typing import Mapping, Sequence
 from expgpu import envvars, procs
 from expgpu.errors import one_line
 from expgpu.pool import jobs as jobfiles
-from expgpu.pool import node_servers
+from expgpu.pool import node_servers, sharing
 from expgpu.pool.allocation import Allocation, Slot
 from expgpu.pool.allocation import fit as fit_on_nodes
 from expgpu.pool.jobs import Job
@@ -164,7 +164,11 @@ class StepStarter:
             return False
         self.board.waiting("")
         if why is not None:
-            log.warning("gpu_pool: warm starts off: %s; each job is an srun step of its own", why)
+            shared = self.s.jobs_per_gpu > 1   # and an srun step of its own never shares its GPUs
+            log.warning("gpu_pool: warm starts off: %s; each job is an srun step of its own%s", why,
+                        f", one on each GPU (hydra.launcher.jobs_per_gpu={self.s.jobs_per_gpu} off)" if shared else "")
+            if shared:   # nothing started yet: the pool is the GPUs themselves from now on
+                self.gpus = [sharing.card(g) for g in self.gpus if g.share == 0]
             for server in self.node_servers.values():
                 server.close()
             self.node_servers = None

@@ -19,6 +19,7 @@ for the next trial as any slot frees.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -120,12 +121,18 @@ def check(params: Mapping[str, Any]) -> None:
         raise UserError(f"hydra.launcher.pool.gpus_per_job={shown(pool['gpus_per_job'])} is not allowed with "
                         "hydra.launcher.gpus_per_node=0 (an allocation without GPUs, whose jobs take CPU slots): "
                         "null or 0")
+    from expgpu.pool import sharing
     from expgpu.pool.settings import settings
 
     try:   # gpu_pool's own checks, now rather than in the allocation after the queue
-        settings(pool_params(pool))
-    except UserError as e:
-        raise UserError(str(e).replace("hydra.launcher.", "hydra.launcher.pool.", 1)) from None
+        s = settings(pool_params(pool))
+        if params["gpus_per_node"] == 0 and s.jobs_per_gpu > 1:
+            raise UserError(f"hydra.launcher.jobs_per_gpu={s.jobs_per_gpu} shares GPUs, and "
+                            "hydra.launcher.gpus_per_node=0 asks for none (its jobs take CPU slots): drop it, or give "
+                            "more jobs at once with hydra.launcher.cpu_slots")
+        sharing.check_in_allocation(s, True)
+    except UserError as e:   # the pool's keys are under hydra.launcher.pool here
+        raise UserError(re.sub(r"hydra\.launcher\.(?!gpus_per_node)", "hydra.launcher.pool.", str(e))) from None
 
 
 def pool_params(pool: Mapping[str, Any]) -> dict:
@@ -146,7 +153,7 @@ def inside(params: Mapping[str, Any]) -> dict:
 
 # gpu_pool's keys that mean something inside an allocation (its GPUs are the allocation's: no gpus, lease_dir)
 POOL_KEYS = frozenset({"gpus_per_job", "max_parallel", "wait_timeout_s", "grace_s", "threads_per_job", "nodes",
-                       "warm_starts", "timeout_min", "cpu_slots"})
+                       "warm_starts", "timeout_min", "cpu_slots", "jobs_per_gpu"})
 
 
 def shape(params: Mapping[str, Any]) -> str:
@@ -216,7 +223,7 @@ def take_over(params: Mapping[str, Any], config, hydra_context, job_overrides: S
         print(f"--- sbatch script of the sweep's allocation (dry run: nothing submitted) ---\n"
               f"{sbatch_script(params, command, Path.cwd(), state).rstrip()}\n---", flush=True)
         if job_overrides:
-            print(first_jobs(alloc, rows), flush=True)
+            print(first_jobs(alloc, rows, (params.get("pool") or {}).get("jobs_per_gpu") or 1), flush=True)
         raise SystemExit(0)
     record = submit(params, sys.orig_argv[1:], sweep_dir)
     print(f"slurm_pool: the sweep is SLURM job {record['job_id']} ({shape(params)}); sweep dir {sweep_dir}; "
@@ -294,23 +301,26 @@ def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Seq
     return alloc, rows
 
 
-def first_jobs(alloc, rows: list[tuple], shown: int = 8) -> str:
+def first_jobs(alloc, rows: list[tuple], jobs_per_gpu: int = 1, shown: int = 8) -> str:
     """Where the first jobs would run on the allocation (node names are SLURM's to choose)."""
+    from expgpu.pool import sharing
     from expgpu.pool.allocation import fit
     from expgpu.pool.scheduler import Scheduler
 
     rows = rows[:shown]
     nodes = {num: n for num, _, _, n in rows}
     placed = {num: slots for num, slots, _ in Scheduler(patience=1).pick(
-        [(num, need) for num, _, need, _ in rows], alloc.slots(), [], float("inf"),
-        lambda free, num, need: fit(free, need, nodes[num]))}
+        [(num, need) for num, _, need, _ in rows], sharing.shares(alloc.slots(), 1 if alloc.cpu else jobs_per_gpu),
+        [], float("inf"), lambda free, num, need: fit(free, need, nodes[num]))}
     unit = "CPU slot" if alloc.cpu else "GPU"
-    out = [f"the first {len(rows)} job(s) on {len(alloc.nodes)} node(s) x {alloc.gpus_per_node} {unit}(s) "
+    each = f", {jobs_per_gpu} jobs on each" if jobs_per_gpu > 1 and not alloc.cpu else ""
+    out = [f"the first {len(rows)} job(s) on {len(alloc.nodes)} node(s) x {alloc.gpus_per_node} {unit}(s){each} "
            "(SLURM names the nodes):"]
     for num, label, _, _ in rows:
         where = placed.get(num)
-        text = "; ".join(f"{node}: {unit} {','.join(str(g.index) for g in where if g.node == node)}"
-                         for node in dict.fromkeys(g.node for g in where)) if where else f"waits for {unit}s to free"
+        text = "; ".join(f"{node}: {unit} {','.join(str(g.index) for g in on)}{sharing.which(on)}"
+                         for node in dict.fromkeys(g.node for g in where)
+                         for on in [[g for g in where if g.node == node]]) if where else f"waits for {unit}s to free"
         out.append(f"  #{num} {label or '(no overrides)'} -> {text}")
     return "\n".join(out)
 

@@ -33,7 +33,8 @@ class GpuPoolLauncherConf:
     max_parallel: Optional[int] = None
     # Jobs on one GPU at once, for models too small to keep a GPU busy alone: each GPU counts as this many
     # shares, a job takes one share of each GPU it needs (never two of one), jobs spread over the GPUs
-    # before they double up; they share its memory (expgpu.pool.sharing). On this machine's GPUs.
+    # before they double up; they share its memory (expgpu.pool.sharing). Inside a SLURM allocation, with
+    # warm_starts (its srun steps never share a GPU): each share gets its part of its GPU's CPUs.
     jobs_per_gpu: int = 1
     # Jobs at once that use no GPU: on a machine (or a `gpus: []` pool) without GPUs, or gpus_per_job=0;
     # inside a SLURM allocation without GPUs, on each of its nodes.

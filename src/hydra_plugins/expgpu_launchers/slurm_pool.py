@@ -33,6 +33,7 @@ class PoolInsideConf:
     warm_starts: bool = True               # jobs forked by a warm process per node (gpu_pool's key)
     timeout_min: Optional[float] = None    # each job's time limit from its start (minutes; null or 0: none)
     cpu_slots: int = 1                     # with gpus_per_node=0: jobs at once on each node, each its share of it
+    jobs_per_gpu: int = 1                  # jobs on one GPU at once (forked by warm_starts), each its share of it
 
 
 @dataclass
