@@ -44,7 +44,7 @@ KNOWN_GPUS = {
 # Cards missing from the table: CUDA cores / cores per SM of the architecture (NVML_DEVICE_ARCH_*:
 # Volta, Turing, Ampere, Ada, Hopper, Blackwell). Ampere is 64 only on A100/A30, which are in the table.
 _CORES_PER_SM = {5: 64, 6: 64, 7: 128, 8: 128, 9: 128, 10: 128}
-_SIM_KEYS = ("name", "memory_mb", "free_mb", "util", "sm_count", "clock_mhz", "score", "uuid")
+_SIM_KEYS = ("name", "memory_mb", "free_mb", "util", "sm_count", "clock_mhz", "score", "uuid", "processes")
 _NO_GPUS = ("", "-1", "NoDevFiles")   # NoDevFiles: what older SLURM sets for a job without GPUs
 
 
@@ -133,6 +133,10 @@ def _simulated(specs) -> list[Gpu]:
         if free > memory:
             raise UserError(f"{where}.free_mb={free}: more than memory_mb={memory}; allowed: 0..{memory}")
         score = spec.get("score")
+        procs = spec.get("processes", [])   # PIDs that stand for its compute processes (expgpu.pool.busy)
+        if not isinstance(procs, Sequence) or isinstance(procs, str) \
+                or not all(isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 for pid in procs):
+            raise UserError(f"{where}.processes={procs!r}: expected a list of process ids, e.g. [4242]")
         gpus.append(Gpu(i, name, uuid, f"00000000:{i + 1:02X}:00.0", memory, free,
                         _number(spec, "util", 0, where, high=100), _number(spec, "sm_count", sm, where),
                         _number(spec, "clock_mhz", clock, where),

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from expgpu import procs
 from expgpu.errors import UserError, plural
-from expgpu.pool import allocation, sharing
+from expgpu.pool import allocation, busy, sharing
 from expgpu.pool import jobs as jobfiles
 from expgpu.pool.allocation import Allocation
 from expgpu.pool.compose import settle, stop_if_asked, thaw
@@ -131,10 +131,13 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
     log.info("gpu_pool: %s on %s, %s; sweep dir %s", plural(len(jobs), "job"), desc, threads_text, sweep_dir)
     for job in jobs:
         log.info("\t#%d : %s", job.num, job.label)
-    return _pool(jobs, slots, s, sweep_dir, lease_dir, desc, spares, (hydra_context, task_function),
+    pool = _pool(jobs, slots, s, sweep_dir, lease_dir, desc, spares, (hydra_context, task_function),
                  Record(sweep_dir, gpus, s.cpu_slots, threads_text, simulate is not None and bool(gpus),
                         jobs_per_gpu=s.jobs_per_gpu),
                  job_env, threads, warm, own_code, server)
+    if gpus and s.busy_gpus == "wait" and s.gpus_per_job != 0:   # GPUs that others compute on wait (pool.busy)
+        pool.others = busy.Others(simulate)
+    return pool
 
 
 _SAID: set[str] = set()   # warnings given in this process: once, not at each launch() of a batch-by-batch sweeper
@@ -175,8 +178,8 @@ def _open_in_allocation(alloc: Allocation, s: Settings, hydra_context, task_func
                else f"threads per job as set ({procs.user_threads()})" if procs.user_threads()
                else "threads per job: the step's CPUs (its share of the node's)")
     desc = alloc.describe() + (f", {s.jobs_per_gpu} jobs on each GPU" if s.jobs_per_gpu > 1 else "")
-    log.info("gpu_pool: %s on %s, each an srun step; %s; sweep dir %s", plural(len(jobs), "job"), desc, threads,
-             sweep_dir)
+    how = "each forked by its nodes' warm processes" if s.warm_starts else "each an srun step"
+    log.info("gpu_pool: %s on %s, %s; %s; sweep dir %s", plural(len(jobs), "job"), desc, how, threads, sweep_dir)
     for job in jobs:
         log.info("\t#%d : %s", job.num, job.label)
     record = Record(sweep_dir, alloc.slots(), 0, threads, False, allocation={

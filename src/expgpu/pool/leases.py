@@ -31,6 +31,7 @@ flock on NFS works across clients on Linux (emulated with POSIX locks) and also 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
@@ -169,6 +170,24 @@ def acquire_free(directory: Path, gpus: Iterable[Gpu]) -> list[Lease]:
         if lease is not None:
             out.append(lease)
     return out
+
+
+def shared_elsewhere(directory: Path, gpu: Gpu, mine: Iterable[int]) -> bool:
+    """Whether an expgpu job (of any sweep) holds a share of `gpu`'s card other than the shares `mine` (held
+    here). For a GPU leased whole, never: its lease is exclusive. Each share file of the card (of whatever
+    jobs_per_gpu made it) is tried without waiting, and let go."""
+    if not sharing.is_share(gpu):
+        return False
+    mine = {lock_path(directory, dataclasses.replace(gpu, share=k)).name for k in mine}
+    for path in directory.glob(lock_path(directory, sharing.card(gpu)).name.removesuffix(".lock") + ".share*.lock"):
+        if path.name in mine:
+            continue
+        fd = _lock(path, fcntl.LOCK_EX)
+        if fd is None:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    return False
 
 
 def release_all(leases: Sequence[Lease]) -> None:

@@ -58,6 +58,9 @@ class Pool(StepStarter, Starter):
         self._kill_at: float | None = None
         self._waiting_since: float | None = None
         self._busy_elsewhere: tuple = ()
+        self.others = None           # expgpu.pool.busy.Others, where GPUs others compute on are waited for
+        self._used_by_others: dict = {}   # GPU index -> (the GPU, the processes outside expgpu on it)
+        self._said_busy: set[int] = set()  # the GPUs the board said are in use outside expgpu (until they free)
         self.spares = spares   # processes started ahead of their jobs
         self.expected = 0      # jobs a sweeper will add soon (expgpu.pool.session): spares kept for them
         self._old_handlers: dict = {}
@@ -108,6 +111,8 @@ class Pool(StepStarter, Starter):
             signal.signal(sig, handler)
         self._old_handlers = {}
         self.board.close()
+        if self.others is not None:
+            self.others.close()
         self._write_record()
         self.record.close(self.jobs)
         if self.alloc is not None:

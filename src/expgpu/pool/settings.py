@@ -25,6 +25,7 @@ class Settings:
     warm_starts: bool = True             # inside an allocation: jobs forked by a warm process per node
     timeout_min: float | None = None     # a job's time limit from its start (expgpu.pool.loop); None: none
     jobs_per_gpu: int = 1                # jobs on one GPU at once (expgpu.pool.sharing)
+    busy_gpus: str = "wait"              # a GPU other processes compute on: wait for it, or use it (pool.busy)
 
 
 def settings(params: Mapping[str, Any]) -> Settings:
@@ -42,7 +43,15 @@ def settings(params: Mapping[str, Any]) -> Settings:
                     threads_per_job=_whole(p, "threads_per_job", 1, True), nodes=_whole(p, "nodes", 1, True),
                     max_requeues=_whole({"max_requeues": 0, **p}, "max_requeues", 0, False),
                     warm_starts=_flag(p, "warm_starts"), timeout_min=_minutes(p, "timeout_min"),
-                    jobs_per_gpu=_whole({"jobs_per_gpu": 1, **p}, "jobs_per_gpu", 1, False))
+                    jobs_per_gpu=_whole({"jobs_per_gpu": 1, **p}, "jobs_per_gpu", 1, False),
+                    busy_gpus=_choice(p, "busy_gpus", ("wait", "use")))
+
+
+def _choice(p: Mapping[str, Any], key: str, allowed: tuple[str, ...]) -> str:
+    value = p.get(key, allowed[0])
+    if value not in allowed:
+        raise UserError(f"hydra.launcher.{key}={value!r} is not allowed: {' or '.join(allowed)}")
+    return value
 
 
 def _flag(p: Mapping[str, Any], key: str) -> bool:

@@ -26,7 +26,7 @@ class Starter:
 
         running = self._running()
         room = (self.s.max_parallel or math.inf) - len(running)
-        self._busy_elsewhere = ()
+        self._busy_elsewhere, self._used_by_others = (), {}
         if room <= 0:
             return
         waiting = [(j.num, j.need) for j in self.jobs if j.state == "queued"]
@@ -36,6 +36,8 @@ class Starter:
             candidates = [g for g in self.gpus if sharing.key(g) not in ours]
             held = {sharing.key(lease.gpu): lease for lease in leases.acquire_free(self.lease_dir, candidates)}
             self._busy_elsewhere = tuple(g for g in candidates if sharing.key(g) not in held)
+            if self.others is not None:
+                self._used_by_others = self._drop_used_by_others(held, running)
         try:
             used = {j.slot for j in running}
             slots = [i for i in range(self.s.cpu_slots) if i not in used]
@@ -45,6 +47,33 @@ class Starter:
                 self._start(by_num[num], [held.pop(k) for k in keys], slot)
         finally:
             leases.release_all(list(held.values()))
+
+    def _drop_used_by_others(self, held: dict, running: list[Job]) -> dict:
+        """Let go of the leased GPUs that a process outside expgpu computes on (expgpu.pool.busy): those that no
+        expgpu job holds, of this sweep or another, and NVML sees busy all the same. GPU index -> (the GPU,
+        its processes), for _check_waiting."""
+        from expgpu.pool import busy, leases
+
+        ours = {g.index for j in running for g in j.gpus}   # our own jobs compute on these
+        by_card: dict[int, list] = {}
+        for k in held:
+            by_card.setdefault(k[0], []).append(k)
+        used = {}
+        for index, keys in by_card.items():
+            gpu = held[keys[0]].gpu
+            if index in ours or leases.shared_elsewhere(self.lease_dir, gpu, [k[1] for k in keys]):
+                continue
+            procs = self.others.on(gpu)
+            if not procs:
+                self._said_busy.discard(index)
+                continue
+            used[index] = (gpu, procs)
+            leases.release_all([held.pop(k) for k in keys])
+            if index not in self._said_busy:   # once, until it frees
+                self._said_busy.add(index)
+                self.board.event(f"{busy.describe(gpu, procs)}: no job of this sweep starts on it until it frees "
+                                 "(hydra.launcher.busy_gpus=use: start them all the same)")
+        return used
 
     def _new_spare(self) -> Spare:
         if self.server.alive():
@@ -156,19 +185,22 @@ class Starter:
 
     def _check_waiting(self) -> None:
         """Say who holds the GPUs queued jobs wait for; give up after wait_timeout_s."""
-        from expgpu.pool import leases
+        from expgpu.pool import busy, leases
 
         queued = [j for j in self.jobs if j.state == "queued" and j.need > 0]
         # The lock said busy a moment ago; the file says by whom (read, not locked: no churn).
         # A job of ours that just ended may hold its lease a moment longer: that is no news.
         holders = [(g, leases.noted(self.lease_dir, g)) for g in self._busy_elsewhere]
         holders = [(g, h) for g, h in holders if h.get("sweep") != str(self.sweep_dir)]
-        if not queued or not holders:
+        if not queued or not (holders or self._used_by_others):
             self.board.waiting("")
             self._waiting_since = None
             return
-        who = "; ".join(f"{sharing.shown([g])}: {leases.describe_holder(h or {'pid': '?'})}" for g, h in holders[:4])
-        self.board.waiting(f"waiting for GPUs leased by others ({who})")
+        who = "; ".join(([f"{sharing.shown([g])}: {leases.describe_holder(h or {'pid': '?'})}" for g, h in holders]
+                         + [busy.describe(g, procs) for g, procs in self._used_by_others.values()])[:4])
+        by = " or ".join(([] if not holders else ["leased by others"])
+                         + ([] if not self._used_by_others else ["in use outside expgpu"]))
+        self.board.waiting(f"waiting for GPUs {by} ({who})")
         if self._running() or self.s.wait_timeout_s is None:
             self._waiting_since = None
             return
@@ -178,7 +210,7 @@ class Starter:
             for job in queued:
                 job.state = "failed"
                 job.error = (f"no GPU within hydra.launcher.wait_timeout_s={self.s.wait_timeout_s:g}s; "
-                             f"leased by others: {who}")
+                             f"{by}: {who}")
                 job.ret = self._job_return(job, None)
             self.board.event(f"gave up on {len(queued)} queued job(s) after {self.s.wait_timeout_s:g}s")
             self._dirty = True

@@ -36,6 +36,9 @@ class GpuPoolLauncherConf:
     # before they double up; they share its memory (expgpu.pool.sharing). Inside a SLURM allocation, with
     # warm_starts (its srun steps never share a GPU): each share gets its part of its GPU's CPUs.
     jobs_per_gpu: int = 1
+    # A GPU that a process outside expgpu computes on (nvidia-smi lists it; a colleague's job, a notebook):
+    # "wait" for it to free, as for a GPU another sweep leased (wait_timeout_s applies); "use" it anyway.
+    busy_gpus: str = "wait"
     # Jobs at once that use no GPU: on a machine (or a `gpus: []` pool) without GPUs, or gpus_per_job=0;
     # inside a SLURM allocation without GPUs, on each of its nodes.
     cpu_slots: int = 1

@@ -28,6 +28,8 @@ _H100 = {
     "nvmlShutdown": lambda: None,
     "nvmlDeviceGetCount": lambda: 1,
     "nvmlDeviceGetHandleByIndex": lambda i: i,
+    "nvmlDeviceGetHandleByUUID": lambda uuid: 0,
+    "nvmlDeviceGetComputeRunningProcesses": lambda h: [],   # nothing computes on it (expgpu.pool.busy)
     "nvmlDeviceGetName": lambda h: "NVIDIA H100 80GB HBM3",
     "nvmlDeviceGetUUID": lambda h: "GPU-00000000-one-gpu-nvml",
     "nvmlDeviceGetMigMode": lambda h: (0, 0),
