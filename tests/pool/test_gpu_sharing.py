@@ -35,6 +35,27 @@ def test_a_share_is_leased_beside_other_shares_and_never_beside_the_whole_card(t
     assert leases.noted(tmp_path, first)["pid"] == 4711         # who holds it, said for a share too
 
 
+def test_sweeps_sharing_a_gpu_with_different_jobs_per_gpu_keep_to_the_smallest(tmp_path):
+    gpu = inventory(CARDS, env={})[0]
+    by_two = [s for s in sharing.shares([gpu], 2)]
+    by_four = [s for s in sharing.shares([gpu], 4)]
+    a = leases.try_acquire(tmp_path, by_four[0])
+    b = leases.try_acquire(tmp_path, by_four[1])
+    assert a and b                                                # 2 jobs of a sweep by 4 on the card
+    assert leases.try_acquire(tmp_path, by_two[0]) is None        # its share 1 is held
+    assert leases.try_acquire(tmp_path, by_two[1]) is None        # free, but a job by 2 would be the card's 3rd
+    b.handed_over()
+    c = leases.try_acquire(tmp_path, by_two[1])
+    assert c is not None                                          # now the card's 2nd: room for it
+    assert leases.try_acquire(tmp_path, by_four[2]) is None       # and its holder's N=2 keeps the sweep by 4 out
+    c.release()
+    d = leases.try_acquire(tmp_path, by_four[2])
+    e = leases.try_acquire(tmp_path, by_four[3])
+    assert d and e and leases.try_acquire(tmp_path, by_four[1])   # by 4 alone: 4 on the card
+    for lease in (a, d, e):
+        lease.release()
+
+
 def test_shares_spread_over_the_gpus_first_and_a_job_takes_different_gpus():
     gpus = inventory(CARDS, env={})
     keys = [sharing.key(s) for s in sharing.shares(gpus, 2)]

@@ -22,7 +22,10 @@ Two rules follow from flock semantics:
 
 A share of a GPU (hydra.launcher.jobs_per_gpu, expgpu.pool.sharing) holds the GPU's lock file shared
 (LOCK_SH) and its share's own file (<host>.<uuid>.share<k>.lock) exclusive: a whole-GPU lease waits for every
-share of the card, and sharers wait only for their share's holder.
+share of the card, and sharers wait only for their share's holder. Sweeps that share a card with different
+jobs_per_gpu keep to the smallest: a share is taken only while the card's held shares are fewer than its own
+N and every holder's (each share file says its holder's N, `of`), counted under the card's admission lock
+(<host>.<uuid>.admit.lock, held for the count only) so that two sweeps never count at once.
 
 Locks are keyed by GPU UUID (unique per card, whatever CUDA_VISIBLE_DEVICES renumbers) and host
 (simulated GPUs share UUIDs across machines), so a lease dir on a shared home directory is fine.
@@ -74,11 +77,16 @@ def lease_dir(configured: str | None = None, env: Mapping[str, str] | None = Non
     return path
 
 
-def lock_path(directory: Path, gpu: Gpu) -> Path:
-    """The GPU's lock file; a share's own (expgpu.pool.sharing) beside it."""
+def lock_path(directory: Path, gpu: Gpu, suffix: str = "") -> Path:
+    """The GPU's lock file; a share's own (expgpu.pool.sharing) beside it; `suffix`: another of the card's."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in gpu.uuid or f"index{gpu.index}")
-    share = f".share{gpu.share}" if sharing.is_share(gpu) else ""
+    share = f".share{gpu.share}" if sharing.is_share(gpu) else suffix
     return directory / f"{socket.gethostname()}.{safe}{share}.lock"
+
+
+def _share_files(directory: Path, gpu: Gpu) -> list[Path]:
+    """Every share file of `gpu`'s card, of whatever jobs_per_gpu made it."""
+    return list(directory.glob(lock_path(directory, sharing.card(gpu), ".share*").name))
 
 
 @dataclass
@@ -96,11 +104,13 @@ class Lease:
         return [fd for fd in (self.fd, self.card_fd) if fd is not None]
 
     def note(self, **holder) -> None:
-        """Record who holds it (diagnostics only: the lock itself is the truth)."""
+        """Record who holds it (for people: the lock itself is the truth), and a share's N (`of`: what sharers
+        of the card with another N keep to, expgpu.pool.sharing)."""
         if self.fd is None:
             return
+        of = {"of": self.gpu.of} if sharing.is_share(self.gpu) else {}   # its N, which sharers keep to
         text = json.dumps({"gpu": self.gpu.index, "uuid": self.gpu.uuid, "host": socket.gethostname(),
-                           "since": round(time.time(), 3), **holder}).encode()
+                           "since": round(time.time(), 3), **of, **holder}).encode()
         try:
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, text + b"\n", 0)
@@ -136,18 +146,48 @@ def _open(path: Path) -> int:
 
 def try_acquire(directory: Path, gpu: Gpu) -> Lease | None:
     """The lease on `gpu` (or a share of it) if nobody holds it; never waits."""
-    card_fd = None
     if sharing.is_share(gpu):   # the card shared with its other sharers, then the share alone
-        card_fd = _lock(lock_path(directory, sharing.card(gpu)), fcntl.LOCK_SH)
-        if card_fd is None:
-            return None
+        return _try_share(directory, gpu)
     path = lock_path(directory, gpu)
     fd = _lock(path, fcntl.LOCK_EX)
-    if fd is None:
-        if card_fd is not None:
-            os.close(card_fd)
+    return None if fd is None else Lease(gpu, path, fd)
+
+
+def _try_share(directory: Path, gpu: Gpu) -> Lease | None:
+    card_fd = _lock(lock_path(directory, sharing.card(gpu)), fcntl.LOCK_SH)
+    if card_fd is None:
         return None
-    return Lease(gpu, path, fd, card_fd)
+    admit = _open(lock_path(directory, sharing.card(gpu), ".admit"))
+    try:
+        fcntl.flock(admit, fcntl.LOCK_EX)   # held by a sharer for a count, microseconds; freed if it dies
+        path = lock_path(directory, gpu)
+        fd = _lock(path, fcntl.LOCK_EX)
+        if fd is not None and _room(directory, gpu, path):
+            lease = Lease(gpu, path, fd, card_fd)
+            lease.note()   # its N, for the next sharer's count, before the admission lock goes
+            return lease
+        for held in (fd, card_fd):
+            if held is not None:
+                os.close(held)
+        return None
+    finally:
+        os.close(admit)
+
+
+def _room(directory: Path, gpu: Gpu, mine: Path) -> bool:
+    """Whether the card has room for this share: fewer shares held than the smallest N (its own, the holders')."""
+    held = []
+    for path in _share_files(directory, gpu):
+        if path == mine:
+            continue
+        fd = _lock(path, fcntl.LOCK_EX)
+        if fd is None:
+            held.append(_note(path).get("of"))
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+    ns = [n for n in held if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    return len(held) + 1 <= min([gpu.of, *ns])
 
 
 def _lock(path: Path, how: int) -> int | None:
@@ -179,7 +219,7 @@ def shared_elsewhere(directory: Path, gpu: Gpu, mine: Iterable[int]) -> bool:
     if not sharing.is_share(gpu):
         return False
     mine = {lock_path(directory, dataclasses.replace(gpu, share=k)).name for k in mine}
-    for path in directory.glob(lock_path(directory, sharing.card(gpu)).name.removesuffix(".lock") + ".share*.lock"):
+    for path in _share_files(directory, gpu):
         if path.name in mine:
             continue
         fd = _lock(path, fcntl.LOCK_EX)
@@ -199,7 +239,7 @@ def noted(directory: Path, gpu: Gpu) -> dict:
     """What the lock file says about its last holder (without taking the lock); for a share, the newer of its
     own file's word and its card's (a sweep without sharing may hold the whole card)."""
     if sharing.is_share(gpu):
-        return max((_note(lock_path(directory, g)) for g in (gpu, sharing.card(gpu))), key=_since)
+        return max((_note(lock_path(directory, g)) for g in (sharing.card(gpu), gpu)), key=_since)   # a tie: the card
     return _note(lock_path(directory, gpu))
 
 

@@ -7,7 +7,8 @@ UUID: the job's CUDA_VISIBLE_DEVICES is the card's) with which of its N shares i
 of every GPU first, then share 1, ...: jobs spread over the cards before they double up. Leases
 (expgpu.pool.leases): a share holds the GPU's lock file shared (flock LOCK_SH) and its share's own file
 exclusive, so a sweep without sharing (which takes the GPU's lock exclusive) waits for every sharing job on
-it, and sweeps that share a card with each other keep to N jobs on it by the share files they hold.
+it, and sweeps that share a card with each other keep to the smallest N among them (each share file says its
+holder's N).
 
 Inside a SLURM allocation the pool's GPUs are its slots (expgpu.pool.allocation.Slot: a node's GPU), shared the
 same way (SlotShare), with no lease: the jobs are forked by each node's warm process (expgpu.pool.node_servers),
