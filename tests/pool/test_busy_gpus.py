@@ -55,16 +55,24 @@ def test_jobs_wait_for_a_gpu_a_process_outside_expgpu_computes_on_and_start_when
     sleeper = subprocess.Popen(["sleep", "6"])
     sweep = Sweep(tmp_path)
     before: list[dict] = []
+    said: set = set()
     try:
         sweep.start(["task=sleep", "task.model.seconds=2", "task.model.tag=range(6)", _cards([sleeper.pid], [])])
-        while sleeper.poll() is None:   # what started while the process computed on GPU 0
+        while sleeper.poll() is None:   # what started while the process computed on GPU 0, and why others wait
             before = sweep.records("start")
+            try:
+                said.add(sweep.pool().get("waiting"))
+            except (OSError, ValueError):   # not written yet
+                pass
             time.sleep(0.1)
     finally:
         sleeper.kill()
         sleeper.wait()
     freed = time.time()
     assert before and all(gpus_of(r) == {1} for r in before), before   # GPU 1 alone till then
+    # pool.json says why the queued jobs wait (expgpu status shows it)
+    assert f"waiting for GPUs in use outside expgpu (GPU 0: 1 process outside expgpu (pid {sleeper.pid} sleep))" \
+        in said, said
     done = sweep.wait(120)
     assert done.returncode == 0, done.stderr
     out = done.stdout + done.stderr

@@ -290,6 +290,23 @@ def test_slurm_jobs_not_started_are_queued(tmp_path):
     assert runs["12-00-00"]["jobs"] == {"finished": 1, "submitted": 2, "waiting": 2}
 
 
+def test_a_pool_sweeps_waiting_jobs_say_why_they_wait(tmp_path):
+    sweep = tmp_path / "outputs" / "multirun" / "2025-01-01" / "12-00-00"
+    write_run(sweep / "0", [{"step": 3}], result={"status": "finished", "steps": 3})
+    why = "waiting for GPUs in use outside expgpu (GPU 0: 1 process outside expgpu (pid 4242 python))"
+    (sweep / "pool.json").write_text(json.dumps({"waiting": why, "jobs": [
+        {"num": 0, "dir": str(sweep / "0"), "state": "finished"},
+        {"num": 1, "dir": str(sweep / "1"), "state": "queued"},
+        {"num": 2, "dir": str(sweep / "2"), "state": "queued"}]}))
+    env = clean_env(PATH=os.path.dirname(sys.executable))
+    runs = by_dir(rows_of(str(tmp_path / "outputs"), env=env))
+    assert runs["12-00-00"]["note"] == why   # the sweep's row
+    jobs = by_dir(rows_of(str(sweep), env=env))
+    assert (jobs["1"]["status"], jobs["1"]["note"]) == ("waiting", why) and jobs["2"]["note"] == ""   # said once
+    shown = status(str(sweep), env=env).stdout
+    assert shown.count(why) == 1, shown
+
+
 @pytest.mark.parametrize("what", ["missing", "empty", "file"])
 def test_bad_dir_is_one_line_exit_2(tmp_path, what):
     target = tmp_path / "nothing"

@@ -262,12 +262,15 @@ class Record:
         self.simulated = simulated
         self.batch = len({r["batch"] for r in self.before})   # this launch()'s number, from 0
 
-    def write(self, jobs: list[Job], stop_signal: int | None) -> None:
+    def write(self, jobs: list[Job], stop_signal: int | None, waiting: str = "") -> None:
+        """`waiting`: why queued jobs wait now (the board's line: GPUs leased or in use elsewhere), for
+        expgpu status; "" when they do not."""
         from expgpu.rundir import atomic_write_bytes
 
         rows = _replaced(self.before, [self._row(j) for j in jobs])
         doc = {**self.head, "batches": self._batches(rows),
-               "interrupted": signal.Signals(stop_signal).name if stop_signal else None, "jobs": rows}
+               "interrupted": signal.Signals(stop_signal).name if stop_signal else None,
+               **({"waiting": waiting} if waiting else {}), "jobs": rows}
         atomic_write_bytes(self.path, (json.dumps(doc, indent=1) + "\n").encode())
 
     def close(self, jobs: list[Job]) -> None:

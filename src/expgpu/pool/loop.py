@@ -66,6 +66,7 @@ class Pool(StepStarter, Starter):
         self._old_handlers: dict = {}
         self._dirty = False    # pool.json is behind
         self._recorded_at = 0.0   # when it was last written (time.monotonic())
+        self._recorded_note = ""  # the board's waiting line it was written with
         self._spares_broken = False   # a spare died before it got a job: stop starting them ahead
         self.capacity = int(min(len(gpus) + (s.cpu_slots if not gpus or any(j.need == 0 for j in jobs) else 0),
                                 s.max_parallel or math.inf))
@@ -131,6 +132,7 @@ class Pool(StepStarter, Starter):
         elif any(j.state == "queued" for j in self.jobs):
             self._start_ready()
             self._check_waiting()
+            self._dirty |= self.board.note != self._recorded_note   # why they wait, for expgpu status
         self._settle(ended)
         if self.server is not None:
             self._keep_spares()
@@ -140,7 +142,8 @@ class Pool(StepStarter, Starter):
 
     def _write_record(self) -> None:
         self._dirty = False
-        self.record.write(self.jobs, self.stop_signal)
+        self._recorded_note = self.board.note if self.board is not None else ""
+        self.record.write(self.jobs, self.stop_signal, self._recorded_note)
         self._recorded_at = time.monotonic()
 
     def busy(self) -> bool:

@@ -51,13 +51,17 @@ def find(top: Path) -> tuple[list[Path], list[Path]]:
     return runs, sweeps
 
 
-def _pool(sweep: Path) -> list[dict]:
+def _pool(sweep: Path) -> tuple[list[dict], str]:
+    """pool.json's jobs, and why its queued jobs wait (GPUs leased or in use elsewhere; "" when they do not)."""
     try:
         doc = json.loads((sweep / POOL_RECORD).read_bytes())
     except (OSError, ValueError):
-        return []
-    jobs = doc.get("jobs") if isinstance(doc, dict) else None
-    return [j for j in jobs if isinstance(j, dict)] if isinstance(jobs, list) else []
+        return [], ""
+    if not isinstance(doc, dict):
+        return [], ""
+    jobs, waiting = doc.get("jobs"), doc.get("waiting")
+    return ([j for j in jobs if isinstance(j, dict)] if isinstance(jobs, list) else [],
+            waiting if isinstance(waiting, str) else "")
 
 
 def _submitted(sweep: Path) -> list[str]:
@@ -148,7 +152,8 @@ def sweep_jobs(sweep: Path, now: float, study: tuple) -> tuple[list[RunRow], lis
         if objective:
             _objective_first(row, objective, trials.get(Path(row.dir).resolve()))
     seen = {Path(r.dir).resolve() for r in rows}
-    for entry in _pool(sweep):
+    entries, why = _pool(sweep)
+    for entry in entries:
         job_dir = Path(str(entry.get("dir", "")))
         job_dir = job_dir if job_dir.is_absolute() else sweep / job_dir
         gpus = entry.get("gpus") or []
@@ -164,6 +169,9 @@ def sweep_jobs(sweep: Path, now: float, study: tuple) -> tuple[list[RunRow], lis
         elif job_dir.resolve() not in seen and entry.get("state") in ("queued", "not_started"):
             rows.append(RunRow(kind="job", dir=str(job_dir), gpus=shown,
                                status="waiting" if entry["state"] == "queued" else "not started"))
+    waiting = [r for r in rows if r.status == "waiting"]
+    if why and waiting:   # said once, by the first of them (the next to start)
+        waiting[0].note = why
     started = {r.slurm_job for r in rows if r.slurm_job}
     return rows, [j for j in _submitted(sweep) if j not in started]
 
@@ -180,7 +188,8 @@ def sweep_row(sweep: Path, jobs: list[RunRow], best: dict[str, float] | None = N
     started = min(starts) if starts else rundir.mtime(sweep)
     elapsed = [r.elapsed_s + (r.started - started) for r in jobs if r.elapsed_s is not None and r.started]
     gpus = ", ".join(dict.fromkeys(r.gpus for r in running if r.gpus))
-    return RunRow(kind="sweep", dir=str(sweep), status=status, jobs=dict(sorted(counts.items())),
+    why = next((r.note for r in jobs if r.status == "waiting" and r.note), "")   # pool.json's: the same for all
+    return RunRow(kind="sweep", dir=str(sweep), status=status, jobs=dict(sorted(counts.items())), note=why,
                   started=started, elapsed_s=round(max(elapsed), 1) if elapsed else None,
                   eta_s=max(etas) if etas and not counts.get("queued") and not counts.get("waiting") else None,
                   gpus=gpus, metrics=dict(best or {}))
