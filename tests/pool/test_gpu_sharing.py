@@ -56,6 +56,27 @@ def test_sweeps_sharing_a_gpu_with_different_jobs_per_gpu_keep_to_the_smallest(t
         lease.release()
 
 
+def test_a_share_waits_for_the_cards_admission_lock_a_while_then_asks_again_later(tmp_path, monkeypatch):
+    import fcntl
+    import os
+    import time
+
+    gpu = inventory(CARDS, env={})[0]
+    share = sharing.shares([gpu], 2)[0]
+    monkeypatch.setattr(leases, "ADMIT_TIMEOUT_S", 0.2)
+    counting = os.open(leases.lock_path(tmp_path, gpu, ".admit"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(counting, fcntl.LOCK_EX)   # a sharer stopped in the middle of its count
+    t0 = time.monotonic()
+    assert leases.try_acquire(tmp_path, share) is None and time.monotonic() - t0 < 2
+    whole = leases.try_acquire(tmp_path, gpu)
+    assert whole is not None   # nothing was held: the card was free all along
+    whole.release()
+    os.close(counting)   # the count is over
+    lease = leases.try_acquire(tmp_path, share)
+    assert lease is not None
+    lease.release()
+
+
 def test_shares_spread_over_the_gpus_first_and_a_job_takes_different_gpus():
     gpus = inventory(CARDS, env={})
     keys = [sharing.key(s) for s in sharing.shares(gpus, 2)]

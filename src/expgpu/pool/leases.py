@@ -51,6 +51,7 @@ from expgpu.gpus.inventory import Gpu
 from expgpu.pool import sharing
 
 ENV_DIR = envvars.LEASE_DIR
+ADMIT_TIMEOUT_S = 2.0   # the longest a share waits for the card's admission lock (held for a count only)
 
 
 def lease_dir(configured: str | None = None, env: Mapping[str, str] | None = None) -> Path:
@@ -159,7 +160,9 @@ def _try_share(directory: Path, gpu: Gpu) -> Lease | None:
         return None
     admit = _open(lock_path(directory, sharing.card(gpu), ".admit"))
     try:
-        fcntl.flock(admit, fcntl.LOCK_EX)   # held by a sharer for a count, microseconds; freed if it dies
+        if not _wait_lock(admit, ADMIT_TIMEOUT_S):   # a sharer stopped mid-count (^Z): no room now, ask again later
+            os.close(card_fd)
+            return None
         path = lock_path(directory, gpu)
         fd = _lock(path, fcntl.LOCK_EX)
         if fd is not None and _room(directory, gpu, path):
@@ -172,6 +175,19 @@ def _try_share(directory: Path, gpu: Gpu) -> Lease | None:
         return None
     finally:
         os.close(admit)
+
+
+def _wait_lock(fd: int, timeout_s: float) -> bool:
+    """LOCK_EX on `fd` within `timeout_s` (its holders hold it for microseconds, and die without it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
 
 
 def _room(directory: Path, gpu: Gpu, mine: Path) -> bool:
