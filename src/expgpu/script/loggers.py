@@ -22,7 +22,7 @@ from expgpu.loggers import base
 from expgpu.loggers.jsonl import WRITE_EVERY_S
 from expgpu.loggers.progress import FIELDS, Display
 
-TRIAL_POLL_S = 0.2
+TRIAL_POLL_S = 0.1   # each of the script process's ticks (process.TICK_S): a pruned trial frees its slot sooner
 
 
 class LoggerFeed:

@@ -22,7 +22,7 @@ from expgpu import envvars, rundir
 from expgpu.procs import stop_signals
 from expgpu.rundir import atomic_write_bytes
 
-LOOK_EVERY_S = 0.5   # how often a rank other than 0 looks for rank 0's prune
+LOOK_EVERY_S = 0.1   # how often a rank other than 0 looks for rank 0's prune (a stat: cheap)
 
 
 def is_trial() -> bool:
