@@ -52,7 +52,7 @@ part main main_bf16 120 $PY -m expgpu task=a gpu_map=ranked task.max_steps=300 t
 part main main_fsdp 120 $PY -m expgpu task=a gpu_map=ranked task.max_steps=100 launch.wrap=fsdp backend=nccl \
   hydra.run.dir="$run_dir/fsdp"
 part tests tests_gpu 300 $PY -m pytest -q -rs -m gpu -p no:cacheprovider --timeout 280 tests/e2e/test_gpu.py tests/gpus \
-  tests/pool/test_gpu_pool.py tests/pool/test_gpu_sharing.py tests/pool/test_busy_gpus.py tests/script/test_script_examples.py tests/slurm/test_slurm_submit.py tests/loggers/test_metrics.py
+  tests/pool/test_gpu_pool.py tests/pool/test_gpu_sharing.py tests/pool/test_busy_gpus.py tests/launch/test_run_leases.py tests/script/test_script_examples.py tests/slurm/test_slurm_submit.py tests/loggers/test_metrics.py
 # Before the benchmarks: what must pass comes first. -v: a line per test as it ends, so a log cut off at the
 # part's limit still names each failure (-q's dots did not, 2026-11-27); --durations: what took long there.
 part fast fast_tier 240 $PY -m pytest -v -rfE --durations=15 --maxfail=40 -n 8 -p no:cacheprovider \

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -23,7 +24,7 @@ from expgpu import config, envvars, loggers, procs, ranks, rundir, script
 from expgpu.checkpoint import verify
 from expgpu.errors import Hung, PeerLost, RunDirBusy, Stopped, UserError, WorkerFailed, first_line, lost_peer
 from expgpu.gpus import memory_estimate, placement
-from expgpu.launch import failures, requeue, restarts, spawn, worker
+from expgpu.launch import failures, requeue, restarts, run_leases, spawn, worker
 from expgpu.procs import stop_signals
 from expgpu.results import finished_earlier, is_script, write_job_failure
 from expgpu.rundir import atomic_write_bytes
@@ -173,15 +174,17 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
             return {"status": "dry_run", "plan": rows}
         return None
 
-    if info.rank == 0:
-        claim(run_dir)   # running, while this process lives (expgpu status); a second live run refused, atomically
-        rundir.job_failure_file(run_dir).unlink(missing_ok=True)   # from an attempt this one reruns
-        if loggers.chosen(plain):
-            loggers.record_job(run_dir)   # the sweep and overrides, which only this process knows
-    if plain["checkpoint"]["verify"]:
-        return _finished(verify.verify(plain, info, run_dir, lambda cfg, where: _train(cfg, info, where, nproc)),
-                         info, run_dir)
-    return _finished(_train(plain, info, run_dir, nproc), info, run_dir)
+    # started by hand on this machine: its GPUs leased, as a gpu_pool job's, so that no sweep takes them
+    with run_leases.held(plain, local_ranks, run_dir) if run_leases.applies(plain, info) else nullcontext():
+        if info.rank == 0:
+            claim(run_dir)   # running, while this process lives (expgpu status); a second live run refused
+            rundir.job_failure_file(run_dir).unlink(missing_ok=True)   # from an attempt this one reruns
+            if loggers.chosen(plain):
+                loggers.record_job(run_dir)   # the sweep and overrides, which only this process knows
+        if plain["checkpoint"]["verify"]:
+            return _finished(verify.verify(plain, info, run_dir, lambda cfg, where: _train(cfg, info, where, nproc)),
+                             info, run_dir)
+        return _finished(_train(plain, info, run_dir, nproc), info, run_dir)
 
 
 def _train(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int) -> dict | None:

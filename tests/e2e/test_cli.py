@@ -247,7 +247,8 @@ def test_a_gpu_node_with_torchs_cpu_build_is_one_line_and_exit_2(tmp_path):
 
     if torch.version.cuda is not None:
         pytest.skip("this torch is a CUDA build: the case is torch's CPU build on a node with GPUs")
-    env = clean_env(PYTHONPATH=str(HELPERS / "one_gpu_nvml"), EXPGPU_WARM_SERVER="")
+    env = clean_env(PYTHONPATH=str(HELPERS / "one_gpu_nvml"), EXPGPU_WARM_SERVER="",
+                    EXPGPU_LEASE_DIR=str(tmp_path / "leases"))   # the run leases its GPU (expgpu.launch.run_leases)
     run = expgpu(["task=a", "task.max_steps=3"], tmp_path / "run", env=env)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert run.stderr.strip().splitlines()[-1] == (

@@ -1,6 +1,7 @@
 """This node's ranks: starting them, supervising them, and what a rank process runs.
 
     spawn.py        `launch.nproc_per_node=N`: the supervisor of N worker processes (fail-fast, no orphans)
+    run_leases.py   a run started by hand leases its GPUs as a gpu_pool job does, planned around the leased ones
     worker.py       one rank, from "who am I" to result.json (`python -m expgpu.launch.worker RUN_DIR`)
     task_env.py     what a task function finds around it: its prints a whole line at a time, torchrun's variables
     failures.py     a rank's failure record, and whose failure a rank's error echoes (one line, not a traceback)
@@ -17,5 +18,5 @@ Launchers only start processes with the right environment; each rank then walks 
 line (docs/architecture.md). Nothing here is imported at `import expgpu`.
 """
 
-__all__ = ["bad_nodes", "failures", "requeue", "restarts", "spawn", "task_env", "warm", "warm_client", "warm_server",
-           "worker"]
+__all__ = ["bad_nodes", "failures", "requeue", "restarts", "run_leases", "spawn", "task_env", "warm", "warm_client",
+           "warm_server", "worker"]

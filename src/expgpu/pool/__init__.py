@@ -11,8 +11,9 @@
     job_process.py the job's side: wait, set the job's environment, run_job, send back, exit
     jobs.py       a job, its files, pool.json (every batch's jobs)
     compose.py    each job's config as Hydra composes it, the config groups' part once per choice (slurm's too)
-    leases.py     one lock file per GPU, shared by every sweep on the machine
+    leases.py     one lock file per GPU, shared by every sweep on the machine (and runs started by hand)
     sharing.py    hydra.launcher.jobs_per_gpu: each GPU as that many shares, a job's on different GPUs
+    busy.py       hydra.launcher.busy_gpus: GPUs that processes outside expgpu compute on (NVML), waited for
     board.py      the live table / log lines
     allocation.py inside a SLURM allocation: its nodes, their GPUs and CPUs; where a job's GPUs fit (pure)
     steps.py      inside a SLURM allocation: each job an srun step (command, environment, CPUs, start)
@@ -23,9 +24,10 @@ torch and the task's modules imported once) but given nothing of its job, and no
 GPUs are leased: then it gets its environment (CUDA_VISIBLE_DEVICES: its GPUs' NVML indices, with
 CUDA_DEVICE_ORDER=PCI_BUS_ID; OMP/MKL_NUM_THREADS: its share of the cores) before any of the job's
 code runs, so nothing in it can touch another job's GPU. Inside, expgpu's usual line runs on that
-mask (the inventory is narrowed to the leased GPUs). GPUs are leased machine-wide (expgpu.pool.leases):
-the job's process holds the lock, so a GPU frees itself when its job ends, however it ends, and two
-sweeps never share a GPU (but by hydra.launcher.jobs_per_gpu: a share of it each, expgpu.pool.sharing).
+mask (the inventory is narrowed to the leased GPUs). GPUs are leased machine-wide (expgpu.pool.leases; a
+run started by hand leases its own too, expgpu.launch.run_leases): the job's process holds the lock, so a
+GPU frees itself when its job ends, however it ends, and two sweeps never share a GPU (but by
+hydra.launcher.jobs_per_gpu: a share of it each, expgpu.pool.sharing).
 
 Jobs run in their own process group (session), so a Ctrl-C at the terminal reaches only the
 launcher, which passes it on to every running job (expgpu checkpoints and stops), waits grace_s,

@@ -288,4 +288,6 @@ def describe_holder(info: dict | None) -> str:
     what = f"pid {pid}" if pid else "another process"
     if info.get("sweep"):
         what += f" (job #{info.get('job')} of {info['sweep']})"
+    elif info.get("run"):   # a run started by hand (expgpu.launch.run_leases)
+        what += f" (the run in {info['run']})"
     return what

@@ -26,16 +26,16 @@ _spec.loader.exec_module(_real)
 _H100 = {
     "nvmlInit": lambda: None,
     "nvmlShutdown": lambda: None,
-    "nvmlDeviceGetCount": lambda: 1,
+    "nvmlDeviceGetCount": lambda: int(os.environ.get("ONE_GPU_NVML_COUNT", "1")),   # N for a test of several
     "nvmlDeviceGetHandleByIndex": lambda i: i,
     "nvmlDeviceGetHandleByUUID": lambda uuid: 0,
     "nvmlDeviceGetComputeRunningProcesses": lambda h: [],   # nothing computes on it (expgpu.pool.busy)
     "nvmlDeviceGetName": lambda h: "NVIDIA H100 80GB HBM3",
-    "nvmlDeviceGetUUID": lambda h: "GPU-00000000-one-gpu-nvml",
+    "nvmlDeviceGetUUID": lambda h: "GPU-00000000-one-gpu-nvml" + (f"-{h}" if h else ""),
     "nvmlDeviceGetMigMode": lambda h: (0, 0),
     "nvmlDeviceGetMemoryInfo": lambda h: SimpleNamespace(total=80 * 2**30, free=79 * 2**30, used=2**30),
     "nvmlDeviceGetUtilizationRates": lambda h: SimpleNamespace(gpu=0, memory=0),
-    "nvmlDeviceGetPciInfo": lambda h: SimpleNamespace(busId=b"00000000:01:00.0"),
+    "nvmlDeviceGetPciInfo": lambda h: SimpleNamespace(busId=f"00000000:{h + 1:02X}:00.0".encode()),
     "nvmlDeviceGetArchitecture": lambda h: _real.NVML_DEVICE_ARCH_HOPPER,
     "nvmlDeviceGetNumGpuCores": lambda h: 16896,
     "nvmlDeviceGetMaxClockInfo": lambda h, kind: 1980,
