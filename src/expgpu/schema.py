@@ -152,11 +152,15 @@ class LaunchConfig:
     # the partition has enough other nodes, else on the same nodes (one line says which). result.json's
     # excluded_nodes lists them (expgpu/launch/bad_nodes.py).
     exclude_bad_nodes: bool = True
+    # Started by hand on this machine's GPUs (not torchrun, srun, a pool job): the run leases its GPUs as a
+    # gpu_pool job does, planned around those other expgpu jobs lease (expgpu/launch/run_leases.py). false:
+    # it plans on every GPU and leases none (a GPU shared with a sweep's job, on purpose).
+    lease_gpus: bool = True
 
 
 @dataclass
 class InventoryConfig:
-    # A list of {name, memory_mb, free_mb?, util?, sm_count?, clock_mhz?, score?}
+    # A list of {name, memory_mb, free_mb?, util?, sm_count?, clock_mhz?, score?, processes?}
     # that replaces NVML, to preview or test a plan on any machine. The run itself
     # then trains on the CPU.
     simulate: Optional[List[Any]] = None

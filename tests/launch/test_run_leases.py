@@ -54,6 +54,13 @@ def test_a_run_plans_around_a_gpu_a_sweep_leases_and_leases_its_own(tmp_path):
     assert leases.holder(tmp_path / "leases", _card(1)) is None
     free = expgpu(["task=a", "task.max_steps=3"], tmp_path / "free", env=_fake(tmp_path, 2))
     assert "leases" not in free.stderr and "(rank 0 was planned GPU 0: " in free.stderr   # nothing leased: as before
+    theirs = _sweeps_job(tmp_path, 0)
+    try:   # on purpose beside the sweep's job: planned on every GPU, as before leases
+        shared = expgpu(["task=a", "task.max_steps=3", "launch.lease_gpus=false"], tmp_path / "shared",
+                        env=_fake(tmp_path, 2))
+    finally:
+        theirs.release()
+    assert "leases" not in shared.stderr and "(rank 0 was planned GPU 0: " in shared.stderr, shared.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ ranks' plan, made again from that mask, is the one leased.
 
 Only where expgpu starts the ranks itself on this machine's real GPUs: not under torchrun, srun or a SLURM
 job (their GPUs are the launcher's), not in a gpu_pool job (the pool leased them), not on simulated GPUs
-(made up: nothing to share), not for a dry run.
+(made up: nothing to share), not for a dry run, not with launch.lease_gpus=false (a GPU shared on purpose).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ MASK_KEYS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 
 
 def applies(plain: dict, info: RankInfo, env=os.environ) -> bool:
-    return (info.source == "single" and "SLURM_JOB_ID" not in env and envvars.POOL_JOB not in env
-            and plain["inventory"]["simulate"] is None)
+    return (plain["launch"]["lease_gpus"] and info.source == "single" and "SLURM_JOB_ID" not in env
+            and envvars.POOL_JOB not in env and plain["inventory"]["simulate"] is None)
 
 
 @contextlib.contextmanager
