@@ -24,6 +24,7 @@ from expgpu import envvars
 from expgpu.errors import UserError
 from expgpu.gpus import inventory, placement
 from expgpu.gpus.mask import gpu_env
+from expgpu.procs.environ import kept
 from expgpu.ranks import RankInfo
 
 MASK_KEYS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
@@ -50,22 +51,17 @@ def held(plain: dict, nproc: int, run_dir) -> Iterator[list]:
               file=sys.stderr, flush=True)
         yield []
         return
-    before = {k: os.environ.get(k) for k in MASK_KEYS}
     taken: list = []
-    try:
-        taken = _take(plain, nproc, gpus, directory)
-        for lease in taken:
-            lease.note(pid=os.getpid(), run=str(run_dir))
-        if taken:
-            os.environ.update(gpu_env([lease.gpu for lease in taken], before["CUDA_DEVICE_ORDER"]))
-        yield taken
-    finally:
-        leases.release_all(taken)
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with kept(*MASK_KEYS) as before:
+        try:
+            taken = _take(plain, nproc, gpus, directory)
+            for lease in taken:
+                lease.note(pid=os.getpid(), run=str(run_dir))
+            if taken:
+                os.environ.update(gpu_env([lease.gpu for lease in taken], before["CUDA_DEVICE_ORDER"]))
+            yield taken
+        finally:
+            leases.release_all(taken)
 
 
 def _take(plain: dict, nproc: int, gpus: list, directory) -> list:
@@ -80,22 +76,17 @@ def _take(plain: dict, nproc: int, gpus: list, directory) -> list:
     free = leases.acquire_free(directory, gpus)   # held while it plans again: no one takes them meanwhile
     held_by = [g for g in gpus if g.index not in {lease.gpu.index for lease in free}]
     holders = "; ".join(f"GPU {g.index}: {leases.describe_holder(leases.noted(directory, g))}" for g in held_by)
-    mask = {k: os.environ.get(k) for k in MASK_KEYS}
-    os.environ.update(gpu_env([lease.gpu for lease in free], mask["CUDA_DEVICE_ORDER"]))
-    try:
-        if not free:
-            raise UserError(f"every GPU this run may use is leased by other expgpu jobs ({holders}): wait for them, or "
-                            "queue the run in a sweep (hydra/launcher=gpu_pool waits for its GPUs)")
-        planned = _gpus_of(placement.compute(plain, nproc))
-    except UserError as e:
-        leases.release_all(free)
-        raise UserError(f"{e} (leased by other expgpu jobs: {holders})" if holders not in str(e) else str(e)) from None
-    finally:
-        for key, value in mask.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with kept(*MASK_KEYS) as mask:   # planned on the free GPUs alone
+        os.environ.update(gpu_env([lease.gpu for lease in free], mask["CUDA_DEVICE_ORDER"]))
+        try:
+            if not free:
+                raise UserError(f"every GPU this run may use is leased by other expgpu jobs ({holders}): wait for "
+                                "them, or queue the run in a sweep (hydra/launcher=gpu_pool waits for its GPUs)")
+            planned = _gpus_of(placement.compute(plain, nproc))
+        except UserError as e:
+            leases.release_all(free)
+            raise UserError(f"{e} (leased by other expgpu jobs: {holders})" if holders not in str(e) else str(e)) \
+                from None
     keep = [lease for lease in free if lease.gpu.index in {g.index for g in planned}]
     leases.release_all([lease for lease in free if lease not in keep])
     print(f"expgpu: leased by other expgpu jobs: {holders}; this run plans on the GPUs no one leases: GPU "

@@ -10,6 +10,7 @@ import os
 import sys
 
 from expgpu import rundir
+from expgpu.procs.environ import kept
 
 log = logging.getLogger("expgpu")
 
@@ -55,17 +56,10 @@ def torchrun_variables(run):
     reads them (nanoGPT's `ddp = int(os.environ.get('RANK', -1)) != -1`). Put back as they were after."""
     mine = {"RANK": run.rank, "LOCAL_RANK": run.local_rank, "WORLD_SIZE": run.world_size,
             "LOCAL_WORLD_SIZE": run.local_world_size}
-    before = {name: os.environ.get(name) for name in mine}
-    for name, value in mine.items():
-        if before[name] not in (None, str(value)):
-            log.warning("%s=%s in the environment, but this process is rank %s of %s: %s=%s while the task runs",
-                        name, before[name], run.rank, run.world_size, name, value)
-        os.environ[name] = str(value)
-    try:
+    with kept(*mine) as before:
+        for name, value in mine.items():
+            if before[name] not in (None, str(value)):
+                log.warning("%s=%s in the environment, but this process is rank %s of %s: %s=%s while the task "
+                            "runs", name, before[name], run.rank, run.world_size, name, value)
+            os.environ[name] = str(value)
         yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

@@ -10,6 +10,7 @@
                      script's, read by py-spy)
     hang_rules.py    when a run is hung and how it is said: the limit, the verdict, the culprits, the line
                      (the function tasks' watchdog and the script tasks' watch share them)
+    environ.py       this process's environment changed for a while and put back (kept)
 
 The helpers of lifetime.py and threads.py are this package's face: `from expgpu import procs;
 procs.kill_group(pid)`.
