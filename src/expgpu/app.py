@@ -170,6 +170,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
 
                 print(script_runner.dry_run(plain, node, [r["rank"] for r in rows], run_dir), flush=True)
             print(memory_estimate.line(memory_estimate.measure(plain["task"]), world), flush=True)
+            if run_leases.applies(plain, info):   # the run itself would plan around GPUs leased now
+                print(run_leases.preview(node) or "", end="", flush=True)
             print(f"plan written to {run_dir / rundir.PLAN} (dry run: nothing trained)", flush=True)
             return {"status": "dry_run", "plan": rows}
         return None

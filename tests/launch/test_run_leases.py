@@ -83,7 +83,7 @@ def test_a_run_with_too_few_gpus_free_is_one_line_and_exit_2(tmp_path, gpus, arg
 
 
 @pytest.mark.slow
-def test_a_dry_run_and_simulated_gpus_lease_nothing(tmp_path):
+def test_a_dry_run_and_simulated_gpus_lease_nothing_and_the_dry_run_says_what_is_leased(tmp_path):
     theirs = _sweeps_job(tmp_path, 0)
     try:
         dry = expgpu(["task=a", "dry_run=true"], tmp_path / "dry", env=_fake(tmp_path, 1))
@@ -92,6 +92,9 @@ def test_a_dry_run_and_simulated_gpus_lease_nothing(tmp_path):
     finally:
         theirs.release()
     assert dry.returncode == 0 and _plan(dry.run_dir) == [[0]] and "lease" not in dry.stderr, dry.stderr[-3000:]
+    # what the run would do, said: it would plan around the leased GPU
+    assert "leased by other expgpu jobs now: GPU 0: pid 4242 (job #3 of outputs/multirun/s): the run would plan " \
+           "around them (launch.lease_gpus=false: on them all the same)" in dry.stdout, dry.stdout
     assert sim.returncode == 0 and "lease" not in sim.stderr, sim.stderr[-3000:]
 
 

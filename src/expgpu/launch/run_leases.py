@@ -94,6 +94,26 @@ def _take(plain: dict, nproc: int, gpus: list, directory) -> list:
     return sorted(keep, key=lambda lease: [g.index for g in planned].index(lease.gpu.index))
 
 
+def preview(node) -> str | None:
+    """A dry run's word on the plan's GPUs that other expgpu jobs lease now (the run would plan around them),
+    a line ending in a newline; None when none are (or the lease dir cannot be read)."""
+    planned = _gpus_of(node)
+    if not planned:
+        return None
+    from expgpu.pool import leases
+
+    try:
+        directory = leases.lease_dir()
+    except UserError:
+        return None
+    taken = [(g, leases.holder(directory, g)) for g in planned]
+    taken = [f"GPU {g.index}: {leases.describe_holder(h)}" for g, h in taken if h is not None]
+    if not taken:
+        return None
+    return (f"leased by other expgpu jobs now: {'; '.join(taken)}: the run would plan around them "
+            "(launch.lease_gpus=false: on them all the same)\n")
+
+
 def _gpus_of(node) -> list:
     """The plan's GPUs, each once, in the order of its ranks."""
     return list({g.index: g for gpus in node.assignments for g in gpus}.values())
