@@ -87,8 +87,9 @@ def test_a_dry_run_and_simulated_gpus_lease_nothing_and_the_dry_run_says_what_is
     theirs = _sweeps_job(tmp_path, 0)
     try:
         dry = expgpu(["task=a", "dry_run=true"], tmp_path / "dry", env=_fake(tmp_path, 1))
+        # NVML's GPU 0 (leased) is there too: only the simulated ones are planned on, and nothing is leased
         sim = expgpu(["task=a", "task.max_steps=3", "inventory.simulate=[{name:A100,memory_mb:40960}]"],
-                     tmp_path / "sim", env={**_fake(tmp_path, 0), "PYTHONPATH": ""})
+                     tmp_path / "sim", env=_fake(tmp_path, 1))
     finally:
         theirs.release()
     assert dry.returncode == 0 and _plan(dry.run_dir) == [[0]] and "lease" not in dry.stderr, dry.stderr[-3000:]
@@ -96,6 +97,7 @@ def test_a_dry_run_and_simulated_gpus_lease_nothing_and_the_dry_run_says_what_is
     assert "leased by other expgpu jobs now: GPU 0: pid 4242 (job #3 of outputs/multirun/s): the run would plan " \
            "around them (launch.lease_gpus=false: on them all the same)" in dry.stdout, dry.stdout
     assert sim.returncode == 0 and "lease" not in sim.stderr, sim.stderr[-3000:]
+    assert not list((tmp_path / "leases").glob("*GPU-sim-*")), "a simulated GPU was leased"
 
 
 @pytest.mark.gpu

@@ -192,18 +192,25 @@ def _wait_lock(fd: int, timeout_s: float) -> bool:
 
 def _room(directory: Path, gpu: Gpu, mine: Path) -> bool:
     """Whether the card has room for this share: fewer shares held than the smallest N (its own, the holders')."""
+    held = [_note(path).get("of") for path in _held_shares(directory, gpu, {mine.name})]
+    ns = [n for n in held if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    return len(held) + 1 <= min([gpu.of, *ns])
+
+
+def _held_shares(directory: Path, gpu: Gpu, but: set[str]) -> list[Path]:
+    """The share files of `gpu`'s card (of whatever jobs_per_gpu made them) that someone holds, other than those
+    named in `but`: each tried without waiting, and let go."""
     held = []
     for path in _share_files(directory, gpu):
-        if path == mine:
+        if path.name in but:
             continue
         fd = _lock(path, fcntl.LOCK_EX)
         if fd is None:
-            held.append(_note(path).get("of"))
+            held.append(path)
         else:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
-    ns = [n for n in held if isinstance(n, int) and not isinstance(n, bool) and n > 0]
-    return len(held) + 1 <= min([gpu.of, *ns])
+    return held
 
 
 def _lock(path: Path, how: int) -> int | None:
@@ -230,20 +237,11 @@ def acquire_free(directory: Path, gpus: Iterable[Gpu]) -> list[Lease]:
 
 def shared_elsewhere(directory: Path, gpu: Gpu, mine: Iterable[int]) -> bool:
     """Whether an expgpu job (of any sweep) holds a share of `gpu`'s card other than the shares `mine` (held
-    here). For a GPU leased whole, never: its lease is exclusive. Each share file of the card (of whatever
-    jobs_per_gpu made it) is tried without waiting, and let go."""
+    here). For a GPU leased whole, never: its lease is exclusive."""
     if not sharing.is_share(gpu):
         return False
-    mine = {lock_path(directory, dataclasses.replace(gpu, share=k)).name for k in mine}
-    for path in _share_files(directory, gpu):
-        if path.name in mine:
-            continue
-        fd = _lock(path, fcntl.LOCK_EX)
-        if fd is None:
-            return True
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-    return False
+    return bool(_held_shares(directory, gpu, {lock_path(directory, dataclasses.replace(gpu, share=k)).name
+                                              for k in mine}))
 
 
 def release_all(leases: Sequence[Lease]) -> None:
