@@ -84,8 +84,10 @@ def _one_line(e: BaseException) -> str | None:
             if allowed is None and node is not None and hasattr(node, "keys"):
                 allowed = [str(k) for k in node.keys()]   # a node without a schema: what it holds
             if allowed is not None:
+                # Hydra's advice (+key=value) only where a new key is read: at the root (a note kept in the
+                # run's config.yaml); inside a section of expgpu's or a plugin's, nothing would read it
                 return (f"{key}: unknown key; allowed under {parent or 'the root'}: {', '.join(allowed)}"
-                        f"{_append_hint(e)}")
+                        f"{'' if parent else _append_hint(e)}")
         return f"{key}: {msg}" if key else msg
     if isinstance(e, (HydraException, OverrideParseException)):
         text = " ".join(str(e).split())

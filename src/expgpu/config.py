@@ -9,7 +9,7 @@ import math
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from expgpu.errors import UserError, shown
-from expgpu.schema import CheckpointFormat, FsdpConfig, HangConfig, OnHang, Shard, Wrap
+from expgpu.schema import CheckpointFormat, FsdpConfig, HangConfig, OnHang, Shard, Wrap, refuse_added_keys
 from expgpu.task import SUPERVISED
 
 # What makes a composed config expgpu's (this schema, as conf/config.yaml composes it): expgpu's launchers
@@ -30,6 +30,7 @@ def check(cfg: DictConfig) -> None:
 
     need(isinstance(cfg.task, DictConfig), "task", "a task file: a function (_target_) and its parameters, "
          "or the built-in loop's (model, dataset, optimizer, ...)")
+    _check_added_keys(cfg)
     obj = cfg.objective
     need(obj is None or isinstance(obj, str) or (isinstance(obj, ListConfig) and len(obj) > 0
                                                   and all(isinstance(o, str) for o in obj)),
@@ -67,6 +68,16 @@ def check(cfg: DictConfig) -> None:
     _check_fsdp(cfg, need)
     if cfg.launch.wrap is Wrap.dp and cfg.launch.nproc_per_node > 1:
         need(False, "launch.wrap", "dp (DataParallel) runs in one process; use ddp with several ranks")
+
+
+def _check_added_keys(cfg: DictConfig) -> None:
+    """A key added with `+` inside one of expgpu's sections (`+launch.backend=mpi`): Hydra adds it, and nothing
+    would read it. The root takes new keys (`+note=baseline`, kept in the run's config.yaml), and `task` is
+    checked against its function's signature (expgpu.task); `hydra` is Hydra's, its plugins check their own."""
+    for section in cfg.keys():
+        node = cfg._get_node(section)
+        if section not in ("task", "hydra") and isinstance(node, DictConfig) and not node._is_none():
+            refuse_added_keys(node, OmegaConf.get_type(node), f"{section}.")
 
 
 def _check_hang(cfg: DictConfig, need) -> None:

@@ -271,6 +271,26 @@ def register() -> None:
     ConfigStore.instance().store(name="expgpu_schema", node=schema)
 
 
+def refuse_added_keys(node: Any, kind: Any, where: str) -> None:
+    """One line (UserError) for the first key of `node` (a mapping) at any depth that its dataclass `kind` does not
+    have: a key added with `+` (`+launch.backend=mpi`, `+hydra.launcher.gpu=1`) that nothing would read. `where`
+    is the node's dotted path with its dot (`launch.`); nested typed nodes are checked by their own type."""
+    import dataclasses
+
+    from expgpu.errors import UserError
+
+    if not dataclasses.is_dataclass(kind):
+        return
+    known = [f.name for f in dataclasses.fields(kind)]
+    for key in node.keys():
+        if key not in known:
+            raise UserError(f"{where}{key}: unknown key; allowed under {where[:-1]}: {', '.join(known)} "
+                            "(a key added with + here is read by nothing)")
+        child = node._get_node(key) if OmegaConf.is_config(node) else node[key]
+        if OmegaConf.is_dict(child) and not child._is_none():
+            refuse_added_keys(child, OmegaConf.get_type(child), f"{where}{key}.")
+
+
 def schema_keys(path: str) -> list[str] | None:
     """The allowed keys under a dotted path of the schema (for 'unknown key' messages)."""
     import dataclasses

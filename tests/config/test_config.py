@@ -53,6 +53,15 @@ BAD = {
     "unknown key under a group": (["gpu_map.strategi=ranked"],
                                   "gpu_map.strategi: unknown key; allowed under gpu_map: strategy, gpus, scores"),
     "unknown root key": (["dryrun=true"], "dryrun: unknown key; allowed under the root: task, gpu_map"),
+    # Hydra adds a key given with +, and nothing under expgpu's sections would read it
+    "a key added under a section": (["+launch.backend=mpi"], "launch.backend: unknown key; allowed under launch: "
+                                    "nproc_per_node, nodes, isolation, wrap, fsdp, stdout, hang, on_hang, "
+                                    "max_restarts, exclude_bad_nodes, lease_gpus (a key added with + here is read "
+                                    "by nothing)"),
+    "a key added deeper": (["+launch.hang.every=5"], "launch.hang.every: unknown key; allowed under launch.hang: "
+                                                     "timeout_s, slow_phase_s"),
+    "a key added to a chosen logger": (["logger=[csv,tensorboard]", "+logger.tensorboard.flush=2"],
+                                       "logger.tensorboard.flush: unknown key; allowed under logger.tensorboard: dir"),
     "enum value": (["launch.isolation=magic"], "launch.isolation"),
     "enum value after a group": (["gpu_map=ranked", "gpu_map.strategy=fastest"], "gpu_map.strategy"),
     "type": (["launch.nproc_per_node=two"], "launch.nproc_per_node"),
@@ -105,6 +114,18 @@ BAD = {
 def test_each_mistake_is_one_line_naming_it(overrides, needle):
     line = refused(*overrides)
     assert needle in line and "\n" not in line, line
+
+
+def test_hydras_advice_to_append_a_key_is_given_at_the_root_only():
+    # inside a section the key it would add is read by nothing (and refused, above)
+    assert "(to append to your config use +dryrun=true)" in refused("dryrun=true")
+    assert "+" not in refused("gpu_map.strategi=ranked")
+
+
+def test_a_new_key_at_the_root_is_kept_as_a_note_of_the_run():
+    cfg = composed("+note=baseline", "+tags.owner=ana", "gpu_map=ranked", "+gpu_map.scores.0=2.5")
+    config.check(cfg)
+    assert (cfg.note, cfg.tags.owner, list(cfg.gpu_map.scores.values())) == ("baseline", "ana", [2.5])
 
 
 # -- task parameters: what a function of one's own is given -------------------------------------

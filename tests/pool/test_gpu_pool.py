@@ -253,6 +253,9 @@ def test_the_log_never_shows_more_jobs_running_than_slots(tmp_path):
     ("hydra.launcher.timeout_min=-1", "hydra.launcher.timeout_min=-1.0 is not allowed: minutes > 0 (e.g. 90 or 0.5), "
                                       "or 0 or null for no limit"),
     ("hydra.launcher.jobs_per_gpu=0", "hydra.launcher.jobs_per_gpu=0 is not allowed: an integer >= 1"),
+    ("+hydra.launcher.gpu=1", "hydra.launcher.gpu: unknown key; allowed under hydra.launcher: _target_, gpus, "
+                              "gpus_per_job"),   # added with +, it would be read by nothing
+    ("+launch.backend=gloo", "launch.backend: unknown key; allowed under launch: nproc_per_node"),   # each job's
     ("hydra.launcher.jobs_per_gpu=2 hydra.launcher.gpus_per_job=0",   # it would change nothing: said, not ignored
      "hydra.launcher.jobs_per_gpu=2 shares GPUs, and hydra.launcher.gpus_per_job=0 puts every job on a CPU slot"),
     ("hydra.launcher.gpus_per_job=2 hydra.launcher.jobs_per_gpu=4 hydra.launcher.gpus=[0]",

@@ -112,7 +112,14 @@ def test_a_bad_launcher_setting_of_another_app_is_one_line(app):
     assert "needs SLURM's sbatch" in line and "not found on PATH" in line
     line = error_line(sweep(app, ["x=1", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=0"], no_slurm))
     assert "hydra.launcher.tasks_per_node=0 is not allowed: an integer >= 1 or null (1)" in line
-    assert not (app / "sweep" / ".submitit").exists()
+    # a key added with + that the launcher would not read: one line, not a sweep that ignores it
+    line = error_line(sweep(app, ["x=1", "hydra/launcher=slurm", "+hydra.launcher.gpu_type=a100"], no_slurm))
+    assert line.startswith("expgpu: error: hydra.launcher.gpu_type: unknown key; allowed under hydra.launcher: ")
+    assert "partition" in line and line.endswith("(a key added with + here is read by nothing)")
+    line = error_line(sweep(app, ["x=1", "hydra/launcher=gpu_pool", "+hydra.launcher.gpu=1"], no_slurm))
+    assert line.startswith("expgpu: error: hydra.launcher.gpu: unknown key; allowed under hydra.launcher: _target_, "
+                           "gpus, gpus_per_job,")
+    assert not (app / "sweep" / ".submitit").exists() and not (app / "sweep" / "0").exists()
 
 
 @pytest.mark.slow

@@ -324,6 +324,8 @@ def test_with_jobs_per_gpu_its_dry_run_places_the_first_jobs_on_every_gpu_then_o
      "hydra.launcher.pool.gpus_per_job=1 is not allowed with hydra.launcher.gpus_per_node=0"),
     (["hydra.launcher.pool.gpus=[0]"], "hydra.launcher.pool.gpus: unknown key; allowed under hydra.launcher.pool: "
                                        "gpus_per_job, max_parallel, nodes, grace_s"),
+    (["+hydra.launcher.pool.gpus=[0]"], "hydra.launcher.pool.gpus: unknown key; allowed under hydra.launcher.pool: "
+                                        "gpus_per_job, max_parallel"),   # added with +: read by nothing
     (["hydra.launcher.pool.max_parallel=0"], "hydra.launcher.pool.max_parallel=0 is not allowed: an integer >= 1"),
     (["hydra.launcher.pool.jobs_per_gpu=0"], "hydra.launcher.pool.jobs_per_gpu=0 is not allowed: an integer >= 1"),
     (["hydra.launcher.pool.jobs_per_gpu=2", "hydra.launcher.pool.warm_starts=false"],

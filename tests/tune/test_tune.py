@@ -244,6 +244,8 @@ def test_a_search_whose_every_trial_is_pruned_exits_1_with_one_line(tmp_path):
     (["+hydra.sweeper.params.x='interval(0'"], "hydra.sweeper.params.x=interval(0: not a sweep expression Hydra can"),
     (["hydra/sweeper/sampler=grid"], "hydra/sweeper/sampler=grid: task.x is sampled from a continuous"),
     (["hydra.sweeper.max_failure_rate=2"], "hydra.sweeper.max_failure_rate=2.0 is not allowed: a fraction from 0 to 1"),
+    (["+hydra.sweeper.trials=3"], "hydra.sweeper.trials: unknown key; allowed under hydra.sweeper: _target_, "
+                                  "defaults, _recursive_, n_trials"),
     (["objective=null"], "objective=None: hydra/sweeper=expgpu_optuna needs the metric to optimize"),
     (["hydra.sweeper.storage=sqlite:////nonexistent/dir/s.db"], "hydra.sweeper.storage=sqlite:////nonexistent/"
                                                                 "dir/s.db: cannot be opened"),

@@ -248,6 +248,8 @@ def test_a_returned_dict_is_read_through_objective(tmp_path):
     ("quadratic", ["hydra/sweeper/sampler=grid", "z=interval(0,1)"], "hydra/sweeper/sampler=grid: z is sampled from a "
                                                                        "continuous (or log) interval"),
     ("quadratic", ["hydra.sweeper.max_failure_rate=1.5"], "hydra.sweeper.max_failure_rate=1.5 is not allowed"),
+    ("quadratic", ["+hydra.sweeper.n_trails=4"], "hydra.sweeper.n_trails: unknown key; allowed under "
+                                                 "hydra.sweeper: _target_, defaults, _recursive_, n_trials"),
     ("quadratic", ["+hydra.sweeper.params.z='choice(1,'"], "hydra.sweeper.params.z=choice(1,: not a sweep expression"),
     ("quadratic", ["hydra.sweeper.custom_search_space=quadratic.nope"], "hydra.sweeper.custom_search_space="
                                                                          "quadratic.nope: cannot be found"),

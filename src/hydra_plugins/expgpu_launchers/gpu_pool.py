@@ -79,7 +79,14 @@ ConfigStore.instance().store(group="hydra/launcher", name="gpu_pool", node=GpuPo
 
 
 class GpuPoolLauncher(Launcher):
+    conf = GpuPoolLauncherConf   # its keys: a key added with + (+hydra.launcher.gpu=1) is one line, exit 2
+
     def __init__(self, **params: Any) -> None:
+        from expgpu.errors import exit_on_user_error
+        from expgpu.schema import refuse_added_keys
+
+        with exit_on_user_error():
+            refuse_added_keys(params, self.conf, "hydra.launcher.")
         self.params = params
         self.config = None
         self.hydra_context = None

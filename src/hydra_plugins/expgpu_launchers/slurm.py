@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 
-from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 
 
@@ -88,9 +88,12 @@ class _Expgpu:
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
         from expgpu.errors import exit_on_user_error
+        from expgpu.schema import refuse_added_keys
         from expgpu.slurm import launch
 
         with exit_on_user_error():
+            # a key added with + (+hydra.launcher.gpus=2): one line here, not submitit's traceback
+            refuse_added_keys(self.params, self.conf, "hydra.launcher.")
             return launch.launch(self, job_overrides, initial_job_idx)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -99,11 +102,11 @@ class _Expgpu:
 
 
 class ExpgpuSlurmLauncher(_Expgpu, SlurmLauncher):
-    pass
+    conf = ExpgpuSlurmConf
 
 
 class ExpgpuLocalLauncher(_Expgpu, LocalLauncher):
-    pass
+    conf = LocalQueueConf
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="slurm", node=ExpgpuSlurmConf, provider="expgpu")

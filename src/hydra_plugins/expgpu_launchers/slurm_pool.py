@@ -70,6 +70,8 @@ ConfigStore.instance().store(group="hydra/launcher", name="slurm_pool", node=Slu
 class SlurmPoolLauncher(GpuPoolLauncher):
     """gpu_pool's launcher (its set-up), whose jobs run in one SLURM allocation rather than here."""
 
+    conf = SlurmPoolLauncherConf
+
     def setup(self, *, hydra_context, task_function, config) -> None:
         from pathlib import Path
 

@@ -63,6 +63,11 @@ ConfigStore.instance().store(group="hydra/sweeper", name="expgpu_optuna", node=E
 
 class ExpgpuOptunaSweeper(Sweeper):
     def __init__(self, **params: Any) -> None:
+        from expgpu.errors import exit_on_user_error
+        from expgpu.schema import refuse_added_keys
+
+        with exit_on_user_error():   # a key added with + (+hydra.sweeper.trials=5): one line, exit 2
+            refuse_added_keys(params, ExpgpuOptunaConf, "hydra.sweeper.")
         self.params = params
         self.config = None
         self.launcher = None
