@@ -319,6 +319,10 @@ def _before_hydra() -> None:
     stop_signals.install()
     faulthandler.enable(all_threads=True)  # a rank killed in C++ still says where Python was
     os.environ.setdefault(envvars.START_TIME, str(_T0))
+    misspelt = envvars.misspelt(os.environ)
+    if misspelt:
+        print(f"expgpu: error: {misspelt}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
     import warnings
 
     # conf/hydra/launcher/submitit_local.yaml has the name of hydra-submitit-launcher's schema, so

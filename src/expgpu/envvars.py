@@ -2,7 +2,7 @@
 few a user sets. One name each, spelled here only (grep for the constant, not the string).
 
 A user may set: WARM_SERVER, WARM_RANKS, CACHE_DIR, LEASE_DIR, ATEXIT_GRACE_S, TORCH (scripts/setup-env.sh),
-SPARE_NODES (scripts/expgpu.sbatch).
+SPARE_NODES and PYTHON (scripts/expgpu.sbatch); one of those misspelt is an error (`misspelt`).
 Everything else is set by one expgpu process for another and is kept out of what a script task's own
 process inherits where it would mislead it (expgpu.script.environ).
 """
@@ -50,3 +50,26 @@ SCRIPT_PROMPT = "EXPGPU_SCRIPT_PROMPT"   # a trial's objective, whose rows expgp
 TRIAL = "EXPGPU_TRIAL"               # an optimizing sweeper's trial file (expgpu.tune)
 CACHE_DIR = "EXPGPU_CACHE_DIR"       # user: measured GPU scores (default ~/.cache/expgpu)
 ATEXIT_GRACE_S = "EXPGPU_ATEXIT_GRACE_S"   # user: how long atexit handlers may run in a fast exit
+
+# user, read by scripts only: the torch build the set-up installs (scripts/setup-env.sh), the Python that
+# scripts/expgpu.sbatch runs
+TORCH = "EXPGPU_TORCH"
+PYTHON = "EXPGPU_PYTHON"
+USER_SET = (WARM_SERVER, WARM_RANKS, CACHE_DIR, LEASE_DIR, ATEXIT_GRACE_S, SPARE_NODES, TORCH, PYTHON)
+
+
+def misspelt(environ) -> str | None:
+    """The line for an EXPGPU_* variable in `environ` that expgpu reads nowhere but that is one slip from one a user
+    sets (EXPGPU_LEASEDIR): it would be ignored, and two sweeps would lease GPUs in different places. None when
+    there is none; names far from every user-set one are left alone (other tools' variables)."""
+    known = {v for k, v in globals().items() if k.isupper() and isinstance(v, str) and v.startswith("EXPGPU_")}
+    for name in sorted(environ):
+        if not name.startswith("EXPGPU_") or name in known or name.startswith(POOL_PREFIX):
+            continue
+        import difflib
+
+        close = difflib.get_close_matches(name, USER_SET, n=1, cutoff=0.85)
+        if close:
+            return (f"{name}: expgpu reads no such environment variable (did you mean {close[0]}?); those a user "
+                    f"sets: {', '.join(USER_SET)}")
+    return None

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from conftest import HELPERS, REPO, TESTS, clean_env, expgpu
-from expgpu import procs
+from expgpu import envvars, procs
 
 MIXED_NODE = ("inventory.simulate=[{name:V100,memory_mb:16384},{name:H100,memory_mb:81559},"
               "{name:T4,memory_mb:15360},{name:A100,memory_mb:40960}]")
@@ -265,6 +265,19 @@ def test_the_sbatch_script_run_outside_a_slurm_job_is_one_line_and_exit_2():
     assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout, done.stderr)
     assert done.stderr == ("expgpu.sbatch: error: not inside a SLURM job (SLURM_JOB_ID is not set): submit it with "
                            "sbatch scripts/expgpu.sbatch task=a; on this machine, python -m expgpu task=a\n")
+
+
+def test_a_misspelt_expgpu_variable_is_one_line_naming_the_one_meant(tmp_path):
+    # EXPGPU_LEASEDIR would be ignored: the run's leases in ~/.cache, where another user's sweep does not look
+    run = expgpu(["task=a", "dry_run=true"], tmp_path / "run", env=clean_env(EXPGPU_LEASEDIR=str(tmp_path)))
+    assert run.returncode == 2 and run.stderr.startswith(
+        "expgpu: error: EXPGPU_LEASEDIR: expgpu reads no such environment variable (did you mean EXPGPU_LEASE_DIR?); "
+        "those a user sets: EXPGPU_WARM_SERVER,"), run.stderr
+    assert not (tmp_path / "run").exists()
+    # every name expgpu's processes pass each other, and names far from any (a CI's own), are left alone
+    assert envvars.misspelt({envvars.POOL_GPUS: "0", envvars.SCRIPT_HEARTBEAT: "x", "EXPGPU_REQUIRE_SLURM": "1",
+                             "EXPGPU_POOL_ANYTHING": "1", "EXPGPU_TORCH": "cu124"}) is None
+    assert "did you mean EXPGPU_WARM_RANKS?" in envvars.misspelt({"EXPGPU_WARM_RANK": "0"})
 
 
 @pytest.mark.slow

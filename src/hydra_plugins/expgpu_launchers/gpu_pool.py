@@ -82,11 +82,17 @@ class GpuPoolLauncher(Launcher):
     conf = GpuPoolLauncherConf   # its keys: a key added with + (+hydra.launcher.gpu=1) is one line, exit 2
 
     def __init__(self, **params: Any) -> None:
-        from expgpu.errors import exit_on_user_error
+        import os
+
+        from expgpu import envvars
+        from expgpu.errors import UserError, exit_on_user_error
         from expgpu.schema import refuse_added_keys
 
         with exit_on_user_error():
             refuse_added_keys(params, self.conf, "hydra.launcher.")
+            misspelt = envvars.misspelt(os.environ)   # EXPGPU_LEASEDIR: leases where no other sweep looks
+            if misspelt:
+                raise UserError(misspelt)
         self.params = params
         self.config = None
         self.hydra_context = None
