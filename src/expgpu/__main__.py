@@ -335,9 +335,10 @@ def _before_hydra() -> None:
 def _report(e: BaseException) -> int | None:
     """Print what ended the run as one line; its exit code, or None for a real bug (traceback)."""
     from expgpu.checkpoint.verify import NotExact
-    from expgpu.errors import Hung, PeerLost, Stopped, WorkerFailed, no_room, no_room_line
+    from expgpu.errors import Hung, PeerLost, Stopped, WorkerFailed, no_room, no_room_line, said
 
     if isinstance(e, UserError):
+        said(str(e))
         print(f"expgpu: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     if isinstance(e, WorkerFailed):
@@ -357,6 +358,7 @@ def _report(e: BaseException) -> int | None:
     line = _one_line(e)
     if line is None:
         return None
+    said(line)
     print(f"expgpu: error: {line}", file=sys.stderr)
     return EXIT_USER_ERROR
 

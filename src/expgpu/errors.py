@@ -65,6 +65,29 @@ def no_room_line(e: OSError) -> str:
             "checkpoint) is kept: make room there, or give the run another hydra.run.dir, and rerun to resume")
 
 
+# The sweep dir this process claimed (expgpu.status.busy.RunDirGuard) and this process's pid: a user error that ends
+# the sweep is recorded there too (its .expgpu/failure.json), so that `expgpu status` says why a sweep ended before
+# its first job instead of showing it empty. Not in the job processes a sweep forks, which have their own dirs.
+_sweep: tuple[int, object] | None = None
+
+
+def record_in(sweep) -> None:
+    global _sweep
+    _sweep = (os.getpid(), sweep)
+
+
+def said(line: str) -> None:
+    """A user error that ends this process, printed: recorded in the sweep dir it claimed, if any."""
+    if _sweep is None or _sweep[0] != os.getpid():
+        return
+    from expgpu.results import write_job_failure
+
+    try:
+        write_job_failure(_sweep[1], line, user_error=True)
+    except OSError:
+        pass   # the line on stderr is what counts
+
+
 @contextlib.contextmanager
 def exit_on_user_error():
     """Around what Hydra calls inside any app (a launcher's launch()): a UserError ends the process as
@@ -73,6 +96,7 @@ def exit_on_user_error():
     try:
         yield
     except UserError as e:
+        said(str(e))
         print(f"expgpu: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USER_ERROR) from None
 

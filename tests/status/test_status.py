@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import (
@@ -305,6 +306,33 @@ def test_a_pool_sweeps_waiting_jobs_say_why_they_wait(tmp_path):
     assert (jobs["1"]["status"], jobs["1"]["note"]) == ("waiting", why) and jobs["2"]["note"] == ""   # said once
     shown = status(str(sweep), env=env).stdout
     assert shown.count(why) == 1, shown
+
+
+def test_a_sweep_that_ended_before_any_job_says_why(tmp_path):
+    top = tmp_path / "outputs"
+    refused = top / "multirun" / "2025-01-01" / "13-00-00"
+    done = multirun(["hydra/launcher=gpu_pool", "hydra.launcher.cpu_slots=0", "task=a"], refused, cpu_env())
+    assert done.returncode == 2, done.stderr
+    line = "hydra.launcher.cpu_slots=0 is not allowed: an integer >= 1"
+    assert done.stderr.strip().splitlines()[-1] == f"expgpu: error: {line}"
+    # gone without a word (killed before its first job), and one that is starting now
+    gone, starting = top / "multirun" / "2025-01-01" / "12-00-00", top / "multirun" / "2025-01-01" / "14-00-00"
+    pid = dead_pid()
+    for sweep, record in ((gone, {"pid": pid, "host": socket.gethostname(), "created": 0.0}),
+                          (starting, {"pid": os.getpid(), "host": socket.gethostname(),
+                                      "created": psutil.Process().create_time()})):
+        (sweep / ".expgpu").mkdir(parents=True)
+        (sweep / "multirun.yaml").write_text("hydra: {}\n")
+        (sweep / ".expgpu" / "process.json").write_text(json.dumps(record))
+    runs = by_dir(rows_of(str(top)))
+    assert (runs["13-00-00"]["status"], runs["13-00-00"]["note"]) == ("failed", line)
+    assert (runs["12-00-00"]["status"], runs["12-00-00"]["note"]) == (
+        "lost", f"its process ({pid}) ended before any job started")
+    assert (runs["14-00-00"]["status"], runs["14-00-00"]["note"]) == ("starting", "")
+    # the same sweep run again, right: the earlier attempt's line is not this one's
+    done = multirun(["hydra/launcher=gpu_pool", "task=a", "task.max_steps=3"], refused, cpu_env())
+    assert done.returncode == 0, done.stderr
+    assert by_dir(rows_of(str(top)))["13-00-00"]["status"] == "finished"
 
 
 @pytest.mark.parametrize("what", ["missing", "empty", "file"])

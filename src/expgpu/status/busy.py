@@ -131,12 +131,17 @@ class RunDirGuard(Callback):
                 refuse_busy(run_dir)   # only checked: the job claims it (expgpu.app), once it is sure to run
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        from expgpu.errors import exit_on_user_error
+        from expgpu import rundir
+        from expgpu.errors import exit_on_user_error, record_in
 
         with exit_on_user_error():
             sweep = made(config, "hydra.sweep.dir")
             if OmegaConf.select(config, "hydra.launcher._target_", default=None) not in _ELSEWHERE:
                 claim(sweep, "sweep", "hydra.sweep.dir")
+                # a user error that ends this sweep is recorded in it (expgpu status: why it ended); an earlier
+                # attempt's record is not this one's
+                rundir.job_failure_file(sweep).unlink(missing_ok=True)
+                record_in(sweep)
 
 
 def made(config: Any, key: str) -> Path:

@@ -182,17 +182,36 @@ def sweep_row(sweep: Path, jobs: list[RunRow], best: dict[str, float] | None = N
     counts = Counter(r.status for r in jobs if r.kind != "allocation")
     every = Counter(r.status for r in jobs)
     status = next((s for s in _SWEEP_ORDER if every.get(s)), next(iter(every), "empty"))
+    ended = "" if jobs else _before_any_job(sweep)
+    if ended:
+        status, ended = ended
     starts = [r.started for r in jobs if r.started]
     running = [r for r in jobs if r.status == "running"]
     etas = [r.eta_s for r in running if r.eta_s is not None]
     started = min(starts) if starts else rundir.mtime(sweep)
     elapsed = [r.elapsed_s + (r.started - started) for r in jobs if r.elapsed_s is not None and r.started]
     gpus = ", ".join(dict.fromkeys(r.gpus for r in running if r.gpus))
-    why = next((r.note for r in jobs if r.status == "waiting" and r.note), "")   # pool.json's: the same for all
+    why = next((r.note for r in jobs if r.status == "waiting" and r.note), ended)   # pool.json's: the same for all
     return RunRow(kind="sweep", dir=str(sweep), status=status, jobs=dict(sorted(counts.items())), note=why,
                   started=started, elapsed_s=round(max(elapsed), 1) if elapsed else None,
                   eta_s=max(etas) if etas and not counts.get("queued") and not counts.get("waiting") else None,
                   gpus=gpus, metrics=dict(best or {}))
+
+
+def _before_any_job(sweep: Path) -> tuple[str, str] | str:
+    """(status, note) of a sweep with no job yet, from its own records: refused (the user error that ended it,
+    expgpu.errors.said), starting (its process lives), or ended (its process gone); "" where it cannot tell."""
+    from expgpu.results import read_job_failure, read_process
+    from expgpu.status.read import lives
+
+    failure = read_job_failure(sweep)
+    if failure:
+        return "failed", " ".join(str(failure["message"]).split())
+    record = read_process(sweep) or {}
+    here = lives(record) if record else None
+    if here is None:
+        return ""
+    return ("starting", "") if here else ("lost", f"its process ({record.get('pid')}) ended before any job started")
 
 
 def rows(top: Path, expand: bool | None = None, now: float | None = None) -> list[RunRow]:
