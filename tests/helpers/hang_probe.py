@@ -12,10 +12,14 @@
     how=after       no hang: after run.steps, every rank's own code takes `slow_s` (an evaluation, no run.phase)
     how=crash       rank `rank` raises at step `at`, with a thread of its own that keeps its process
                     alive `slow_s` more (the interpreter waits for it at exit)
+    how=stop        an early stop decided on rank `rank` alone at step `at`: `break` (stop=break), `return`
+                    (stop=return), sys.exit(0) (stop=exit) or os._exit(0) (stop=os_exit); the others go on
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
@@ -39,7 +43,7 @@ class SlowState:
 
 
 def hangs(run: Run, rank: int = 1, at: int = 5, how: str = "sleep", max_steps: int = 20, slow_s: float = 0.0,
-          step_s: float = 0.0):
+          step_s: float = 0.0, stop: str = "break"):
     torch.manual_seed(0)
     net = run.wrap(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -64,6 +68,14 @@ def hangs(run: Run, rank: int = 1, at: int = 5, how: str = "sleep", max_steps: i
             elif how == "crash":
                 threading.Thread(target=time.sleep, args=(slow_s,), name="prefetcher").start()
                 raise RuntimeError(f"rank {run.rank} crashed at step {step}")
+            elif how == "stop" and stop == "break":
+                break
+            elif how == "stop" and stop == "return":
+                return {"loss": 0.0}
+            elif how == "stop" and stop == "exit":
+                sys.exit(0)
+            elif how == "stop" and stop == "os_exit":
+                os._exit(0)
         if step == at and how == "phase":
             with run.phase("evaluation"):
                 time.sleep(slow_s)

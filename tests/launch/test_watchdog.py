@@ -75,6 +75,36 @@ def test_the_line_names_the_rank_at_fault_by_its_own_frame_and_where_the_others_
         "rank 0 has not finished step 6 for 6 s (limit 5 s); rank 0 at train.py:30 in train: time.sleep(3600)"
 
 
+def test_a_rank_that_ended_while_others_went_on_is_at_fault_after_ten_seconds():
+    # rank 1's task returned after step 12; rank 0 went on into step 13, where it waits for it
+    ended = {0: rec(12, 11.0), 1: rec(12, 11.0, "ended")}
+    verdict = watchdog.judge(ended, AUTO)
+    assert (verdict["ended"], verdict["went_on"], verdict["step"], verdict["limit_s"]) == ([1], [0], 12, 10.0)
+    assert watchdog.culprits(verdict, {}) == [1]
+    frames = {0: {"own": "train.py:40 in train: loss.backward()", "inside": "torch's _engine_run_backward"}}
+    assert watchdog.line(verdict, frames) == (
+        "rank 1 ended its task after step 12 (returned, or sys.exit(0)) while rank 0 went on, and has waited 11 s "
+        "(limit 10 s) in step 13, in torch's _engine_run_backward at train.py:40 in train: loss.backward(): every "
+        "rank must leave run.steps at the same step (decide an early stop on every rank, e.g. on a run.all_reduce'd "
+        "value, not on one rank alone)")
+    # a break (return, sys.exit(0)) inside step 6's body, before its all-reduce: that step counts as done on rank 1,
+    # and rank 0 waits inside it
+    broke = watchdog.judge({0: rec(5, 11.0), 1: rec(6, 11.0, "ended in a step")}, AUTO)
+    assert (broke["ended"], broke["step"], broke["at"]) == ([1], 6, 6)
+    assert watchdog.line(broke, frames).startswith(
+        "rank 1 ended its task in step 6 (a break, return or sys.exit(0) in run.steps) while rank 0 went on, and has "
+        "waited 11 s (limit 10 s) in step 6, in torch's")
+    assert watchdog.judge({0: rec(4, 30.0), 1: rec(6, 11.0, "ended in a step")}, AUTO) is None   # behind: not it
+    assert watchdog.judge({0: rec(12, 9.0), 1: rec(12, 11.0, "done")}, AUTO) is None   # 10 s: not yet
+    assert watchdog.judge({0: rec(12, 11.0, step_s=1.0), 1: rec(12, 0.0, "ended")}, AUTO) is None   # 20 x 1 s
+    assert watchdog.judge(ended, FIVE)["limit_s"] == 5.0   # launch.hang.timeout_s, where set
+    # the normal end: a rank still in its last step (behind the end), or saving after it, is no one's fault
+    assert watchdog.judge({0: rec(11, 30.0), 1: rec(12, 30.0, "ended")}, AUTO) is None
+    assert watchdog.judge({0: rec(12, 30.0, "checkpoint"), 1: rec(12, 30.0, "ended")}, AUTO) is None
+    # behind the end for its limit: the usual verdict, the rank behind at fault
+    assert watchdog.judge({0: rec(11, 51.0), 1: rec(12, 51.0, "ended")}, AUTO)["behind"] == [0]
+
+
 def _hang(tmp_path, how: str, *extra: str, timeout: float = 120, nproc: int = 2):
     args = ["--config-dir", str(TESTS / "conf"), "task=probe_hangs", f"task.how={how}",
             f"launch.nproc_per_node={nproc}", "launch.hang.timeout_s=5", *extra]
@@ -164,6 +194,46 @@ def test_a_spinning_rank_and_a_collective_nobody_else_calls_are_named(tmp_path, 
     run, _ = _hang(tmp_path, how)
     last = run.stderr.strip().splitlines()[-1]
     assert run.returncode == EXIT_HUNG and all(part in last for part in says), run.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stop", ["break", "return", "exit"])
+def test_an_early_stop_on_one_rank_names_that_rank_within_seconds_not_the_one_that_waits(tmp_path, stop):
+    # `if run.is_main and ...: break`: rank 0 would wait in its next step's all-reduce until the collective's
+    # timeout (300 s), and the error would then name rank 0; the default watchdog (auto) says it in ~10 s
+    t0 = time.monotonic()
+    run = expgpu(["--config-dir", str(TESTS / "conf"), "task=probe_hangs", "task.how=stop", f"task.stop={stop}",
+                  "launch.nproc_per_node=2"], tmp_path / "run", env=clean_env(PYTHONPATH=str(HELPERS)), timeout=120)
+    took = time.monotonic() - t0
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == EXIT_HUNG, run.stderr[-3000:]
+    assert last.startswith("expgpu: hung: rank 1 ended its task in step 6 (a break, return or sys.exit(0) in "
+                           "run.steps) while rank 0 went on, and has waited "), last
+    assert f"in step 6, in torch's _engine_run_backward at {_at('loss.backward()')}" in last
+    assert "every rank must leave run.steps at the same step" in last
+    assert run.result["status"] == "hung" and run.result["hang"]["culprits"] == [1]
+    assert took < run.result.get("timing", {}).get("startup_s", 0) + 10 + 5 + 30, took
+    assert _leftovers(run.run_dir) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_rank_whose_process_ended_early_with_code_0_is_named_not_the_peer_that_lost_it(tmp_path):
+    run, took = _hang(tmp_path, "stop", "task.stop=os_exit")
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert last.startswith("expgpu: rank 1 failed: its process ended (code 0) while rank 0 still trained"), last
+    assert "its task ended on that rank alone (os._exit?)" in last and "/gloo/" not in last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sys_exit_0_in_the_task_of_one_rank_is_its_end(tmp_path):
+    run, _ = _hang(tmp_path, "stop", "task.stop=exit", nproc=1)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.result["status"] == "finished" and run.result["steps"] == 6   # the step whose body exited: done
+    assert "the task called sys.exit(0): taken as its end" in run.stdout
 
 
 @pytest.mark.slow

@@ -59,15 +59,15 @@ def echo_of(run_dir: Path, rank: int, e: BaseException, wait_s: float = CAUSE_WA
         if job.get("rank") not in (None, rank) and not job.get("lost_peer"):
             return f"rank {rank}: stopping: rank {job['rank']} failed: {job['message']}"
         if time.monotonic() >= deadline:
-            return (f"rank {rank}: stopping: its process group lost a peer ({_short(e)}), and no rank "
+            return (f"rank {rank}: stopping: its process group lost a peer ({short(first_line(e))}), and no rank "
                     "recorded an error of its own: a rank was killed outright (kill -9, the OOM killer, its node "
                     "lost); the launcher's lines name it (srun: 'task N: Killed')")
         time.sleep(0.05)
 
 
-def _short(e: BaseException) -> str:
+def short(text: str) -> str:
     """gloo's words without its source path and advice: 'Read error [10.0.0.2]:43124: Connection reset by peer'."""
-    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first_line(e))
+    text = re.sub(r"^(\w+: )?\[[^\]]*\.(cc|cpp|h):\d+\]\s*", r"\1", text)
     return text.split(". This is typically")[0][:160]
 
 

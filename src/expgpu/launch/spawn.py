@@ -24,9 +24,10 @@ from pathlib import Path
 
 from expgpu import envvars, procs
 from expgpu.errors import EXIT_PEER_FAILED, UserError
+from expgpu.launch.failures import short
 from expgpu.procs import stop_signals
 from expgpu.procs.handles import ProcHandle, RankStarter
-from expgpu.results import Failure, failure_time, killed_by, read_failure, write_failure
+from expgpu.results import Failure, failure_record, failure_time, killed_by, read_failure, write_failure
 from expgpu.rundir import failure_file, failure_files
 
 log = logging.getLogger("expgpu")
@@ -117,9 +118,11 @@ def run_node(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
     for name in {early, late} - {None}:
         for p in workers:
             p.send_signal(signal.Signals[name])
+    ended: dict[int, float] = {}   # rank -> when this loop saw it exit with code 0
     try:
         while True:
             codes = [p.poll() for p in workers]
+            ended.update({r: time.time() for r, c in enumerate(codes) if c == 0 and r not in ended})
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
                 _record_killed(run_dir, bad)
@@ -131,7 +134,8 @@ def run_node(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
                 bad += [(r, 1) for r, c in enumerate(codes) if c is None and failure_file(run_dir, r).exists()]
                 rank, code = min(bad, key=lambda rc: (rc[1] == EXIT_PEER_FAILED, _recorded(run_dir, rc[0])))
                 _stop(workers, grace_s=grace_s)
-                return read_failure(run_dir, rank, code)
+                cause = read_failure(run_dir, rank, code)
+                return _left_early(run_dir, ended, cause) or cause
             if all(c == 0 for c in codes):
                 return None
             time.sleep(0.05)
@@ -200,6 +204,20 @@ def _record_killed(run_dir: Path, bad: list[tuple[int, int]]) -> None:
                 write_failure(run_dir, rank, killed_by(code), killed=True)
             except OSError:   # a full disk: its peers print what they caught, as before
                 pass
+
+
+def _left_early(run_dir: Path, ended: dict[int, float], failure: Failure) -> Failure | None:
+    """The rank that ended first, with code 0, when the failure is a collective that lost its peer: a rank's
+    process that ended early (os._exit(0) in the task) left the others waiting for it, and the first of them to
+    notice would otherwise be blamed. A rank ends with 0 at the run's end only once every rank has passed the
+    run's last collective, so no lost peer follows it there. None otherwise."""
+    if not ended or not failure_record(run_dir, failure.rank).get("lost_peer"):
+        return None
+    first = min(ended, key=ended.get)
+    return Failure(first, f"its process ended (code 0) while rank {failure.rank} still trained"
+                          f"{f' (at step {failure.step})' if failure.step is not None else ''}: its task ended on "
+                          f"that rank alone (os._exit?), and rank {failure.rank}'s next collective lost it "
+                          f"({short(failure.message)})", False, 1)
 
 
 def _recorded(run_dir: Path, rank: int) -> float:

@@ -226,7 +226,16 @@ def _call(run, spec) -> tuple[str, dict]:
     finished = False
     try:
         with task_env.torchrun_variables(run), task_env.stdout_of(run):
-            returned = spec.fn(run, **params)
+            try:
+                returned = spec.fn(run, **params)
+            except SystemExit as e:
+                if e.code not in (None, 0):
+                    raise
+                # sys.exit(0) in the task: its end, as a return (a process that just ended would leave no
+                # result.json, and on several ranks its peers blamed for the collective it left)
+                log.info("rank %d: the task called sys.exit(%s): taken as its end", run.rank,
+                         e.code if e.code is not None else "")
+                returned = None
         finished = True
     except StopTraining:
         return "stopped", {}

@@ -7,6 +7,9 @@ own signs of progress (a step of run.steps; a row of expgpu.log, or output); the
   at least FLOOR_S; a rank in a slow phase (its first step, a checkpoint save, a `run.phase` block, its own
   code outside run.steps, the wait for a script's second row) has at least `launch.hang.slow_phase_s`
   (`limit`); ranks that have not begun a loop (SETUP) are not judged until one has (`judge`);
+- a rank whose task function ended (returned, or sys.exit(0)) while another went on into a step it will never
+  make: the other waits in that step's collective; at fault is the rank that ended, said after ENDED_FLOOR_S
+  (or STEP_FACTOR x the step time, or `launch.hang.timeout_s`) rather than the floor of a hang (`judge`);
 - the rank(s) at fault: those behind the others' step, else, all at one step, those not waiting in a
   collective by their frames (`culprits`);
 - the one line a hang prints: the rank(s) at fault, their own frame, where the others wait (`line`).
@@ -22,6 +25,11 @@ from dataclasses import dataclass
 FLOOR_S = 50.0
 STEP_FACTOR = 20       # auto: this many of the slowest rank's recent step time
 DONE = "done"       # a rank whose loop is over: no hang of its own while it waits for its peers
+ENDED = "ended"     # a rank whose task function ended, now in expgpu's end of the run (last rows, checkpoint)
+ENDED_IN_STEP = "ended in a step"   # ... from inside a step's body (a break, return or sys.exit(0) in run.steps)
+# a rank that went on into a step after a peer's task ended is waiting for it: said this soon (no slow phase
+# of the peer's to wait out, and no healthy run looks like it)
+ENDED_FLOOR_S = 10.0
 FAILED = "failed"   # a rank whose task raised: its peers stop now (its own process may be slow to end)
 # A rank whose run.steps / run.epochs has not begun: it builds, loads, downloads (its peers may wait for it in
 # run.barrier(), under the collective's own timeout), or its task uses no run.steps at all. Nothing says how
@@ -56,10 +64,13 @@ def judge(records: dict[int, dict], s: HangSettings) -> dict | None:
     failed = sorted(r for r, rec in records.items() if rec["phase"] == FAILED)
     if failed:
         return {"failed": failed}
-    active = {r: rec for r, rec in records.items() if rec["phase"] != DONE}
+    active = {r: rec for r, rec in records.items() if rec["phase"] not in (DONE, ENDED, ENDED_IN_STEP)}
     if all(rec["phase"] == SETUP for rec in active.values()):
         return None
     slowest = max((rec.get("step_s") or 0.0) for rec in active.values())
+    went_on = _went_on(records, active, s, slowest)
+    if went_on is not None:
+        return went_on
     over = {r: rec["age"] > limit(s, rec["phase"], slowest) for r, rec in active.items()}
     if not all(over.values()):
         return None
@@ -69,6 +80,29 @@ def judge(records: dict[int, dict], s: HangSettings) -> dict | None:
     return {"behind": behind, "step": min(active[r]["step"] for r in behind) + 1, "waited_s": round(oldest, 1),
             "limit_s": round(limit(s, active[behind[0]]["phase"], slowest), 1),
             "ranks": {str(r): {"step": rec["step"], "phase": rec["phase"]} for r, rec in sorted(active.items())}}
+
+
+def _went_on(records: dict[int, dict], active: dict[int, dict], s: HangSettings, slowest: float) -> dict | None:
+    """The verdict when ranks ended their task after E steps while others went on, inside a step the ended ones
+    never make, and have not finished it for their limit: the classic `if run.is_main: break` (or return) of an
+    early stop decided on one rank; None otherwise. A rank that left from inside a step's body (which counts
+    as done) may have left before its collectives: the others then wait in that step, E - 1 steps done. A rank
+    behind that is the usual rule's."""
+    ended = {r: rec for r, rec in records.items() if rec["phase"] in (DONE, ENDED, ENDED_IN_STEP)}
+    if not ended or not active:
+        return None
+    end = min(rec["step"] for rec in ended.values())
+    first = sorted(r for r, rec in ended.items() if rec["step"] == end)
+    broke = any(ended[r]["phase"] == ENDED_IN_STEP for r in first)
+    wait = s.timeout_s if s.timeout_s is not None else max(ENDED_FLOOR_S, STEP_FACTOR * slowest)
+    on = {r: rec for r, rec in active.items()
+          if rec["phase"] == "train" and rec["step"] >= end - broke and rec["age"] > wait}
+    if not on:
+        return None
+    return {"ended": first, "went_on": sorted(on), "behind": first, "step": end, "broke": broke,
+            "at": min(rec["step"] for rec in on.values()) + 1,
+            "waited_s": round(max(rec["age"] for rec in on.values()), 1), "limit_s": round(wait, 1),
+            "ranks": {str(r): {"step": rec["step"], "phase": rec["phase"]} for r, rec in sorted(records.items())}}
 
 
 # Where a rank waits for its peers, by the innermost Python function it is in: a rank found there is
@@ -86,7 +120,7 @@ def culprits(verdict: dict, frames: dict[int, dict]) -> list[int]:
     """The rank(s) at fault: those behind the others' step, else, all at one step, those not waiting
     in a collective (by their frames); all of them when that tells nothing."""
     behind = verdict["behind"]
-    if len(behind) < len(verdict["ranks"]):
+    if "ended" in verdict or len(behind) < len(verdict["ranks"]):
         return behind
     stuck = [r for r in behind if not waiting(frames.get(r))]
     return stuck if 0 < len(stuck) < len(behind) else behind
@@ -98,6 +132,8 @@ def line(verdict: dict, frames: dict[int, dict], head: str | None = None) -> str
     ranks = sorted(int(r) for r in verdict["ranks"])
     behind = culprits(verdict, frames)
     who = ", ".join(f"rank {r}" for r in behind)
+    if "ended" in verdict:
+        return _ended_line(verdict, frames, who)
     if head is None:
         head = (f"{who} {'has' if len(behind) == 1 else 'have'} not finished step {verdict['step']}"
                 if len(behind) < len(ranks) or len(ranks) == 1 else f"no rank has finished step {verdict['step']}")
@@ -108,6 +144,18 @@ def line(verdict: dict, frames: dict[int, dict], head: str | None = None) -> str
         where = {_frame(frames.get(r), short=True) for r in others}
         parts.append(f"the others ({', '.join(f'rank {r}' for r in others)}) wait {' / '.join(sorted(where))}")
     return "; ".join(parts)
+
+
+def _ended_line(verdict: dict, frames: dict[int, dict], who: str) -> str:
+    on = verdict["went_on"]
+    others = ", ".join(f"rank {r}" for r in on)
+    where = " / ".join(sorted({_frame(frames.get(r), short=True) for r in on}))
+    how = (f"in step {verdict['step']} (a break, return or sys.exit(0) in run.steps)" if verdict["broke"] else
+           f"after step {verdict['step']} (returned, or sys.exit(0))")
+    return (f"{who} ended {'its task' if len(verdict['ended']) == 1 else 'their tasks'} {how} while {others} went "
+            f"on, and {'has' if len(on) == 1 else 'have'} waited {verdict['waited_s']:.0f} s (limit "
+            f"{verdict['limit_s']:.0f} s) in step {verdict['at']}, {where}: every rank must leave run.steps at the "
+            "same step (decide an early stop on every rank, e.g. on a run.all_reduce'd value, not on one rank alone)")
 
 
 def _frame(frame: dict | None, short: bool = False) -> str:
@@ -122,5 +170,5 @@ def _frame(frame: dict | None, short: bool = False) -> str:
     return f"{own or 'no frame of your code'}" + (f" (in {inside})" if inside else "")
 
 
-__all__ = ["DONE", "FAILED", "FLOOR_S", "SETUP", "STEP_FACTOR", "WAITING", "HangSettings", "culprits", "judge", "limit",
-           "line", "settings", "waiting"]
+__all__ = ["DONE", "ENDED", "ENDED_FLOOR_S", "ENDED_IN_STEP", "FAILED", "FLOOR_S", "SETUP", "STEP_FACTOR", "WAITING",
+           "HangSettings", "culprits", "judge", "limit", "line", "settings", "waiting"]

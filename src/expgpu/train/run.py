@@ -92,6 +92,7 @@ class Run(RunCheckpoint, RunEnd):
         self._stopped = False
         self._in_steps = False  # inside run.steps (a step's body included)
         self._phase = "train"   # what the loop does between steps (the watchdog reads it: progress())
+        self._ended = ""        # the task function has ended: "in a step" (inside run.steps) or "after its steps"
         # task.log_reduce chooses the class once: run.log, called every step, tests nothing for it
         log_class = WindowMeanLog if spec.log_reduce == "mean" else MetricsLog
         # rank 0's rows also go to `sinks` (expgpu.loggers.base.Sink: the chosen loggers, a sweeper's trial)

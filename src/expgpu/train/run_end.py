@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from expgpu.distributed import group
-from expgpu.procs.hang_rules import SETUP
+from expgpu.procs.hang_rules import ENDED, ENDED_IN_STEP, SETUP
 from expgpu.procs.stop_signals import PRUNED
 
 
@@ -24,7 +24,10 @@ class RunEnd:
         """(steps done, what the rank does now: setup until its run.steps / run.epochs begins; "first
         step" until this process has finished one (it may compile); train inside run.steps; "outside
         the steps" in its own code between epochs or after the loop (an evaluation not in a run.phase);
-        checkpoint, or a run.phase name); read by the hang watchdog from a thread of its own."""
+        checkpoint, or a run.phase name; ended once the task function has returned); read by the hang
+        watchdog from a thread of its own."""
+        if self._ended:   # its peers may still be inside a step this rank will never make
+            return self.step, ENDED_IN_STEP if self._ended == "in a step" else ENDED
         phase = self._phase
         if phase == "train":
             if not self._started:
@@ -45,6 +48,7 @@ class RunEnd:
         """After the function: the last rows, and a checkpoint if the loop ended early (a break)."""
         try:
             if finished:
+                self._ended = "in a step" if self._in_step else "after its steps"
                 self._count_broken_step()
             if finished and self._started and self._saved_at != self.step:
                 self._agreement.settle()

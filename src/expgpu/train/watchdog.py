@@ -41,6 +41,8 @@ from expgpu.errors import EXIT_HUNG, EXIT_PEER_FAILED
 from expgpu.procs import stacks
 from expgpu.procs.hang_rules import (
     DONE,
+    ENDED,
+    ENDED_IN_STEP,
     FAILED,
     FLOOR_S,
     STEP_FACTOR,
@@ -96,7 +98,8 @@ class Watchdog:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
         try:
-            self._publish(FAILED if failed else DONE)
+            self._step, phase = self.where()   # the step it ended at, not its last tick's: its peers compare theirs
+            self._publish(FAILED if failed else phase if phase in (ENDED, ENDED_IN_STEP) else DONE)
         except Exception:   # the store's host (rank 0) may be gone already
             pass
         faulthandler.cancel_dump_traceback_later()
