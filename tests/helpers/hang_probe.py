@@ -14,6 +14,8 @@
                     alive `slow_s` more (the interpreter waits for it at exit)
     how=stop        an early stop decided on rank `rank` alone at step `at`: `break` (stop=break), `return`
                     (stop=return), sys.exit(0) (stop=exit) or os._exit(0) (stop=os_exit); the others go on
+    how=uneven      one epoch (run.epochs(1)) of data sharded by hand, unevenly: rank `rank`'s holds `at` batches,
+                    the others' max_steps
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ def hangs(run: Run, rank: int = 1, at: int = 5, how: str = "sleep", max_steps: i
         if run.rank == rank:
             time.sleep(slow_s)
         run.barrier()
+    if how == "uneven":
+        for _ in run.epochs(1):
+            for _, batch in run.steps([x] * (at if run.rank == rank else max_steps)):
+                net(batch).pow(2).mean().backward()
+        return {}
     for step, _ in run.steps(None, max_steps):
         if step == at and run.rank == rank:
             if how == "sleep":

@@ -95,6 +95,19 @@ def test_a_rank_that_ended_while_others_went_on_is_at_fault_after_ten_seconds():
         "rank 1 ended its task in step 6 (a break, return or sys.exit(0) in run.steps) while rank 0 went on, and has "
         "waited 11 s (limit 10 s) in step 6, in torch's")
     assert watchdog.judge({0: rec(4, 30.0), 1: rec(6, 11.0, "ended in a step")}, AUTO) is None   # behind: not it
+    # its data ran out (an iterable of its own, sharded unevenly), or its max_steps were fewer: said so, whether its
+    # task has returned since or it is still in its own code after the loop (watched there as a slow phase)
+    for phase in ("data ran out", "ended: data ran out"):
+        out = watchdog.judge({0: rec(12, 11.0), 1: rec(12, 11.0, phase)}, AUTO)
+        assert watchdog.line(out, frames).startswith(
+            "rank 1 ran out of data after step 12 (its loader ended) while rank 0 went on, and has waited 11 s "), out
+        assert watchdog.line(out, frames).endswith(
+            "every rank must run the same number of steps: give each the same number of batches (run.loader shares a "
+            "dataset out equally; an iterable of your own must yield as many on every rank)")
+    fewer = watchdog.judge({0: rec(12, 11.0), 1: rec(12, 1.0, "max_steps done")}, AUTO)
+    assert "rank 1 did its max_steps (12) while rank 0 went on" in watchdog.line(fewer, frames)
+    # still in its own code after the loop for its slow phase, with its peers done: the usual verdict
+    assert watchdog.judge({0: rec(20, 601.0, "ended"), 1: rec(20, 601.0, "max_steps done")}, AUTO)["behind"] == [1]
     assert watchdog.judge({0: rec(12, 9.0), 1: rec(12, 11.0, "done")}, AUTO) is None   # 10 s: not yet
     assert watchdog.judge({0: rec(12, 11.0, step_s=1.0), 1: rec(12, 0.0, "ended")}, AUTO) is None   # 20 x 1 s
     assert watchdog.judge(ended, FIVE)["limit_s"] == 5.0   # launch.hang.timeout_s, where set
@@ -215,6 +228,17 @@ def test_an_early_stop_on_one_rank_names_that_rank_within_seconds_not_the_one_th
     assert run.result["status"] == "hung" and run.result["hang"]["culprits"] == [1]
     assert took < run.result.get("timing", {}).get("startup_s", 0) + 10 + 5 + 30, took
     assert _leftovers(run.run_dir) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_rank_whose_data_ran_out_first_is_named(tmp_path):
+    run, _ = _hang(tmp_path, "uneven")
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == EXIT_HUNG, run.stderr[-3000:]
+    assert last.startswith("expgpu: hung: rank 1 ran out of data after step 5 (its loader ended) while rank 0 went "
+                           "on, and has waited "), last
+    assert last.split(" (every rank's stacks")[0].endswith("an iterable of your own must yield as many on every rank)")
 
 
 @pytest.mark.slow

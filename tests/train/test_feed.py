@@ -1,15 +1,18 @@
 """The samplers' (epoch, index) keys and SeededFetch, which seeds a worker's random draws per batch
-(end to end: test_run_api.py::test_augmentation_in_dataloader_workers_resumes_exactly)."""
+(end to end: test_run_api.py::test_augmentation_in_dataloader_workers_resumes_exactly); the Feed of run.steps
+over an iterable of the task's own."""
 
 from __future__ import annotations
 
 import pickle
 import random
 
+import pytest
 import torch
 
 from expgpu.train import proportional
-from expgpu.train.batches import RankSampler, SeededFetch
+from expgpu.errors import UserError
+from expgpu.train.batches import Feed, RankSampler, SeededFetch
 
 
 class Draws(torch.utils.data.Dataset):
@@ -49,3 +52,17 @@ def test_seeded_fetch_reads_through_and_survives_pickling():
     assert len(fetch) == 10 and fetch[3][0] == 3 and fetch.classes == ["a", "b"]
     back = pickle.loads(pickle.dumps(fetch))        # a spawn or forkserver worker gets a copy
     assert back.__getitems__([(0, 1)]) == fetch.__getitems__([(0, 1)])
+
+
+def test_a_generator_that_runs_out_before_max_steps_is_one_line_saying_so():
+    feed = Feed((i for i in range(3)), torch.device("cpu"), accumulate=1)
+    assert [feed.next() for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(UserError, match=r"^run.steps: the iterator it was given \(a generator\) ran out after 3 "
+                                        r"batch\(es\) and cannot start again: give run.steps an iterable that starts "
+                                        r"again at each epoch"):
+        feed.next()
+    again = Feed([0, 1], torch.device("cpu"), accumulate=1)   # a list starts again: epoch after epoch
+    assert [again.next() for _ in range(5)] == [0, 1, 0, 1, 0] and again.epoch == 2
+    with pytest.raises(UserError, match="the loader gives no batch \\(it is empty"):
+        Feed([], torch.device("cpu"), accumulate=1).next()
+

@@ -27,6 +27,10 @@ STEP_FACTOR = 20       # auto: this many of the slowest rank's recent step time
 DONE = "done"       # a rank whose loop is over: no hang of its own while it waits for its peers
 ENDED = "ended"     # a rank whose task function ended, now in expgpu's end of the run (last rows, checkpoint)
 ENDED_IN_STEP = "ended in a step"   # ... from inside a step's body (a break, return or sys.exit(0) in run.steps)
+# A rank whose last loop is over (still watched: its end-of-training save, its own code after the loop, a slow
+# phase), and why; once its task has ended too, "ended: <why>". No rank may go on past it.
+DATA_OUT = "data ran out"       # its loader (or iterable) ended before max_steps, or its last epoch's did
+MAX_DONE = "max_steps done"
 # a rank that went on into a step after a peer's task ended is waiting for it: said this soon (no slow phase
 # of the peer's to wait out, and no healthy run looks like it)
 ENDED_FLOOR_S = 10.0
@@ -52,6 +56,16 @@ def settings(cfg: dict) -> HangSettings | None:
     return HangSettings(None if timeout == "auto" else float(timeout), float(hang.get("slow_phase_s", 600.0)))
 
 
+def ended(phase: str) -> bool:
+    """Whether a rank's task has ended (it waits for its peers in expgpu's end of the run): no hang of its own."""
+    return phase in (DONE, ENDED, ENDED_IN_STEP) or phase.startswith(f"{ENDED}: ")
+
+
+def over(phase: str) -> bool:
+    """Whether a rank's steps are over for good: its task ended, or its last loop did."""
+    return ended(phase) or phase in (DATA_OUT, MAX_DONE)
+
+
 def limit(s: HangSettings, phase: str, step_s: float | None) -> float:
     """How long a rank in `phase` may go without finishing a step."""
     base = s.timeout_s if s.timeout_s is not None else max(FLOOR_S, STEP_FACTOR * (step_s or 0.0))
@@ -64,7 +78,7 @@ def judge(records: dict[int, dict], s: HangSettings) -> dict | None:
     failed = sorted(r for r, rec in records.items() if rec["phase"] == FAILED)
     if failed:
         return {"failed": failed}
-    active = {r: rec for r, rec in records.items() if rec["phase"] not in (DONE, ENDED, ENDED_IN_STEP)}
+    active = {r: rec for r, rec in records.items() if not ended(rec["phase"])}
     if all(rec["phase"] == SETUP for rec in active.values()):
         return None
     slowest = max((rec.get("step_s") or 0.0) for rec in active.values())
@@ -88,18 +102,20 @@ def _went_on(records: dict[int, dict], active: dict[int, dict], s: HangSettings,
     early stop decided on one rank; None otherwise. A rank that left from inside a step's body (which counts
     as done) may have left before its collectives: the others then wait in that step, E - 1 steps done. A rank
     behind that is the usual rule's."""
-    ended = {r: rec for r, rec in records.items() if rec["phase"] in (DONE, ENDED, ENDED_IN_STEP)}
-    if not ended or not active:
+    done = {r: rec for r, rec in records.items() if over(rec["phase"])}
+    if not done or not active:
         return None
-    end = min(rec["step"] for rec in ended.values())
-    first = sorted(r for r, rec in ended.items() if rec["step"] == end)
-    broke = any(ended[r]["phase"] == ENDED_IN_STEP for r in first)
+    end = min(rec["step"] for rec in done.values())
+    first = sorted(r for r, rec in done.items() if rec["step"] == end)
+    why = next((p for p in (ENDED_IN_STEP, DATA_OUT, MAX_DONE)
+                for r in first if done[r]["phase"].removeprefix(f"{ENDED}: ") == p), ENDED)
+    broke = why == ENDED_IN_STEP
     wait = s.timeout_s if s.timeout_s is not None else max(ENDED_FLOOR_S, STEP_FACTOR * slowest)
     on = {r: rec for r, rec in active.items()
           if rec["phase"] == "train" and rec["step"] >= end - broke and rec["age"] > wait}
     if not on:
         return None
-    return {"ended": first, "went_on": sorted(on), "behind": first, "step": end, "broke": broke,
+    return {"ended": first, "went_on": sorted(on), "behind": first, "step": end, "why": why,
             "at": min(rec["step"] for rec in on.values()) + 1,
             "waited_s": round(max(rec["age"] for rec in on.values()), 1), "limit_s": round(wait, 1),
             "ranks": {str(r): {"step": rec["step"], "phase": rec["phase"]} for r, rec in sorted(records.items())}}
@@ -150,12 +166,25 @@ def _ended_line(verdict: dict, frames: dict[int, dict], who: str) -> str:
     on = verdict["went_on"]
     others = ", ".join(f"rank {r}" for r in on)
     where = " / ".join(sorted({_frame(frames.get(r), short=True) for r in on}))
-    how = (f"in step {verdict['step']} (a break, return or sys.exit(0) in run.steps)" if verdict["broke"] else
-           f"after step {verdict['step']} (returned, or sys.exit(0))")
-    return (f"{who} ended {'its task' if len(verdict['ended']) == 1 else 'their tasks'} {how} while {others} went "
-            f"on, and {'has' if len(on) == 1 else 'have'} waited {verdict['waited_s']:.0f} s (limit "
-            f"{verdict['limit_s']:.0f} s) in step {verdict['at']}, {where}: every rank must leave run.steps at the "
-            "same step (decide an early stop on every rank, e.g. on a run.all_reduce'd value, not on one rank alone)")
+    one, step = len(verdict["ended"]) == 1, verdict["step"]
+    how, fix = _ENDS.get(verdict["why"], _ENDS[ENDED])
+    how = how.format(task="its task" if one else "their tasks", step=step, data="its" if one else "their")
+    return (f"{who} {how} while {others} went on, and {'has' if len(on) == 1 else 'have'} waited "
+            f"{verdict['waited_s']:.0f} s (limit {verdict['limit_s']:.0f} s) in step {verdict['at']}, {where}: {fix}")
+
+
+# How the ranks that were first to be done with their steps were done, and what to do about it
+_SAME_STEPS = "every rank must run the same number of steps"
+_EARLY_STOP = ("every rank must leave run.steps at the same step (decide an early stop on every rank, e.g. on a "
+               "run.all_reduce'd value, not on one rank alone)")
+_ENDS = {
+    ENDED_IN_STEP: ("ended {task} in step {step} (a break, return or sys.exit(0) in run.steps)", _EARLY_STOP),
+    ENDED: ("ended {task} after step {step} (returned, or sys.exit(0))", _EARLY_STOP),
+    DATA_OUT: ("ran out of data after step {step} ({data} loader ended)", f"{_SAME_STEPS}: give each the same "
+               "number of batches (run.loader shares a dataset out equally; an iterable of your own must yield as "
+               "many on every rank)"),
+    MAX_DONE: ("did {data} max_steps ({step})", f"{_SAME_STEPS} (the same max_steps on every rank)"),
+}
 
 
 def _frame(frame: dict | None, short: bool = False) -> str:
@@ -170,5 +199,6 @@ def _frame(frame: dict | None, short: bool = False) -> str:
     return f"{own or 'no frame of your code'}" + (f" (in {inside})" if inside else "")
 
 
-__all__ = ["DONE", "ENDED", "ENDED_FLOOR_S", "ENDED_IN_STEP", "FAILED", "FLOOR_S", "SETUP", "STEP_FACTOR", "WAITING",
-           "HangSettings", "culprits", "judge", "limit", "line", "settings", "waiting"]
+__all__ = ["DATA_OUT", "DONE", "ENDED", "ENDED_FLOOR_S", "ENDED_IN_STEP", "FAILED", "FLOOR_S", "MAX_DONE", "SETUP",
+           "STEP_FACTOR", "WAITING", "HangSettings", "culprits", "ended", "judge", "limit", "line", "over", "settings",
+           "waiting"]

@@ -187,6 +187,7 @@ class Feed:
         self.sampler = positioner(loader) if loader is not None else None
         self.epoch = 0
         self.position = 0          # batches of this epoch already handed out
+        self._last_epoch = 0       # batches the epoch before this one gave
         self._it: Iterator | None = None
 
     def resume(self, epoch: int, position: int) -> None:
@@ -222,6 +223,7 @@ class Feed:
                     return END_OF_EPOCH
                 if self.position == 0:
                     raise UserError(self._empty()) from None
+                self._last_epoch = self.position
                 self.epoch, self.position, self._it = self.epoch + 1, 0, None
                 continue
             self.position += 1
@@ -242,6 +244,10 @@ class Feed:
         return it
 
     def _empty(self) -> str:
+        if self.epoch > 0 and iter(self.loader) is self.loader:   # a generator: read once, and read
+            return (f"run.steps: the iterator it was given (a {type(self.loader).__name__}) ran out after "
+                    f"{self._last_epoch} batch(es) and cannot start again: give run.steps an iterable that starts "
+                    "again at each epoch (a list, a DataLoader, an IterableDataset), or fewer steps")
         size = getattr(self.loader, "batch_size", None)
         if isinstance(self.sampler, RankSampler):
             self.sampler.start = 0

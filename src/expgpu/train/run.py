@@ -42,6 +42,7 @@ from expgpu.distributed import gather, group, rng
 from expgpu.distributed.wrap import wrap
 from expgpu.errors import UserError
 from expgpu.loggers.jsonl import LOG_FORMS, ROW_KEYS, MetricsLog, WindowMeanLog, positional_values
+from expgpu.procs.hang_rules import DATA_OUT, MAX_DONE
 from expgpu.procs.stop_signals import NEVER
 from expgpu.train.batches import END_OF_EPOCH, Feed
 from expgpu.train.loaders import RankLoaders, check_loader_args
@@ -93,6 +94,7 @@ class Run(RunCheckpoint, RunEnd):
         self._in_steps = False  # inside run.steps (a step's body included)
         self._phase = "train"   # what the loop does between steps (the watchdog reads it: progress())
         self._ended = ""        # the task function has ended: "in a step" (inside run.steps) or "after its steps"
+        self._steps_over = ""   # its last loop is over: why (hang_rules.DATA_OUT or MAX_DONE); no step follows
         # task.log_reduce chooses the class once: run.log, called every step, tests nothing for it
         log_class = WindowMeanLog if spec.log_reduce == "mean" else MetricsLog
         # rank 0's rows also go to `sinks` (expgpu.loggers.base.Sink: the chosen loggers, a sweeper's trial)
@@ -211,6 +213,7 @@ class Run(RunCheckpoint, RunEnd):
         self._begin(max_steps, last_poll=max_steps - 1)
         self._resume_into(self._feed)
         yield from self._run_steps(self._feed, max_steps)
+        self._steps_over = MAX_DONE if self.step >= max_steps else DATA_OUT
         self._end()
 
     @property
@@ -246,6 +249,8 @@ class Run(RunCheckpoint, RunEnd):
             self._metrics.plan(max_steps=self.step + left + (self._epoch_end - self._epoch - 1) * whole)
         # like enumerate(loader): the batch's index in the epoch (from where a resumed epoch stood)
         yield from self._run_steps(feed, NEVER, index=feed.position // feed.accumulate)
+        if self._epoch == self._epoch_end - 1:
+            self._steps_over = DATA_OUT   # the last epoch's: no rank may train on past it
 
     def _run_steps(self, feed: Feed, max_steps: int, index: int | None = None) -> Iterator[tuple[int, Any]]:
         """(the step, or with `index` the batch's index in its epoch counted from it, batch)."""

@@ -24,10 +24,14 @@ class RunEnd:
         """(steps done, what the rank does now: setup until its run.steps / run.epochs begins; "first
         step" until this process has finished one (it may compile); train inside run.steps; "outside
         the steps" in its own code between epochs or after the loop (an evaluation not in a run.phase);
-        checkpoint, or a run.phase name; ended once the task function has returned); read by the hang
-        watchdog from a thread of its own."""
+        checkpoint, or a run.phase name; once its last loop is over, why (its data ran out, its max_steps
+        done); ended once the task function has returned); read by the hang watchdog from a thread of its own."""
         if self._ended:   # its peers may still be inside a step this rank will never make
-            return self.step, ENDED_IN_STEP if self._ended == "in a step" else ENDED
+            if self._ended == "in a step":
+                return self.step, ENDED_IN_STEP
+            return self.step, f"{ENDED}: {self._steps_over}" if self._steps_over else ENDED
+        if self._steps_over:   # its end-of-training save, its own code after the loop: a slow phase, and no step
+            return self.step, self._steps_over   # follows (a peer that went on waits for it)
         phase = self._phase
         if phase == "train":
             if not self._started:
