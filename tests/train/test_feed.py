@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from expgpu.train import proportional
 from expgpu.errors import UserError
+from expgpu.train import proportional
 from expgpu.train.batches import Feed, RankSampler, SeededFetch
 
 
