@@ -98,6 +98,15 @@ def test_a_failing_rank_ends_the_others_and_is_named_with_its_code_and_stderr(tm
     assert "ValueError: injected failure" in (run.run_dir / "logs" / "rank1.script.log").read_text()
 
 
+def test_a_rank_that_exits_0_early_is_named_not_the_rank_whose_collective_lost_it(tmp_path):
+    run = expgpu([*CONF, "task=script_early_exit", "launch.nproc_per_node=2"], tmp_path / "run")
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "expgpu: rank 1 failed: its process ended (code 0) while rank 0 still trained: its task ended on that rank "
+        "alone (an early exit decided there: sys.exit(0) in a script, os._exit(0)), and rank 0's next collective "
+        "lost it")
+
+
 def _wait_for_step(proc, run_dir: Path, step: int, ranks=(0, 1), timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -59,13 +59,13 @@ def echo_of(run_dir: Path, rank: int, e: BaseException, wait_s: float = CAUSE_WA
         if job.get("rank") not in (None, rank) and not job.get("lost_peer"):
             return f"rank {rank}: stopping: rank {job['rank']} failed: {job['message']}"
         if time.monotonic() >= deadline:
-            return (f"rank {rank}: stopping: its process group lost a peer ({short(first_line(e))}), and no rank "
+            return (f"rank {rank}: stopping: its process group lost a peer ({_short(first_line(e))}), and no rank "
                     "recorded an error of its own: a rank was killed outright (kill -9, the OOM killer, its node "
                     "lost); the launcher's lines name it (srun: 'task N: Killed')")
         time.sleep(0.05)
 
 
-def short(text: str) -> str:
+def _short(text: str) -> str:
     """gloo's words without its source path and advice: 'Read error [10.0.0.2]:43124: Connection reset by peer'."""
     text = re.sub(r"^(\w+: )?\[[^\]]*\.(cc|cpp|h):\d+\]\s*", r"\1", text)
     return text.split(". This is typically")[0][:160]
@@ -80,7 +80,8 @@ def record(run_dir: Path, rank: int, e: BaseException, step: int | None = None) 
         if isinstance(e, UserError):
             write_failure(run_dir, rank, str(e), user_error=True)
         elif isinstance(e, WorkerFailed):   # rank 0 of a script task also reports a peer's failure: says whose
-            write_failure(run_dir, rank, e.failure.message if e.failure.rank == rank else str(e))
+            own = e.failure.rank == rank   # its script's own end: an echo when its stderr says a peer went away
+            write_failure(run_dir, rank, e.failure.message if own else str(e), lost_peer=own and lost_peer(e))
         elif isinstance(e, KeyboardInterrupt):
             write_failure(run_dir, rank, "interrupted (second Ctrl-C)")
         elif no_room(e):

@@ -24,7 +24,6 @@ from pathlib import Path
 
 from expgpu import envvars, procs
 from expgpu.errors import EXIT_PEER_FAILED, UserError
-from expgpu.launch.failures import short
 from expgpu.procs import stop_signals
 from expgpu.procs.handles import ProcHandle, RankStarter
 from expgpu.results import Failure, failure_record, failure_time, killed_by, read_failure, write_failure
@@ -216,8 +215,8 @@ def _left_early(run_dir: Path, ended: dict[int, float], failure: Failure) -> Fai
     first = min(ended, key=ended.get)
     return Failure(first, f"its process ended (code 0) while rank {failure.rank} still trained"
                           f"{f' (at step {failure.step})' if failure.step is not None else ''}: its task ended on "
-                          f"that rank alone (os._exit?), and rank {failure.rank}'s next collective lost it "
-                          f"({short(failure.message)})", False, 1)
+                          "that rank alone (an early exit decided there: sys.exit(0) in a script, os._exit(0)), and "
+                          f"rank {failure.rank}'s next collective lost it", False, 1)
 
 
 def _recorded(run_dir: Path, rank: int) -> float:
