@@ -100,3 +100,32 @@ def test_a_module_wrapped_already_is_refused_not_wrapped_twice(wrapped):
     assert wrapped["again"] == [
         "run.wrap: the module is wrapped already (what run.wrap returned); pass your own module, once",
         "run.wrap: the module is wrapped already (a DistributedDataParallel); pass your own module, once"]
+
+
+def test_modules_no_wrapper_syncs_on_several_ranks_are_named():
+    from expgpu.distributed.wrap import unsynced
+
+    model, frozen = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1).requires_grad_(False)
+    tracked = {"model": model, "frozen": frozen, "opt": torch.optim.SGD(model.parameters(), lr=0.1)}
+    assert unsynced(tracked, "ddp", 2, wrapped_any=False) == ["model"]   # a frozen one needs no sync
+    assert unsynced(tracked, "fsdp", 4, wrapped_any=False) == ["model"]
+    assert unsynced(tracked, "ddp", 2, wrapped_any=True) == []    # run.wrap was called
+    assert unsynced(tracked, "none", 2, wrapped_any=False) == []  # each rank alone, as asked
+    assert unsynced(tracked, "ddp", 1, wrapped_any=False) == []   # one rank: nothing to sync
+    # a wrapper of the task's own, tracked: it syncs
+    assert unsynced({**tracked, "dp": torch.nn.DataParallel(model)}, "ddp", 2, wrapped_any=False) == []
+
+
+def test_the_parameters_checksum_ignores_buffers_the_whole_one_does_not(tmp_path):
+    from expgpu.checkpoint.state import CheckpointState
+
+    def sums(running_mean: float):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+        model[1].running_mean.fill_(running_mean)   # BatchNorm's stats after a rank's last forward
+        state = CheckpointState(tmp_path, None, rank=0, world_size=2, device=torch.device("cpu"))
+        state.add("model", model)
+        return state.checksums()
+
+    (whole_a, weights_a), (whole_b, weights_b) = sums(0.0), sums(1.0)
+    assert weights_a == weights_b and whole_a != whole_b

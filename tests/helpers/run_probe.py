@@ -78,6 +78,19 @@ def tracks(run: Run, max_steps: int = 4):
         pass
 
 
+def unwrapped(run: Run, max_steps: int = 4):
+    """Trains a module on every rank without run.wrap: no gradient sync (each rank its own data and copy)."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.track(model=model, opt=opt)
+    data = torch.Generator().manual_seed(run.rank)   # each rank its own share of the data
+    for _ in run.steps(None, max_steps):
+        loss = model(torch.randn(4, 2, generator=data)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 def track_no_state(run: Run):
     run.track(thing=object())
 

@@ -140,6 +140,20 @@ def test_ranks_that_end_out_of_step_are_named_as_the_checkpoint_keeps_rank_0s(tm
 
 
 @pytest.mark.slow
+def test_a_model_not_given_to_run_wrap_on_two_ranks_is_said_before_the_first_step_and_at_the_end(tmp_path):
+    run = probe(["task=probe_unwrapped", "launch.nproc_per_node=2"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert ("run.wrap was not called: on 2 ranks each trains its own copy of model, with no gradient sync "
+            "(launch.wrap=ddp wraps what run.wrap is given), and the checkpoint keeps rank 0's: model = "
+            "run.wrap(model) before the loop") in run.output
+    assert ("rank(s) 1 ended with other parameters than rank 0 (result.json's rank_checksums): no gradient sync kept "
+            "them in step (launch.wrap=ddp wraps what run.wrap is given)") in run.output
+    alone = probe(["task=probe_unwrapped", "launch.nproc_per_node=2", "launch.wrap=none"], tmp_path / "alone")
+    assert alone.returncode == 0 and "run.wrap was not called" not in alone.output   # each rank alone, as asked
+    assert "launch.wrap=none keeps no rank in step" in alone.output
+
+
+@pytest.mark.slow
 def test_a_loop_that_breaks_early_saves_the_steps_it_did(tmp_path):
     """A break after step 40's body: 40 steps done, the same checkpoint as max_steps=40, and a
     rerun with more steps trains on as the uninterrupted run does."""

@@ -100,7 +100,7 @@ def test_a_stop_saves_and_the_rerun_ends_as_the_uninterrupted_run(tmp_path, base
     assert (tmp_path / "stopped" / "checkpoint.pt").exists()
     resumed = run_task(tmp_path / "stopped", base_cfg, fn)
     assert resumed[2].resumed_from_step == stop_at
-    assert resumed[1] == whole[1] and resumed[2].checksum() == whole[2].checksum()
+    assert resumed[1] == whole[1] and resumed[2].checksums() == whole[2].checksums()
     assert rows(tmp_path / "stopped") == rows(tmp_path / "whole")
 
 
@@ -130,7 +130,7 @@ def test_a_finished_run_trained_on_by_its_length_key_continues_from_its_checkpoi
     whole = run_task(tmp_path / "whole", base_cfg, "regress", max_steps=30)
     run_task(tmp_path / "run", base_cfg, "regress", max_steps=20)
     longer = run_task(tmp_path / "run", base_cfg, "regress", max_steps=30)
-    assert longer[2].resumed_from_step == 20 and longer[2].checksum() == whole[2].checksum()
+    assert longer[2].resumed_from_step == 20 and longer[2].checksums() == whole[2].checksums()
     assert longer[2].length_keys == ["max_steps"]
 
 

@@ -247,22 +247,26 @@ class CheckpointState:
         """An asynchronous save still being written: finished and in place (the run's end)."""
         self._sharded.settle()
 
-    def checksum(self) -> str | None:
-        """Of every tracked module's state: equal on all ranks when DDP kept them in step."""
+    def checksums(self) -> tuple[str | None, str | None]:
+        """Of every tracked module's state, and of its parameters alone, in one pass: both equal on all ranks when
+        DDP kept them in step; the parameters' also where buffers differ by rank (BatchNorm's running stats after
+        the last forward, which DDP broadcasts from rank 0 at the next). (None, None) without a module."""
         modules = {n: o for n, o in sorted(self.objects.items()) if hasattr(o, "named_parameters")}
         if not modules:
-            return None
+            return None, None
         import torch
 
-        h = hashlib.sha256()
+        whole, weights = hashlib.sha256(), hashlib.sha256()
         for name, module in modules.items():
+            params = {key for key, _ in module.named_parameters()}
             for key, tensor in module.state_dict().items():
-                h.update(f"{name}.{key}".encode())
                 if hasattr(tensor, "full_tensor"):   # a shard (fsdp): every rank gathers the whole (collective)
                     tensor = tensor.full_tensor()
-                raw = tensor.detach().to("cpu").contiguous().view(-1)
-                h.update(raw.view(torch.uint8).numpy().tobytes())   # any dtype, bf16 too
-        return h.hexdigest()[:16]
+                raw = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()   # any dtype
+                for h in (whole, weights) if key in params else (whole,):
+                    h.update(f"{name}.{key}".encode())
+                    h.update(raw)
+        return whole.hexdigest()[:16], weights.hexdigest()[:16]
 
 
 def _held(obj: Any) -> Any:

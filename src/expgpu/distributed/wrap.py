@@ -43,20 +43,41 @@ def _refuse_wrapped(model) -> None:
     would all-reduce every gradient twice and train on, slower, without a word."""
     import torch
 
-    kinds = [torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel]
-    fsdp = sys.modules.get("torch.distributed.fsdp")   # imported where a module was sharded: not to import here
-    if fsdp is not None:                               # (torch.distributed.tensor's import: ~0.5 s of a start)
-        kinds.append(fsdp.FSDPModule)   # fully_shard's class, once a module is sharded
     ours = getattr(model, "_expgpu_wrapped", False)
-    if ours or isinstance(model, tuple(kinds)):
+    if _is_wrapper(model):
         from expgpu.errors import UserError
 
         what = "what run.wrap returned" if ours else f"a {type(model).__name__}"
-        if not ours and not isinstance(model, tuple(kinds[:2])):   # the task's own fully_shard
+        if not ours and not isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            # the task's own fully_shard
             raise UserError(f"run.wrap: the module is sharded already (fully_shard made it {what}); leave run.wrap "
                             "out for it and pass it to run.track as it is, whose checkpoint then keeps every "
                             "rank's shards (checkpoint.format=auto); or leave fully_shard to launch.wrap=fsdp")
         raise UserError(f"run.wrap: the module is wrapped already ({what}); pass your own module, once")
+
+
+def unsynced(objects: dict, mode: str, world_size: int, wrapped_any: bool) -> list[str]:
+    """The names of tracked modules that train with no gradient sync: on several ranks under launch.wrap=ddp or
+    fsdp, when run.wrap was never called and no tracked module is a wrapper of the task's own (a DDP, an FSDP
+    shard, what run.wrap returned); empty otherwise. Each rank would train its own copy, and the checkpoint
+    keep rank 0's."""
+    if world_size < 2 or mode not in ("ddp", "fsdp") or wrapped_any:
+        return []
+    modules = {name: obj for name, obj in objects.items() if hasattr(obj, "named_parameters")}
+    if any(_is_wrapper(m) for m in modules.values()):
+        return []
+    return [name for name, m in modules.items() if any(p.requires_grad for p in m.parameters())]
+
+
+def _is_wrapper(module) -> bool:
+    """A DDP, a DataParallel, an FSDP shard (fully_shard's class) or what run.wrap returned."""
+    import torch
+
+    kinds = [torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel]
+    fsdp = sys.modules.get("torch.distributed.fsdp")   # imported where a module was sharded: not to import here
+    if fsdp is not None:                               # (torch.distributed.tensor's import: ~0.5 s of a start)
+        kinds.append(fsdp.FSDPModule)
+    return getattr(module, "_expgpu_wrapped", False) or isinstance(module, tuple(kinds))
 
 
 def wrapped(forward_module, original) -> Any:

@@ -73,20 +73,33 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
         status, metrics = _outcome(run, spec, dog, on_error, t_start)
         mine = run.result(t_start, STEP_MEANS)
         me = {"rank": info.rank, "host": host, "device": str(device), "gpus": [g.index for g in my_gpus],
-              "names": [g.name for g in my_gpus], "param_checksum": mine["param_checksum"], **_gpu_peak(device)}
+              "names": [g.name for g in my_gpus], "param_checksum": mine["param_checksum"],
+              "weights_checksum": mine.pop("weights_checksum"), **_gpu_peak(device)}
         ranks = group.gather_objects(me, info.world_size)
     if info.rank != 0:
         return None
     checksums = [r["param_checksum"] for r in ranks]
-    apart = [r for r, c in enumerate(checksums) if c != checksums[0]]
-    # Only without a wrapper: DDP keeps the parameters in step, and the buffers it does not (BatchNorm's running
-    # stats after the last forward) it broadcasts from rank 0 at the next, as a resume gives rank 0's to all.
-    if apart and None not in checksums and cfg["launch"]["wrap"] == "none":
-        log.warning("rank(s) %s ended with other parameters than rank 0 (result.json's rank_checksums): "
-                    "launch.wrap=none keeps no rank in step, and the checkpoint keeps rank 0's state, which a "
-                    "resume gives to every rank", ", ".join(map(str, apart)))
+    _warn_apart(ranks, cfg["launch"]["wrap"])
+    for r in ranks:
+        r.pop("weights_checksum")
     return results.write_result(run_dir, {
         "status": status, **base, "plan": ranks, "metrics": metrics, **mine, "rank_checksums": checksums})
+
+
+def _warn_apart(ranks: list[dict], wrap: str) -> None:
+    """Rank 0, at the end: ranks whose parameters ended other than rank 0's. Under launch.wrap=none nothing keeps
+    them in step (said for the whole state); else what DDP keeps in step is the parameters (the buffers it does
+    not, BatchNorm's running stats after the last forward, it broadcasts from rank 0 at the next, as a resume
+    gives rank 0's to all), so parameters apart mean gradients no wrapper synced."""
+    key = "param_checksum" if wrap == "none" else "weights_checksum"
+    sums = [r[key] for r in ranks]
+    apart = [r for r, c in enumerate(sums) if c != sums[0]]
+    if not apart or None in sums:
+        return
+    why = ("launch.wrap=none keeps no rank in step" if wrap == "none" else
+           f"no gradient sync kept them in step (launch.wrap={wrap} wraps what run.wrap is given)")
+    log.warning("rank(s) %s ended with other parameters than rank 0 (result.json's rank_checksums): %s, and the "
+                "checkpoint keeps rank 0's state, which a resume gives to every rank", ", ".join(map(str, apart)), why)
 
 
 def _gpu_peak(device) -> dict:

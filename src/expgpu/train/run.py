@@ -39,7 +39,7 @@ from expgpu.checkpoint.keep import names_of
 from expgpu.checkpoint.state import CheckpointState
 from expgpu.config import checkpoint_format
 from expgpu.distributed import gather, group, rng
-from expgpu.distributed.wrap import wrap
+from expgpu.distributed.wrap import unsynced, wrap
 from expgpu.errors import UserError
 from expgpu.loggers.jsonl import LOG_FORMS, ROW_KEYS, MetricsLog, WindowMeanLog, positional_values
 from expgpu.procs.hang_rules import DATA_OUT, MAX_DONE
@@ -78,6 +78,7 @@ class Run(RunCheckpoint, RunEnd):
         self.resumed_from_step: int | None = None
         self.stop_signal: str | None = None
         self._spec, self._agreement, self._wrap, self._n_gpus = spec, agreement, wrap, n_gpus
+        self._wrapped_any = False   # run.wrap was called (several ranks without it: no gradient sync)
         self._state = CheckpointState(self.run_dir, spec, self.rank, self.world_size, device,
                                       checkpoint_format(self.cfg), self.cfg.checkpoint.get("async_save", False),
                                       self.cfg.backend.timeout_s, (cfg.get("faults") or {}).get("slow_write_s") or 0.0,
@@ -128,6 +129,7 @@ class Run(RunCheckpoint, RunEnd):
         """`module` on run.device, wrapped as launch.wrap says: DDP when the world has more than one
         rank, DataParallel for `dp` over this rank's GPUs, nothing for `none`. Returns what to train:
         called, it runs through DDP; its other attributes and methods are your module's own."""
+        self._wrapped_any = True
         return wrap(module.to(self.device), self.device, self._wrap, self.world_size, self._n_gpus,
                     fsdp=self.cfg.launch.get("fsdp"), precision=self.precision)
 
@@ -208,6 +210,16 @@ class Run(RunCheckpoint, RunEnd):
         """keep=: the variables of the function that called run.steps / run.epochs (expgpu.checkpoint.keep)."""
         if keep:
             self._state.kept(where, names_of(keep, where)).bind(frame)
+
+    def _warn_unsynced(self) -> None:
+        """Before the first step, on rank 0: tracked modules that no rank's gradients will keep in step."""
+        names = unsynced(self._state.objects, self._wrap, self.world_size, self._wrapped_any) if self.is_main else []
+        if names:
+            log.warning("run.wrap was not called: on %d ranks each trains its own copy of %s, with no gradient sync "
+                        "(launch.wrap=%s wraps what run.wrap is given), and the checkpoint keeps rank 0's: "
+                        "model = run.wrap(model) before the loop; launch.wrap=none where each rank is to train alone; "
+                        "a DDP of your own: track it, not the module inside", self.world_size,
+                        ", ".join(names), self._wrap)
 
     def _loop(self, max_steps: int) -> Iterator[tuple[int, Any]]:
         self._begin(max_steps, last_poll=max_steps - 1)

@@ -26,6 +26,7 @@ class RunCheckpoint:
         """Before the first step: tracked state checked, the checkpoint read (restored by
         _resume_into), rows after it trimmed, and a stop requested while starting up acted on."""
         self._state.check_loadable()
+        self._warn_unsynced()
         lengths = checkpoint.length_keys(self._spec.params, length)
         self.length_keys, self._state.length = sorted(lengths), length
         if self.cfg.checkpoint.resume:

@@ -81,14 +81,17 @@ class RunEnd:
                 "train_s": round(end - first, 3) if first and end else None,
                 "steps_per_s": round(timed / (end - t10), 2) if t10 and end and timed > 0 else None}
 
-    def checksum(self) -> str | None:
-        """A hash of the tracked state: equal on every rank of a data-parallel run that stayed in step."""
-        return self._state.checksum()
+    def checksums(self) -> tuple[str | None, str | None]:
+        """Hashes of the tracked modules' state and of their parameters alone: equal on every rank of a
+        data-parallel run that stayed in step (expgpu.checkpoint.state)."""
+        return self._state.checksums()
 
     def result(self, t_start: float, step_means: str) -> dict:
         """This rank's part of result.json, once closed (expgpu.results has the whole schema)."""
         extra = dict(self.result_extra)
-        return {"steps": self.step, "max_steps": self.max_steps, "epochs": self._epochs,
+        whole, weights = self.checksums()
+        return {"weights_checksum": weights,   # for the ranks' comparison (expgpu.launch.worker), not result.json
+                "steps": self.step, "max_steps": self.max_steps, "epochs": self._epochs,
                 "length_keys": self.length_keys, "step_means": extra.pop("step_means", step_means),
                 "resumed_from_step": self.resumed_from_step, "stop_signal": self.stop_signal,
-                "timing": self.timings(t_start), "param_checksum": self.checksum(), **extra}
+                "timing": self.timings(t_start), "param_checksum": whole, **extra}
