@@ -248,24 +248,25 @@ class CheckpointState:
         self._sharded.settle()
 
     def checksums(self) -> tuple[str | None, str | None]:
-        """Of every tracked module's state, and of its parameters alone, in one pass: both equal on all ranks when
-        DDP kept them in step; the parameters' also where buffers differ by rank (BatchNorm's running stats after
-        the last forward, which DDP broadcasts from rank 0 at the next). (None, None) without a module."""
+        """Of every tracked module's state, and of its parameters alone: both equal on all ranks when DDP kept them
+        in step; the parameters' also where buffers differ by rank (BatchNorm's running stats after the last
+        forward, which DDP broadcasts from rank 0 at the next). Each byte is hashed once (a large model's end):
+        the whole is the hash of the parameters' and the other entries' hashes. (None, None) without a module."""
         modules = {n: o for n, o in sorted(self.objects.items()) if hasattr(o, "named_parameters")}
         if not modules:
             return None, None
         import torch
 
-        whole, weights = hashlib.sha256(), hashlib.sha256()
+        weights, others = hashlib.sha256(), hashlib.sha256()
         for name, module in modules.items():
             params = {key for key, _ in module.named_parameters()}
             for key, tensor in module.state_dict().items():
                 if hasattr(tensor, "full_tensor"):   # a shard (fsdp): every rank gathers the whole (collective)
                     tensor = tensor.full_tensor()
-                raw = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()   # any dtype
-                for h in (whole, weights) if key in params else (whole,):
-                    h.update(f"{name}.{key}".encode())
-                    h.update(raw)
+                h = weights if key in params else others
+                h.update(f"{name}.{key}".encode())
+                h.update(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        whole = hashlib.sha256(weights.digest() + others.digest())
         return whole.hexdigest()[:16], weights.hexdigest()[:16]
 
 
