@@ -7,9 +7,10 @@ own signs of progress (a step of run.steps; a row of expgpu.log, or output); the
   at least FLOOR_S; a rank in a slow phase (its first step, a checkpoint save, a `run.phase` block, its own
   code outside run.steps, the wait for a script's second row) has at least `launch.hang.slow_phase_s`
   (`limit`); ranks that have not begun a loop (SETUP) are not judged until one has (`judge`);
-- a rank whose task function ended (returned, or sys.exit(0)) while another went on into a step it will never
-  make: the other waits in that step's collective; at fault is the rank that ended, said after ENDED_FLOOR_S
-  (or STEP_FACTOR x the step time, or `launch.hang.timeout_s`) rather than the floor of a hang (`judge`);
+- a rank whose task function ended (returned, or sys.exit(0)) or whose last loop is over (its data ran out,
+  its max_steps done) while another went on into a step it will never make: the other waits in that step's
+  collective; at fault is the rank that was done first, said after ENDED_FLOOR_S (or STEP_FACTOR x the step
+  time, or `launch.hang.timeout_s`) rather than the floor of a hang (`judge`);
 - the rank(s) at fault: those behind the others' step, else, all at one step, those not waiting in a
   collective by their frames (`culprits`);
 - the one line a hang prints: the rank(s) at fault, their own frame, where the others wait (`line`).
@@ -61,7 +62,7 @@ def ended(phase: str) -> bool:
     return phase in (DONE, ENDED, ENDED_IN_STEP) or phase.startswith(f"{ENDED}: ")
 
 
-def over(phase: str) -> bool:
+def past_steps(phase: str) -> bool:
     """Whether a rank's steps are over for good: its task ended, or its last loop did."""
     return ended(phase) or phase in (DATA_OUT, MAX_DONE)
 
@@ -102,7 +103,7 @@ def _went_on(records: dict[int, dict], active: dict[int, dict], s: HangSettings,
     early stop decided on one rank; None otherwise. A rank that left from inside a step's body (which counts
     as done) may have left before its collectives: the others then wait in that step, E - 1 steps done. A rank
     behind that is the usual rule's."""
-    done = {r: rec for r, rec in records.items() if over(rec["phase"])}
+    done = {r: rec for r, rec in records.items() if past_steps(rec["phase"])}
     if not done or not active:
         return None
     end = min(rec["step"] for rec in done.values())
@@ -200,5 +201,5 @@ def _frame(frame: dict | None, short: bool = False) -> str:
 
 
 __all__ = ["DATA_OUT", "DONE", "ENDED", "ENDED_FLOOR_S", "ENDED_IN_STEP", "FAILED", "FLOOR_S", "MAX_DONE", "SETUP",
-           "STEP_FACTOR", "WAITING", "HangSettings", "culprits", "ended", "judge", "limit", "line", "over", "settings",
-           "waiting"]
+           "STEP_FACTOR", "WAITING", "HangSettings", "culprits", "ended", "judge", "limit", "line", "past_steps",
+           "settings", "waiting"]
