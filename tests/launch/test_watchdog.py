@@ -118,6 +118,23 @@ def test_a_rank_that_ended_while_others_went_on_is_at_fault_after_ten_seconds():
     assert watchdog.judge({0: rec(11, 51.0), 1: rec(12, 51.0, "ended")}, AUTO)["behind"] == [0]
 
 
+def test_a_rank_done_after_its_data_ran_out_still_says_so_to_its_peers(tmp_path):
+    # done() after the task returned: the record keeps why its steps ended (the peers' verdict names it), and the
+    # step it ended at, not its last tick's
+    from torch.distributed import HashStore
+
+    store, where = HashStore(), [(3, "train")]
+    dog = watchdog.start(store, 0, 1, tmp_path, AUTO, lambda: where[0], lambda verdict, text: None)
+    where[0] = (12, "ended: data ran out")
+    dog.done()
+    record = json.loads(store.get(f"{watchdog.PREFIX}/hb/0"))
+    assert (record["step"], record["phase"]) == (12, "ended: data ran out")
+    where[0] = (12, "train")   # a run stopped by a signal: its loop is over, nothing more to say
+    stopped = watchdog.start(store, 0, 1, tmp_path, AUTO, lambda: where[0], lambda verdict, text: None)
+    stopped.done()
+    assert json.loads(store.get(f"{watchdog.PREFIX}/hb/0"))["phase"] == "done"
+
+
 def _hang(tmp_path, how: str, *extra: str, timeout: float = 120, nproc: int = 2):
     args = ["--config-dir", str(TESTS / "conf"), "task=probe_hangs", f"task.how={how}",
             f"launch.nproc_per_node={nproc}", "launch.hang.timeout_s=5", *extra]

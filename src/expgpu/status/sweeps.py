@@ -182,9 +182,7 @@ def sweep_row(sweep: Path, jobs: list[RunRow], best: dict[str, float] | None = N
     counts = Counter(r.status for r in jobs if r.kind != "allocation")
     every = Counter(r.status for r in jobs)
     status = next((s for s in _SWEEP_ORDER if every.get(s)), next(iter(every), "empty"))
-    ended = "" if jobs else _before_any_job(sweep)
-    if ended:
-        status, ended = ended
+    status, ended = (None if jobs else _before_any_job(sweep)) or (status, "")
     starts = [r.started for r in jobs if r.started]
     running = [r for r in jobs if r.status == "running"]
     etas = [r.eta_s for r in running if r.eta_s is not None]
@@ -198,9 +196,9 @@ def sweep_row(sweep: Path, jobs: list[RunRow], best: dict[str, float] | None = N
                   gpus=gpus, metrics=dict(best or {}))
 
 
-def _before_any_job(sweep: Path) -> tuple[str, str] | str:
+def _before_any_job(sweep: Path) -> tuple[str, str] | None:
     """(status, note) of a sweep with no job yet, from its own records: refused (the user error that ended it,
-    expgpu.errors.said), starting (its process lives), or ended (its process gone); "" where it cannot tell."""
+    expgpu.errors.said), starting (its process lives), or ended (its process gone); None where it cannot tell."""
     from expgpu.results import read_job_failure, read_process
     from expgpu.status.read import lives
 
@@ -210,7 +208,7 @@ def _before_any_job(sweep: Path) -> tuple[str, str] | str:
     record = read_process(sweep) or {}
     here = lives(record) if record else None
     if here is None:
-        return ""
+        return None
     return ("starting", "") if here else ("lost", f"its process ({record.get('pid')}) ended before any job started")
 
 

@@ -94,7 +94,7 @@ class Run(RunCheckpoint, RunEnd):
         self._stopped = False
         self._in_steps = False  # inside run.steps (a step's body included)
         self._phase = "train"   # what the loop does between steps (the watchdog reads it: progress())
-        self._ended = ""        # the task function has ended: "in a step" (inside run.steps) or "after its steps"
+        self._ended = ""        # the task function has ended: hang_rules.ENDED_IN_STEP (inside run.steps) or ENDED
         self._steps_over = ""   # its last loop is over: why (hang_rules.DATA_OUT or MAX_DONE); no step follows
         # task.log_reduce chooses the class once: run.log, called every step, tests nothing for it
         log_class = WindowMeanLog if spec.log_reduce == "mean" else MetricsLog

@@ -27,9 +27,8 @@ class RunEnd:
         checkpoint, or a run.phase name; once its last loop is over, why (its data ran out, its max_steps
         done); ended once the task function has returned); read by the hang watchdog from a thread of its own."""
         if self._ended:   # its peers may still be inside a step this rank will never make
-            if self._ended == "in a step":
-                return self.step, ENDED_IN_STEP
-            return self.step, f"{ENDED}: {self._steps_over}" if self._steps_over else ENDED
+            why = self._steps_over if self._ended == ENDED else ""   # after its last loop: why that loop ended
+            return self.step, f"{ENDED}: {why}" if why else self._ended
         if self._steps_over:   # its end-of-training save, its own code after the loop: a slow phase, and no step
             return self.step, self._steps_over   # follows (a peer that went on waits for it)
         phase = self._phase
@@ -52,7 +51,7 @@ class RunEnd:
         """After the function: the last rows, and a checkpoint if the loop ended early (a break)."""
         try:
             if finished:
-                self._ended = "in a step" if self._in_step else "after its steps"
+                self._ended = ENDED_IN_STEP if self._in_step else ENDED
                 self._count_broken_step()
             if finished and self._started and self._saved_at != self.step:
                 self._agreement.settle()

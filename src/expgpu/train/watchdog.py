@@ -41,13 +41,12 @@ from expgpu.errors import EXIT_HUNG, EXIT_PEER_FAILED
 from expgpu.procs import stacks
 from expgpu.procs.hang_rules import (
     DONE,
-    ENDED,
-    ENDED_IN_STEP,
     FAILED,
     FLOOR_S,
     STEP_FACTOR,
     HangSettings,
     culprits,
+    ended,
     judge,
     limit,
     line,
@@ -99,7 +98,7 @@ class Watchdog:
             self._thread.join(timeout=5)
         try:
             self._step, phase = self.where()   # the step it ended at, not its last tick's: its peers compare theirs
-            self._publish(FAILED if failed else phase if phase in (ENDED, ENDED_IN_STEP) else DONE)
+            self._publish(FAILED if failed else phase if ended(phase) else DONE)   # why it ended, kept
         except Exception:   # the store's host (rank 0) may be gone already
             pass
         faulthandler.cancel_dump_traceback_later()
