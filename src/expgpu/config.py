@@ -9,7 +9,7 @@ import math
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from expgpu.errors import UserError, shown
-from expgpu.schema import CheckpointFormat, FsdpConfig, HangConfig, OnHang, Shard, Wrap, refuse_added_keys
+from expgpu.schema import CheckpointFormat, DdpConfig, FsdpConfig, HangConfig, OnHang, Shard, Wrap, refuse_added_keys
 from expgpu.task import SUPERVISED
 
 # What makes a composed config expgpu's (this schema, as conf/config.yaml composes it): expgpu's launchers
@@ -66,6 +66,7 @@ def check(cfg: DictConfig) -> None:
     if f.slow_rank is not None:
         need(f.slow_rank >= 0, "faults.slow_rank", "a rank >= 0")
     _check_fsdp(cfg, need)
+    _check_ddp(cfg, need)
     if cfg.launch.wrap is Wrap.dp and cfg.launch.nproc_per_node > 1:
         need(False, "launch.wrap", "dp (DataParallel) runs in one process; use ddp with several ranks")
 
@@ -113,11 +114,26 @@ def _check_fsdp(cfg: DictConfig, need) -> None:
         units = cfg.launch.fsdp.units
         need(units is None or (len(units) > 0 and all(isinstance(u, str) and u for u in units)),
              "launch.fsdp.units", "null or a list of module class names, e.g. [Block]")
-    elif cfg.launch.fsdp != OmegaConf.structured(FsdpConfig):
-        changed = [k for k, v in OmegaConf.structured(FsdpConfig).items() if cfg.launch.fsdp[k] != v]
-        need(False, f"launch.fsdp.{changed[0]}", "set only with launch.wrap=fsdp")
+    else:
+        _only_with(cfg, "fsdp", FsdpConfig, need)
     need(not cfg.checkpoint.async_save or checkpoint_format(cfg) == "dcp", "checkpoint.async_save",
          "true only with the sharded format (launch.wrap=fsdp or checkpoint.format=dcp)")
+
+
+def _check_ddp(cfg: DictConfig, need) -> None:
+    """launch.ddp, DDP's own options, against launch.wrap."""
+    if cfg.launch.wrap is not Wrap.ddp:
+        _only_with(cfg, "ddp", DdpConfig, need)
+    cap = cfg.launch.ddp.bucket_cap_mb
+    need(cap is None or (math.isfinite(cap) and cap > 0), "launch.ddp.bucket_cap_mb",
+         "null (DDP's own, 25) or megabytes > 0")
+
+
+def _only_with(cfg: DictConfig, wrap: str, schema: type, need) -> None:
+    """launch.<wrap>'s keys are that wrap's: one set under another launch.wrap would change nothing."""
+    changed = [k for k, v in OmegaConf.structured(schema).items() if cfg.launch[wrap][k] != v]
+    if changed:
+        need(False, f"launch.{wrap}.{changed[0]}", f"set only with launch.wrap={wrap}")
 
 
 def check_world(plain: dict, world: int) -> None:

@@ -117,6 +117,17 @@ class FsdpConfig:
 
 
 @dataclass
+class DdpConfig:
+    # DistributedDataParallel's own options, for every module run.wrap wraps in DDP (run.wrap's keyword
+    # arguments win for their module). True: a step may leave parameters out of its loss (a head of another
+    # task, a branch not taken); DDP then walks the autograd graph after each forward to find them.
+    find_unused_parameters: bool = False
+    static_graph: bool = False             # the same parameters used (or not) in every step: checked once, faster
+    gradient_as_bucket_view: bool = False  # gradients as views into DDP's buckets: less memory, one copy fewer
+    bucket_cap_mb: Optional[float] = None  # megabytes of gradients per all-reduce; null: DDP's own (25)
+
+
+@dataclass
 class HangConfig:
     # A run of several ranks is hung when no rank has finished a step for this long (a rank behind is
     # named, with its stack; expgpu.train.watchdog). auto: 20 x the slowest rank's recent step time,
@@ -139,6 +150,7 @@ class LaunchConfig:
     isolation: Isolation = Isolation.auto
     wrap: Wrap = Wrap.ddp                         # dp: DataParallel over a rank's GPUs (1 rank only)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)   # wrap=fsdp: FSDP2 (expgpu/distributed/fsdp.py)
+    ddp: DdpConfig = field(default_factory=DdpConfig)      # wrap=ddp: DDP's own options
     # what the task prints: every rank's on the console, or rank0's only (the others' in logs/rank<N>.out)
     stdout: Stdout = Stdout.all
     hang: HangConfig = field(default_factory=HangConfig)   # the progress watchdog of a run

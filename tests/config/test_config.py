@@ -55,7 +55,7 @@ BAD = {
     "unknown root key": (["dryrun=true"], "dryrun: unknown key; allowed under the root: task, gpu_map"),
     # Hydra adds a key given with +, and nothing under expgpu's sections would read it
     "a key added under a section": (["+launch.backend=mpi"], "launch.backend: unknown key; allowed under launch: "
-                                    "nproc_per_node, nodes, isolation, wrap, fsdp, stdout, hang, on_hang, "
+                                    "nproc_per_node, nodes, isolation, wrap, fsdp, ddp, stdout, hang, on_hang, "
                                     "max_restarts, exclude_bad_nodes, lease_gpus (a key added with + here is read "
                                     "by nothing)"),
     "a key added deeper": (["+launch.hang.every=5"], "launch.hang.every: unknown key; allowed under launch.hang: "
@@ -95,6 +95,13 @@ BAD = {
     "nodes zero": (["launch.nodes=0"], "launch.nodes=0 is not allowed: an integer >= 1"),
     "max_restarts negative": (["launch.max_restarts=-1"], "launch.max_restarts=-1 is not allowed: an integer >= 0"),
     "dp with ranks": (["launch.wrap=dp", "launch.nproc_per_node=2"], "launch.wrap=dp is not allowed"),
+    "ddp's option under fsdp": (["launch.wrap=fsdp", "launch.ddp.find_unused_parameters=true"],
+                                "launch.ddp.find_unused_parameters=true is not allowed: set only with launch.wrap=ddp"),
+    "ddp's option misspelt": (["launch.ddp.find_unused=true"], "launch.ddp.find_unused: unknown key; allowed under "
+                              "launch.ddp: find_unused_parameters, static_graph, gradient_as_bucket_view, "
+                              "bucket_cap_mb"),
+    "ddp's bucket size": (["launch.ddp.bucket_cap_mb=0"], "launch.ddp.bucket_cap_mb=0.0 is not allowed: null (DDP's "
+                                                          "own, 25) or megabytes > 0"),
     "objective type": (["objective=3"], "objective=3 is not allowed"),
     "task key misspelt": (["task.batch_sise=3"], "task.batch_sise: expgpu.tasks.supervised.train takes no parameter "
                                                  "'batch_sise' (did you mean task.batch_size?)"),

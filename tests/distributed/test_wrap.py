@@ -19,8 +19,8 @@ class Coder(torch.nn.Module):
         super().__init__()
         self.enc, self.dec = torch.nn.Linear(4, 2), torch.nn.Linear(2, 4)
 
-    def forward(self, x):
-        return self.dec(self.enc(x))
+    def forward(self, x, decode: bool = True):
+        return self.dec(self.enc(x)) if decode else self.enc(x)
 
     def decode(self, z):
         return self.dec(z)
@@ -56,12 +56,33 @@ def _probe(store: str, out: str) -> None:
                   "copied_is_new": copied is not coder, "decode": model.decode(torch.ones(1, 2)).shape[-1],
                   "isinstance": isinstance(model, Coder) and isinstance(model, torch.nn.Module),
                   "again": [_refused(lambda m=m: wrap(m, torch.device("cpu"), "ddp", world_size=2, n_gpus=1))
-                            for m in (model, ddp)]}
+                            for m in (model, ddp)],
+                  "options": _options_reach_ddp(wrap), "unused": _unused_named(wrap, dist)}
         with open(out, "w") as f:
             json.dump(result, f)
     finally:
         dist.destroy_process_group()
         expgpu_dist._let_gloo_threads_finish()   # or this process may abort at exit (torch 2.13)
+
+
+def _options_reach_ddp(wrap) -> list:
+    model = wrap(Coder(), torch.device("cpu"), "ddp", world_size=2, n_gpus=1,
+                 ddp={"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 1})
+    ddp = model._forward_module
+    return [ddp.static_graph, ddp.gradient_as_bucket_view, ddp.bucket_bytes_cap]
+
+
+def _unused_named(wrap, dist) -> list:
+    """The forward after a step whose loss left `dec` out, under DDP's two ways of listing it: by index, and by
+    name (TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
+    said = []
+    for level in (dist.DebugLevel.OFF, dist.DebugLevel.DETAIL):
+        dist.set_debug_level(level)
+        model = wrap(Coder(), torch.device("cpu"), "ddp", world_size=2, n_gpus=1)
+        model(torch.ones(2, 4), decode=False).sum().backward()
+        said.append(_refused(lambda: model(torch.ones(2, 4))))
+    dist.set_debug_level(dist.DebugLevel.OFF)
+    return said
 
 
 def _refused(call) -> str | None:
@@ -100,6 +121,32 @@ def test_a_module_wrapped_already_is_refused_not_wrapped_twice(wrapped):
     assert wrapped["again"] == [
         "run.wrap: the module is wrapped already (what run.wrap returned); pass your own module, once",
         "run.wrap: the module is wrapped already (a DistributedDataParallel); pass your own module, once"]
+
+
+def test_ddps_own_options_reach_ddp(wrapped):
+    assert wrapped["options"] == [True, True, 1024 * 1024]
+
+
+def test_parameters_a_step_left_without_gradient_are_named_in_one_line(wrapped):
+    by_index, by_name = wrapped["unused"]
+    assert by_index == by_name
+    assert by_index.startswith("run.wrap(Coder): on rank 0 the step before this forward gave dec.weight, dec.bias no "
+                               "gradient (not used in its loss), and DDP reduces every trainable parameter's gradient")
+    assert "run.wrap(model, find_unused_parameters=True) or launch.ddp.find_unused_parameters=true" in by_index
+
+
+def test_ddp_options_are_checked_on_one_rank_as_on_several():
+    from expgpu.distributed.wrap import ddp_options
+    from expgpu.errors import UserError
+
+    configured = {"find_unused_parameters": False, "static_graph": False, "bucket_cap_mb": None}
+    assert ddp_options(configured, {"find_unused_parameters": True}) == {**configured, "find_unused_parameters": True}
+    with pytest.raises(UserError, match=r"^run.wrap\(find_unused_parameter=...\): DistributedDataParallel takes no "
+                       r"option 'find_unused_parameter' \(did you mean find_unused_parameters\?\); it takes .*"
+                       r"static_graph"):
+        ddp_options(configured, {"find_unused_parameter": True})
+    with pytest.raises(UserError, match=r"^run.wrap\(device_ids=...\): run.wrap sets device_ids itself"):
+        ddp_options(configured, {"device_ids": [1]})
 
 
 def test_modules_no_wrapper_syncs_on_several_ranks_are_named():

@@ -91,6 +91,32 @@ def unwrapped(run: Run, max_steps: int = 4):
         opt.step()
 
 
+class TwoHeads(torch.nn.Module):
+    """A body and two heads, as a multi-task model: a step trains one head."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head_a, self.head_b = torch.nn.Linear(2, 4), torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+
+    def forward(self, x, head: str = "a"):
+        return (self.head_a if head == "a" else self.head_b)(torch.relu(self.body(x)))
+
+
+def two_heads(run: Run, max_steps: int = 6, find_unused: Optional[bool] = None):
+    """Rank 0 trains head_a and rank 1 head_b (each rank's loss leaves the other head out); `find_unused`:
+    run.wrap's keyword (None: not given, launch.ddp's then)."""
+    options = {} if find_unused is None else {"find_unused_parameters": find_unused}
+    model = run.wrap(TwoHeads(), **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.track(model=model, opt=opt)
+    for _ in run.steps(None, max_steps):
+        loss = model(torch.ones(4, 2), "a" if run.rank == 0 else "b").pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {"find_unused": int(model._forward_module.find_unused_parameters)}
+
+
 def track_no_state(run: Run):
     run.track(thing=object())
 

@@ -162,8 +162,8 @@ def test_launch_settings_a_script_cannot_honour(launch):
 
 @pytest.mark.parametrize("section, key, value, why", [
     ("launch", "wrap", "fsdp", "the script wraps its own model"),
-    ("launch", "fsdp", {"units": ["Block"], "reshard_after_forward": True, "cpu_offload": False},
-     "the script wraps its own model"),
+    ("launch", "fsdp.units", ["Block"], "the script wraps its own model"),
+    ("launch", "ddp.find_unused_parameters", True, "the script wraps its own model"),
     ("checkpoint", "every_steps", 100, "the script keeps its own checkpoints (task.resume_args)"),
     ("checkpoint", "format", "dcp", "the script keeps its own checkpoints (task.resume_args)"),
     ("data", "shard", "proportional", "the script loads its own data"),
@@ -172,13 +172,14 @@ def test_launch_settings_a_script_cannot_honour(launch):
 ])
 def test_settings_only_a_task_function_reads_are_refused_for_a_script(launch, section, key, value, why):
     cfg = plain({"script": "train.py"})
-    cfg.setdefault(section, {})[key] = value
+    where, _, inner = key.partition(".")   # launch.fsdp.units: a key inside a section's dict
+    cfg.setdefault(section, {})[where] = {inner: value} if inner else value
     with pytest.raises(UserError) as e:
         prepare(cfg, launch)
     assert str(e.value) == f"{section}.{key}={value} is not read by a script task: {why}; drop the key"
-    cfg[section][key] = {"wrap": "ddp", "fsdp": {"units": None, "reshard_after_forward": True, "cpu_offload": False},
-                         "every_steps": 0, "format": "auto", "shard": "uniform", "crash_rank": None,
-                         "name": "auto"}[key]
+    default = {"wrap": "ddp", "fsdp.units": None, "ddp.find_unused_parameters": False, "every_steps": 0,
+               "format": "auto", "shard": "uniform", "crash_rank": None, "name": "auto"}[key]
+    cfg[section][where] = {inner: default} if inner else default
     prepare(cfg, launch)   # at its default: no error
 
 

@@ -8,6 +8,7 @@ must run on 1 and 2 ranks and resume exactly after a stop.
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -151,6 +152,26 @@ def test_a_model_not_given_to_run_wrap_on_two_ranks_is_said_before_the_first_ste
     alone = probe(["task=probe_unwrapped", "launch.nproc_per_node=2", "launch.wrap=none"], tmp_path / "alone")
     assert alone.returncode == 0 and "run.wrap was not called" not in alone.output   # each rank alone, as asked
     assert "launch.wrap=none keeps no rank in step" in alone.output
+
+
+@pytest.mark.slow
+def test_parameters_a_step_leaves_out_are_named_and_ddps_option_for_them_reaches_ddp(tmp_path):
+    """Each rank's loss leaves one head out: DDP's error, at the next forward, would list indices and advise a DDP
+    keyword run.wrap did not take; now one line names them, and the option (code or config) lets it train."""
+    base = ["task=probe_two_heads", "launch.nproc_per_node=2"]
+    failed = probe(base, tmp_path / "failed")
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    last = failed.output.strip().splitlines()[-1]
+    assert last.startswith("expgpu: error: run.wrap(TwoHeads): on rank ") and "Traceback" not in failed.output
+    assert re.search(r"gave head_[ab].weight, head_[ab].bias no gradient \(not used in its loss\)", last), last
+    assert "run.wrap(model, find_unused_parameters=True) or launch.ddp.find_unused_parameters=true" in last
+    for how, overrides in (("code", ["task.find_unused=true"]), ("config", ["launch.ddp.find_unused_parameters=true"])):
+        run = probe(base + overrides, tmp_path / how)
+        assert run.returncode == 0, (how, run.stderr[-3000:])
+        assert run.result["metrics"]["find_unused"] == 1 and run.result["steps"] == 6
+    # the call's own keyword wins over launch.ddp's for its module
+    over = probe(base + ["task.find_unused=false", "launch.ddp.find_unused_parameters=true"], tmp_path / "over")
+    assert over.returncode == 2 and "gave head_" in over.output
 
 
 @pytest.mark.slow

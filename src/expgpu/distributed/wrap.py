@@ -11,13 +11,25 @@ is the user's module.
 
 from __future__ import annotations
 
+import difflib
+import re
 import sys
 from typing import Any
 
+# DDP's arguments that run.wrap sets itself: the module, this rank's device, the run's process group.
+SET_BY_WRAP = ("module", "device_ids", "output_device", "process_group", "device_mesh")
+# The start of DDP's error at the forward after a step whose backward left some parameter without a gradient
+# (torch/csrc/distributed/c10d/reducer.cpp), and the line of it that lists them, by index or, under
+# TORCH_DISTRIBUTED_DEBUG=DETAIL, by name.
+_UNREDUCED = "Expected to have finished reduction in the prior iteration"
+_NO_GRAD = re.compile(r"(Parameter indices|Parameters) which did not receive grad for rank (\d+): ([^\n]*)")
 
-def wrap(model, device, mode: str, world_size: int, n_gpus: int, fsdp: dict | None = None, precision: str = "32"):
+
+def wrap(model, device, mode: str, world_size: int, n_gpus: int, fsdp: dict | None = None, precision: str = "32",
+         ddp: dict | None = None):
     """`model` (already on `device`) as launch.wrap says; what the training loop should call.
-    fsdp: launch.fsdp's settings (expgpu.distributed.fsdp), for mode fsdp."""
+    fsdp: launch.fsdp's settings (expgpu.distributed.fsdp), for mode fsdp; ddp: DDP's own keyword arguments
+    (ddp_options), for mode ddp on several ranks."""
     import torch
 
     _refuse_wrapped(model)
@@ -34,8 +46,64 @@ def wrap(model, device, mode: str, world_size: int, n_gpus: int, fsdp: dict | No
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index or 0] if device.type == "cuda" else None
-        return wrapped(DistributedDataParallel(model, device_ids=ids), model)
+        return wrapped(DistributedDataParallel(model, device_ids=ids, **(ddp or {})), model)
     return model
+
+
+def ddp_options(configured: dict, given: dict) -> dict:
+    """DDP's keyword arguments for one run.wrap call: launch.ddp's (`configured`), the call's own (`given`) over
+    them. A name DDP does not take, or one run.wrap sets, is one line on one rank as on several, where no DDP is
+    built: a task's first try on one rank shows the typo its run on eight would stop on."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from expgpu.errors import UserError
+
+    takes = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters
+             if n != "self" and n not in SET_BY_WRAP]
+    for name in given:
+        if name in SET_BY_WRAP:
+            raise UserError(f"run.wrap({name}=...): run.wrap sets {name} itself (this rank's module, device and "
+                            f"process group); leave it out")
+        if name not in takes:
+            close = difflib.get_close_matches(name, takes, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise UserError(f"run.wrap({name}=...): DistributedDataParallel takes no option {name!r}{hint}; "
+                            f"it takes {', '.join(takes)}")
+    return {**configured, **given}
+
+
+def unused_parameters(ddp, error: BaseException) -> BaseException:
+    """DDP's error at a step's forward when the step before left parameters without a gradient, as one line that
+    names them (DDP's own lists their indices) and says what to do; any other error as it is."""
+    from expgpu.errors import UserError
+
+    text = str(error)
+    if _UNREDUCED not in text or ddp.find_unused_parameters:   # then DDP's own cause: outputs it could not see
+        return error
+    cls = type(ddp.module).__name__
+    found = _NO_GRAD.search(text)
+    if found is None:   # not the message this was written against
+        return UserError(f"run.wrap({cls}): {_unused_advice('this rank', 'some parameters')}")
+    kind, rank, listed = found.groups()
+    # the reducer's indices count the trainable parameters in named_parameters' order, less DDP's ignored ones
+    reduced = [n for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ddp.parameters_to_ignore]
+    if kind == "Parameters":   # names, in no order: the module's
+        listed = {n.strip() for n in listed.split(",")}
+        names = [n for n in reduced if n in listed] + sorted(listed - set(reduced) - {""})
+    else:
+        names = [reduced[int(i)] if int(i) < len(reduced) else f"#{i}" for i in listed.split()]
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return UserError(f"run.wrap({cls}): {_unused_advice(f'rank {rank}', shown)}")
+
+
+def _unused_advice(where: str, what: str) -> str:
+    return (f"on {where} the step before this forward gave {what} no gradient (not used in its loss), and DDP "
+            f"reduces every trainable parameter's gradient each step: where a step may leave some out (another "
+            f"task's head, a branch not taken), run.wrap(model, find_unused_parameters=True) or "
+            f"launch.ddp.find_unused_parameters=true (DDP then looks for them after each forward); where they never "
+            f"train, p.requires_grad_(False) before run.wrap")
 
 
 def _refuse_wrapped(model) -> None:
@@ -111,7 +179,13 @@ def _wrapped_class() -> type:
             return self._original_module
 
         def forward(self, *args, **kwargs):
-            return self._forward_module(*args, **kwargs)
+            try:
+                return self._forward_module(*args, **kwargs)
+            except RuntimeError as e:   # DDP's about parameters that got no gradient: one line naming them
+                error = unused_parameters(self._forward_module, e)
+                if error is e:
+                    raise
+                raise error from None
 
         # The user's names, without a wrapper prefix: parameter groups built from them (no weight
         # decay on biases), and the checkpoint, read as the script wrote them.

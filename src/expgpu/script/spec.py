@@ -92,7 +92,7 @@ def prepare(plain: dict, launch_dir: str | Path) -> None:
 
 # What only a task function's Run reads (its model's wrap, its checkpoints, its data loader, injected faults), and
 # why a script has none of it: set for a script task, such a key would change nothing.
-_RUN_ONLY = {"launch": ("wrap", "fsdp"), "checkpoint": ("every_steps", "poll_every", "format", "async_save"),
+_RUN_ONLY = {"launch": ("wrap", "fsdp", "ddp"), "checkpoint": ("every_steps", "poll_every", "format", "async_save"),
              "data": None, "faults": None, "backend": ("name",)}
 _WHY = {"launch": "the script wraps its own model", "checkpoint": "the script keeps its own checkpoints "
         "(task.resume_args)", "data": "the script loads its own data", "faults": "expgpu injects faults into "
@@ -114,9 +114,15 @@ def _refuse_unread(plain: dict) -> None:
             continue
         default = OmegaConf.to_container(OmegaConf.structured(schemas[section]), enum_to_str=True)
         for key in keys or default:
-            if plain[section].get(key, default[key]) != default[key]:
-                raise UserError(f"{section}.{key}={plain[section][key]} is not read by a script task: "
-                                f"{_WHY[section]}; drop the key")
+            value = plain[section].get(key, default[key])
+            if isinstance(value, dict):   # launch.ddp: the keys set inside it
+                changed = [(f"{key}.{k}", v) for k, v in value.items() if v != default[key].get(k)]
+            else:
+                changed = [(key, value)] if value != default[key] else []
+            if changed:
+                name, value = changed[0]
+                raise UserError(f"{section}.{name}={value} is not read by a script task: {_WHY[section]}; "
+                                "drop the key")
 
 
 def checked(cfg, launch_dir: str | Path) -> dict | None:

@@ -39,7 +39,7 @@ from expgpu.checkpoint.keep import names_of
 from expgpu.checkpoint.state import CheckpointState
 from expgpu.config import checkpoint_format
 from expgpu.distributed import gather, group, rng
-from expgpu.distributed.wrap import unsynced, wrap
+from expgpu.distributed.wrap import ddp_options, unsynced, wrap
 from expgpu.errors import UserError
 from expgpu.loggers.jsonl import LOG_FORMS, ROW_KEYS, MetricsLog, WindowMeanLog, positional_values
 from expgpu.procs.hang_rules import DATA_OUT, MAX_DONE
@@ -125,13 +125,16 @@ class Run(RunCheckpoint, RunEnd):
 
     # -- models and data -------------------------------------------------------------------------
 
-    def wrap(self, module):
+    def wrap(self, module, **ddp):
         """`module` on run.device, wrapped as launch.wrap says: DDP when the world has more than one
         rank, DataParallel for `dp` over this rank's GPUs, nothing for `none`. Returns what to train:
-        called, it runs through DDP; its other attributes and methods are your module's own."""
+        called, it runs through DDP; its other attributes and methods are your module's own. `ddp`:
+        DistributedDataParallel's own options (find_unused_parameters=True, static_graph=True, ...) over
+        launch.ddp's, used where it builds a DDP."""
+        options = ddp_options(dict(self.cfg.launch.get("ddp") or {}), ddp)
         self._wrapped_any = True
         return wrap(module.to(self.device), self.device, self._wrap, self.world_size, self._n_gpus,
-                    fsdp=self.cfg.launch.get("fsdp"), precision=self.precision)
+                    fsdp=self.cfg.launch.get("fsdp"), precision=self.precision, ddp=options)
 
     def loader(self, dataset, batch_size: int, shuffle: bool = True, drop_last: bool = True, **kwargs):
         """This rank's DataLoader over `dataset`: every rank takes a disjoint share of each epoch
