@@ -10,8 +10,10 @@ and script tasks alike). Its keys, by kind of task:
                  length_keys, stop_signal, timing (startup_s, train_s, ...), run_dir, attempts and
                  excluded_nodes (below; write_result adds them)
     a function   epochs, step_means, resumed_from_step, param_checksum, rank_checksums, and what the
-                 task added with run.result_extra; on GPUs, each plan row has gpu_peak_reserved_mb and
-                 gpu_peak_allocated_mb (the most torch's allocator held, and what tensors used of it)
+                 task added with run.result_extra; timing.data_wait and each plan row's data_wait: the share
+                 of train_s that run.steps waited for batches (rank 0's, each rank's; null without a loader);
+                 on GPUs, each plan row has gpu_peak_reserved_mb and gpu_peak_allocated_mb (the most torch's
+                 allocator held, and what tensors used of it)
     a script     command (the argv each rank ran), exit_codes (by rank), resumed, attempt (how many times its
                  script started in this run dir before, from 0: restarts, reruns and requeues alike)
 

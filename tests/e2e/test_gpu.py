@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import clean_env, expgpu
+from conftest import REPO, clean_env, expgpu
 
 pytestmark = pytest.mark.gpu
 
@@ -57,3 +57,16 @@ def test_two_gpus_two_ranks_over_nccl(tmp_path):
     res = run.result
     assert res["backend"] == "nccl" and res["rank_checksums"][0] == res["rank_checksums"][1]
     assert sorted(g for r in res["plan"] for g in r["gpus"]) == [0, 1]
+
+
+def test_a_loop_waits_for_data_only_when_the_gpu_ran_out_of_work(tmp_path):
+    """data_wait counts a batch's fetch only when the GPU had drained by its end: a loop the GPU holds back reads
+    its next batch while the GPU computes (no wait), one the loader holds back leaves the GPU idle."""
+    probe = ["--config-dir", str(REPO / "tests" / "conf"), "task=probe_data_bound"]
+    env = clean_env(PYTHONPATH=str(REPO / "tests" / "helpers"))
+    gpu_bound = expgpu(probe + ["task.item_ms=1", "task.matmuls=20"], tmp_path / "gpu", env=env)
+    data_bound = expgpu(probe + ["task.item_ms=5", "task.matmuls=0"], tmp_path / "data", env=env)
+    for run in (gpu_bound, data_bound):
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert gpu_bound.result["timing"]["data_wait"] < 0.1, gpu_bound.result["timing"]
+    assert data_bound.result["timing"]["data_wait"] > 0.7, data_bound.result["timing"]

@@ -117,6 +117,32 @@ def two_heads(run: Run, max_steps: int = 6, find_unused: Optional[bool] = None):
     return {"find_unused": int(model._forward_module.find_unused_parameters)}
 
 
+class Sleepy(torch.utils.data.Dataset):
+    """Items that take `ms` milliseconds each to read."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def __len__(self):
+        return 1024
+
+    def __getitem__(self, i):
+        time.sleep(self.ms / 1000)
+        return torch.ones(64)
+
+
+def data_bound(run: Run, item_ms: float = 1.0, matmuls: int = 0, max_steps: int = 60):
+    """Batches of 4 items of `item_ms` each, and a step of `matmuls` 4096 x 4096 products on the device (a GPU
+    computes them while the next batch is read; the loop never waits for the GPU)."""
+    w = torch.randn(4096, 4096, device=run.device) / 64
+    model = run.wrap(torch.nn.Linear(64, 1))
+    for step, x in run.steps(run.loader(Sleepy(item_ms), batch_size=4), max_steps):
+        y = w
+        for _ in range(matmuls):
+            y = torch.tanh(y @ w)
+        run.log(loss=model(x).sum() + y.mean())
+
+
 def track_no_state(run: Run):
     run.track(thing=object())
 

@@ -87,7 +87,7 @@ def test_a_one_rank_launch_trains_as_without_it(tmp_path, server):
     assert (forked.run_dir / "logs" / "rank0.log").exists()   # the fork's: its launcher did not train
     assert not (alone.run_dir / "logs" / "rank0.log").exists()
     def steps(run) -> list[str]:   # the progress lines without their pace, which the clock decides
-        return [re.sub(r"  [\d.]+ steps/s  ETA \S+$", "", ln.split(" - ", 1)[1])
+        return [re.sub(r"  [\d.]+ steps/s(  data \d+%)?  ETA \S+$", "", ln.split(" - ", 1)[1])
                 for ln in run.stderr.splitlines() + run.stdout.splitlines() if " - step " in ln]
 
     lines = steps(forked)

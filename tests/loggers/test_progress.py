@@ -48,6 +48,16 @@ def test_the_pace_is_steps_per_second_lately_and_the_time_left_at_it(clock):
     assert resumed.fields(1010) == {"epochs": 3, "steps_per_s": 5.0}
 
 
+def test_the_pace_holds_the_share_of_its_window_spent_waiting_for_batches(clock):
+    pace = Pace(0, max_steps=100)
+    clock.now += 10
+    assert pace.fields(50, waited=4.0)["data_wait"] == 0.4
+    clock.now += 40                              # the window (30 s) forgets the start: 20 s of the last 40
+    assert pace.fields(90, waited=24.0)["data_wait"] == 0.5
+    clock.now += 10
+    assert "data_wait" not in pace.fields(95)   # a loop that takes no batches from a loader
+
+
 def test_the_line_says_the_step_of_how_many_the_epoch_the_values_the_pace_and_the_time_left():
     fields = {"max_steps": 200, "steps_per_s": 12.3, "eta_s": 11.2}
     assert line(60, {"loss": 0.04041234}, fields) == "step 60/200 (30 %)  loss 0.040412  12.3 steps/s  ETA 0:00:11"
@@ -56,6 +66,8 @@ def test_the_line_says_the_step_of_how_many_the_epoch_the_values_the_pace_and_th
     assert line(7, {"loss": 1.0}, {"steps_per_s": 0.25}) == "step 7  loss 1  0.25 steps/s"   # no length known
     assert line(7, {}, {"max_steps": 10, "eta_s": 7384.0}) == "step 7/10 (70 %)  ETA 2:03:04"
     assert line(7, {}, {"steps_per_s": 1286.4}) == "step 7  1286 steps/s"   # a fast loop: no 1.29e+03
+    assert line(7, {}, {"steps_per_s": 9.5, "data_wait": 0.352}) == "step 7  9.5 steps/s  data 35%"
+    assert line(7, {}, {"steps_per_s": 9.5, "data_wait": 0.04}) == "step 7  9.5 steps/s"   # a loader that keeps up
     # on a terminal, rich's bar shows the step, the share and the time left itself
     assert line(60, {"loss": 0.5}, fields, bar=True) == "loss 0.5  12.3 steps/s"
 
@@ -80,8 +92,10 @@ def test_the_built_in_loop_says_its_step_of_how_many_its_pace_and_eta_in_its_lin
     run = expgpu(["task=a", "task.max_steps=120", "task.log_every=1"], tmp_path / "run")
     assert run.returncode == 0, run.stderr
     lines = [ln for ln in run.output.splitlines() if " - step " in ln]
-    assert re.search(r" - step 1/120 \(1 %\)  loss \S+  lr 0\.001  [\d.]+ steps/s  ETA \d:\d\d:\d\d$", lines[0]), lines
-    assert re.search(r" - step 120/120 \(100 %\)  loss .* steps/s  ETA 0:00:00$", lines[-1]), lines
+    data = r"(  data \d+%)?"   # the share of the time spent fetching batches, from 5 %
+    first = rf" - step 1/120 \(1 %\)  loss \S+  lr 0\.001  [\d.]+ steps/s{data}  ETA \d:\d\d:\d\d$"
+    assert re.search(first, lines[0]), lines
+    assert re.search(rf" - step 120/120 \(100 %\)  loss .* steps/s{data}  ETA 0:00:00$", lines[-1]), lines
     rows = run.metrics()
     assert all(r["max_steps"] == 120 and r["steps_per_s"] > 0 and r["eta_s"] >= 0 for r in rows)
     assert rows[-1]["eta_s"] == 0.0

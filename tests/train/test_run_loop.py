@@ -5,6 +5,7 @@ refused in one line. The same on 2 ranks, through the CLI, is tests/train/test_r
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -112,6 +113,51 @@ def prunes_itself(run: Run, at: int = 7):
         run.log(loss=float(step + 1))
         if step + 1 == at:
             run._agreement.signals.request(stop_signals.PRUNED)
+
+
+class Slow(torch.utils.data.Dataset):
+    """Each item takes 3 ms to read: the loop waits for its batches most of the time."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        time.sleep(0.003)
+        return torch.ones(4), torch.ones(1)
+
+
+def slow_data(run: Run, max_steps: int = 12, loader: bool = True):
+    model = run.wrap(torch.nn.Linear(4, 1))
+    for step, batch in run.steps(run.loader(Slow(), batch_size=4) if loader else None, max_steps):
+        run.log(loss=model(torch.ones(1, 4)).sum())
+
+
+def test_the_share_of_the_time_spent_waiting_for_batches_is_in_the_rows_and_result(tmp_path, base_cfg):
+    status, _, run = run_task(tmp_path / "slow", base_cfg, "slow_data", log_every=4)
+    share = run.timings(0.0)["data_wait"]
+    assert status == "finished" and 0.5 < share <= 1.0   # 12 ms a batch against a step of a few microseconds
+    got = [json.loads(line) for line in (tmp_path / "slow" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.5 < row["data_wait"] <= 1.0 for row in got), got
+    assert run.data_workers() == 0
+    # no loader: nothing waited for, and no such field
+    status, _, run = run_task(tmp_path / "none", base_cfg, "slow_data", loader=False, log_every=4)
+    assert run.timings(0.0)["data_wait"] is None and run.data_workers() is None
+    assert not any("data_wait" in json.loads(line) for line in (tmp_path / "none" / "metrics.jsonl").open())
+
+
+def test_ranks_that_waited_for_their_batches_are_said_with_what_keeps_the_loader_ahead():
+    from expgpu.train.run_end import slow_data
+
+    said = slow_data([0.1, 0.6], train_s=120.0, workers=0)
+    assert said.startswith("rank 1 waited for batches 60% of the training time (run.steps taking the next one from "
+                           "the loader and moving it to the device; result.json's plan[].data_wait): the data, not "
+                           "the model, set the pace; the loader has no workers: data.num_workers=4")
+    assert slow_data([0.3, 0.5], 120.0, workers=2).startswith("rank(s) 0, 1 waited for batches 50%")
+    assert "the loader has 2 worker(s): more of them, persistent_workers=True" in slow_data([0.3], 120.0, 2)
+    assert "an iterable of your own: a DataLoader with workers" in slow_data([0.9], 120.0, None)
+    assert slow_data([0.1, 0.2], 120.0, 0) is None      # the loader kept up
+    assert slow_data([0.9], 5.0, 0) is None              # too short a run to tell (its workers' start)
+    assert slow_data([None, None], 120.0, None) is None  # no loader
 
 
 def test_a_pruned_run_saves_no_checkpoint_and_writes_what_it_logged(tmp_path, base_cfg):

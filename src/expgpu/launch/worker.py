@@ -30,6 +30,7 @@ from expgpu.procs import stop_signals
 from expgpu.ranks import RankInfo
 from expgpu.rundir import atomic_write_bytes
 from expgpu.train import watchdog
+from expgpu.train.run_end import slow_data
 
 log = logging.getLogger("expgpu")
 
@@ -74,12 +75,16 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
         mine = run.result(t_start, STEP_MEANS)
         me = {"rank": info.rank, "host": host, "device": str(device), "gpus": [g.index for g in my_gpus],
               "names": [g.name for g in my_gpus], "param_checksum": mine["param_checksum"],
-              "weights_checksum": mine.pop("weights_checksum"), **_gpu_peak(device)}
+              "weights_checksum": mine.pop("weights_checksum"), "data_wait": mine["timing"]["data_wait"],
+              **_gpu_peak(device)}
         ranks = group.gather_objects(me, info.world_size)
     if info.rank != 0:
         return None
     checksums = [r["param_checksum"] for r in ranks]
     _warn_apart(ranks, cfg["launch"]["wrap"])
+    slow = slow_data([r["data_wait"] for r in ranks], mine["timing"]["train_s"], run.data_workers())
+    if slow:
+        log.warning("%s", slow)
     for r in ranks:
         r.pop("weights_checksum")
     return results.write_result(run_dir, {

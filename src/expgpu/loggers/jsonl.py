@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -173,12 +174,15 @@ class MetricsLog:
         self.sinks = list(sinks)
         self.last_row: dict[str, Any] | None = None
         self.written_at: float | None = None   # when rows were last handed to the OS
-        # flushed, not yet written: ([(name, step, number or _Copy)], epoch, time, monotonic, to the sinks)
+        # flushed, not yet written: ([(name, step, number or _Copy)], epoch, time, monotonic, to the sinks,
+        # seconds waited for data or None)
         self.unwritten: list[tuple[list, int, float, float, bool]] = []
         self._rows_lock = threading.Lock()   # the loop's flush, and write_out from the watchdog's thread
         self._prompt = frozenset().union(*(getattr(s, "prompt", ()) for s in self.sinks))
         self._sinks_lock = threading.Lock()   # the sinks are fed by one thread at a time (SINKS_WAIT_S)
         self._sinks_ended = False
+        # the seconds the loop has waited for its batches so far, once it takes them from a loader (expgpu.train.run)
+        self.waited: Callable[[], float] | None = None
 
     def open(self, resumed_step: int, total_steps: int | None, resumed: bool = False) -> None:
         """Before the first row: trim what a resume redoes, open for appending, start the sinks."""
@@ -224,7 +228,8 @@ class MetricsLog:
         taken = self._taken()
         self.pending.clear()
         with self._rows_lock:
-            self.unwritten.append((taken, epoch, round(time.time(), 3), time.monotonic(), to_sinks))
+            self.unwritten.append((taken, epoch, round(time.time(), 3), time.monotonic(), to_sinks,
+                                   self.waited() if self.waited is not None else None))
         if (self.written_at is None or time.monotonic() - self.written_at >= WRITE_EVERY_S
                 or (self._prompt and any(name in self._prompt for name, _, _ in taken))):
             self.write_out()
@@ -279,12 +284,13 @@ class MetricsLog:
                 return
             time.sleep(0.01)
 
-    def _rows(self, taken: list, epoch: int, wall: float, at: float, to_sinks: bool) -> tuple[list[dict], bool]:
+    def _rows(self, taken: list, epoch: int, wall: float, at: float, to_sinks: bool,
+              waited: float | None) -> tuple[list[dict], bool]:
         """One flush's rows, in words (its values read: arrived long ago)."""
         rows: dict[int, dict[str, Any]] = {}
         for name, step, value in taken:
             rows.setdefault(step, {})[name] = _read(value)
-        pace = self.pace.fields(max(rows), at)
+        pace = self.pace.fields(max(rows), at, waited)
         return [{"step": step, **rows[step], "epoch": epoch, "time": wall, **pace} for step in sorted(rows)], to_sinks
 
     def state_dict(self) -> list:

@@ -9,12 +9,16 @@ the run's length, the time left. Its fields go into each row, for tools to read:
     epochs        under run.epochs: how many epochs the loop runs
     steps_per_s   steps per second, lately
     eta_s         seconds left to max_steps at that pace
+    data_wait     the share of that time rank 0 waited for its batches in run.steps (taking the next one from
+                  its loader, moving it to the device): near 0 when the loader keeps ahead of the steps
 
 `Display` shows them: a log line at most every PROGRESS_EVERY_S and the last one at the end; on an interactive
 terminal one live line there instead (rich's progress bar, which stays when the run ends), while the log files
 keep the lines:
 
-    step 60/200 (30 %)  epoch 2/5  loss 0.0404  12.3 steps/s  ETA 0:00:11
+    step 60/200 (30 %)  epoch 2/5  loss 0.0404  12.3 steps/s  data 35%  ETA 0:00:11
+
+(`data 35%` only from DATA_SHOWN up: a loader that keeps up is no news.)
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from typing import Any
 
 log = logging.getLogger("expgpu")
 
-FIELDS = ("max_steps", "epochs", "steps_per_s", "eta_s")
-PACE = ("steps_per_s", "eta_s")   # the fields the clock decides: two runs of the same steps differ in them
+FIELDS = ("max_steps", "epochs", "steps_per_s", "eta_s", "data_wait")
+PACE = ("steps_per_s", "eta_s", "data_wait")   # the fields the clock decides: two runs of the same steps differ in them
+DATA_SHOWN = 0.05   # the progress line says `data N%` from this share of the time waited for batches up
 WINDOW_S = 30.0   # the pace is over the rows of about this many seconds: it follows a change within a minute
 
 # Without a terminal, a progress line at most this often (and the last row at the end): a line per
@@ -42,27 +47,33 @@ BAR_EVERY_S = 0.1
 
 
 class Pace:
-    """Steps per second over the last WINDOW_S, and the time left to max_steps."""
+    """Steps per second over the last WINDOW_S, the time left to max_steps, and the share of the window spent
+    waiting for data."""
 
     def __init__(self, start_step: int, max_steps: int | None = None, epochs: int | None = None):
         self.max_steps, self.epochs = max_steps, epochs
-        self.points: collections.deque[tuple[float, int]] = collections.deque([(time.monotonic(), start_step)])
+        # (time.monotonic, step, seconds waited for data so far or None)
+        self.points: collections.deque[tuple[float, int, float | None]] = collections.deque(
+            [(time.monotonic(), start_step, 0.0)])
 
-    def fields(self, step: int, now: float | None = None) -> dict[str, Any]:
-        """This row's progress fields (those known), for a row made at `now` (time.monotonic's; now if None)."""
+    def fields(self, step: int, now: float | None = None, waited: float | None = None) -> dict[str, Any]:
+        """This row's progress fields (those known), for a row made at `now` (time.monotonic's; now if None),
+        when the loop had waited `waited` seconds for its batches in all (None: it takes none from a loader)."""
         now = time.monotonic() if now is None else now
         points = self.points
         if step < points[-1][1]:   # a step logged behind the last (an evaluation's own): no pace from it
-            return self._known(step, None)
-        points.append((now, step))
+            return self._known(step, None, None)
+        points.append((now, step, waited))
         while len(points) > 2 and now - points[1][0] >= WINDOW_S:
             points.popleft()   # the oldest point kept is the newest one at least WINDOW_S old
-        (t0, s0), rate = points[0], None
+        (t0, s0, w0), rate, share = points[0], None, None
         if now > t0 and step > s0:
             rate = (step - s0) / (now - t0)
-        return self._known(step, rate)
+            if waited is not None and w0 is not None:
+                share = min(1.0, max(0.0, (waited - w0) / (now - t0)))
+        return self._known(step, rate, share)
 
-    def _known(self, step: int, rate: float | None) -> dict[str, Any]:
+    def _known(self, step: int, rate: float | None, share: float | None) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.max_steps is not None:
             out["max_steps"] = self.max_steps
@@ -72,6 +83,8 @@ class Pace:
             out["steps_per_s"] = float(f"{rate:.4g}")
             if self.max_steps is not None:
                 out["eta_s"] = round(max(0, self.max_steps - step) / rate, 1)
+        if share is not None:
+            out["data_wait"] = round(share, 3)
         return out
 
 
@@ -172,6 +185,8 @@ def line(step: int, values: dict[str, Any], fields: dict[str, Any], epoch: int |
         rate = fields["steps_per_s"]
         # three digits, and never 1.29e+03: a fast loop's pace reads as 1290
         parts.append(f"{rate:.0f} steps/s" if rate >= 100 else f"{rate:.3g} steps/s")
+    if fields.get("data_wait", 0) >= DATA_SHOWN:
+        parts.append(f"data {100 * fields['data_wait']:.0f}%")
     if not bar and fields.get("eta_s") is not None:
         parts.append(f"ETA {_clock(fields['eta_s'])}")
     return "  ".join(parts) if parts else "training"
@@ -182,4 +197,4 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-__all__ = ["FIELDS", "PACE", "PROGRESS_EVERY_S", "WINDOW_S", "Display", "Pace", "line"]
+__all__ = ["DATA_SHOWN", "FIELDS", "PACE", "PROGRESS_EVERY_S", "WINDOW_S", "Display", "Pace", "line"]

@@ -103,6 +103,10 @@ class Run(RunCheckpoint, RunEnd):
         self._gpu_speed = gpu_speed
         self._start_step = 0
         self._timing: dict[str, float | None] = {"first_step_at": None, "t10": None, "end": None}
+        # seconds run.steps waited for batches (taking the next from the loader, moving it to the device); None
+        # until it takes one from a loader: the share of the time that was, in the rows and result.json
+        self._waited: float | None = None
+        self._loader_workers: int | None = None
         # What the task adds to result.json beside expgpu's own keys (the built-in loop: its data split,
         # and "step_means", what one step of run.steps stands for, when it is more than one iteration)
         self.result_extra: dict[str, Any] = {}
@@ -273,9 +277,19 @@ class Run(RunCheckpoint, RunEnd):
         should_stop, metrics, start = self._agreement.should_stop, self._metrics, self._start_step
         crash_step = self._faults.get("crash_step")
         self._in_steps = True   # the watchdog tells the loop from the code around it (progress())
+        if feed.loader is not None:
+            self._loader_workers = getattr(feed.loader, "num_workers", None)
+        if feed.loader is not None and self._waited is None:
+            self._waited = 0.0
+            if metrics is not None:
+                metrics.waited = lambda: self._waited
+        clock, idle = time.perf_counter, group.gpu_idle(self.device)
         try:
             while self.step < max_steps:
+                fetched = clock()
                 batch = feed.next()
+                if self._waited is not None and idle():
+                    self._waited += clock() - fetched
                 if batch is END_OF_EPOCH:
                     return
                 if crash_step == self.step:

@@ -11,6 +11,10 @@ from expgpu.distributed import group
 from expgpu.procs.hang_rules import ENDED, ENDED_IN_STEP, SETUP
 from expgpu.procs.stop_signals import PRUNED
 
+# A rank that waited for its batches this share of its training time or more, in a training of at least
+# DATA_WARN_S (a short one's first batch, its loader's workers starting, is most of it), is said at the end.
+DATA_WARN, DATA_WARN_S = 0.25, 20.0
+
 
 class RunEnd:
     @property
@@ -73,12 +77,20 @@ class RunEnd:
             self._metrics.finish_loggers(status, metrics, self.step)
 
     def timings(self, t_start: float) -> dict:
-        """startup_s (from `t_start` to the first step), first_step_at, train_s, steps_per_s."""
+        """startup_s (from `t_start` to the first step), first_step_at, train_s, steps_per_s, and data_wait: the
+        share of train_s that run.steps waited for batches (None without a loader)."""
         first, t10, end = self._timing["first_step_at"], self._timing["t10"], self._timing["end"]
         timed = self.step - self._start_step - 10
+        train_s = end - first if first and end else None
         return {"startup_s": round(first - t_start, 3) if first else None, "first_step_at": first,
-                "train_s": round(end - first, 3) if first and end else None,
-                "steps_per_s": round(timed / (end - t10), 2) if t10 and end and timed > 0 else None}
+                "train_s": round(train_s, 3) if train_s is not None else None,
+                "steps_per_s": round(timed / (end - t10), 2) if t10 and end and timed > 0 else None,
+                "data_wait": round(min(1.0, self._waited / train_s), 3) if train_s and self._waited is not None
+                else None}
+
+    def data_workers(self) -> int | None:
+        """The worker processes of the last loader run.steps took batches from (None: not a DataLoader)."""
+        return self._loader_workers
 
     def checksums(self) -> tuple[str | None, str | None]:
         """Hashes of the tracked modules' state and of their parameters alone: equal on every rank of a
@@ -94,3 +106,24 @@ class RunEnd:
                 "length_keys": self.length_keys, "step_means": extra.pop("step_means", step_means),
                 "resumed_from_step": self.resumed_from_step, "stop_signal": self.stop_signal,
                 "timing": self.timings(t_start), "param_checksum": whole, **extra}
+
+
+def slow_data(waits: list[float | None], train_s: float | None, workers: int | None) -> str | None:
+    """The warning for the ranks that waited for their batches DATA_WARN of their training time or more
+    (`waits`: each rank's timing.data_wait), with what would keep their loader ahead; None when none did."""
+    slow = [(rank, w) for rank, w in enumerate(waits) if w is not None and w >= DATA_WARN]
+    if not slow or train_s is None or train_s < DATA_WARN_S:
+        return None
+    rank, worst = max(slow, key=lambda rw: rw[1])
+    who = f"rank {rank}" if len(waits) == 1 or len(slow) == 1 else f"rank(s) {', '.join(str(r) for r, _ in slow)}"
+    if workers is None:
+        fix = "an iterable of your own: a DataLoader with workers (run.loader) prepares batches while a step computes"
+    elif workers == 0:
+        fix = ("the loader has no workers: data.num_workers=4 (run.loader's; a DataLoader of your own: its "
+               "num_workers) prepares batches in the background while a step computes")
+    else:
+        fix = (f"the loader has {workers} worker(s): more of them, persistent_workers=True (no new workers at "
+               f"each epoch), or less work in the dataset's __getitem__")
+    return (f"{who} waited for batches {100 * worst:.0f}% of the training time (run.steps taking the next one "
+            f"from the loader and moving it to the device; result.json's plan[].data_wait): the data, not the "
+            f"model, set the pace; {fix}")
