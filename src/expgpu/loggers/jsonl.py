@@ -176,7 +176,7 @@ class MetricsLog:
         self.written_at: float | None = None   # when rows were last handed to the OS
         # flushed, not yet written: ([(name, step, number or _Copy)], epoch, time, monotonic, to the sinks,
         # seconds waited for data or None)
-        self.unwritten: list[tuple[list, int, float, float, bool]] = []
+        self.unwritten: list[tuple[list, int, float, float, bool, float | None]] = []
         self._rows_lock = threading.Lock()   # the loop's flush, and write_out from the watchdog's thread
         self._prompt = frozenset().union(*(getattr(s, "prompt", ()) for s in self.sinks))
         self._sinks_lock = threading.Lock()   # the sinks are fed by one thread at a time (SINKS_WAIT_S)
