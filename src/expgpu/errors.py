@@ -59,6 +59,17 @@ def lost_peer(e: BaseException) -> bool:
     return type(e).__name__ == "DistNetworkError" or any(w in str(e).lower() for w in _LOST_PEER)
 
 
+# What gloo, NCCL and the store say when a collective or a store's wait ran past the process group's timeout
+_TIMED_OUT = ("timed out waiting", "collective operation timeout", "failed to pass monitoredbarrier",
+              "wait timeout after")
+
+
+def timed_out(e: BaseException) -> bool:
+    """An error of a collective that waited for a peer past backend.timeout_s: the rank that raised it waited,
+    the one it waited for is the cause (expgpu.train.watchdog.Watchdog.held_up says which)."""
+    return any(w in str(e).lower() for w in _TIMED_OUT)
+
+
 def no_room_line(e: OSError) -> str:
     """What a no_room error says, wherever it ends the run (this process, or a rank's supervisor)."""
     return (f"could not write {e.filename or 'a file of the run'}: {e.strerror}; what was written before it (the last "
@@ -114,6 +125,12 @@ def first_line(e: BaseException) -> str:
     """An exception's message cut to its first line (its type's name when it has none)."""
     text = str(e).strip()
     return " ".join(text.splitlines()[0].split()) if text else type(e).__name__
+
+
+def short(text: str) -> str:
+    """gloo's words without its source path and advice: 'Read error [10.0.0.2]:43124: Connection reset by peer'."""
+    text = re.sub(r"^(\w+: )?\[[^\]]*\.(cc|cpp|h):\d+\]\s*", r"\1", text)
+    return text.split(". This is typically")[0][:160]
 
 
 def plural(n: int, word: str) -> str:

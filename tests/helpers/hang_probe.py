@@ -83,7 +83,7 @@ def hangs(run: Run, rank: int = 1, at: int = 5, how: str = "sleep", max_steps: i
                 sys.exit(0)
             elif how == "stop" and stop == "os_exit":
                 os._exit(0)
-        if step == at and how == "phase":
+        if step == at and (how == "phase" or how == "alone" and run.rank == rank):   # alone: that rank's own
             with run.phase("evaluation"):
                 time.sleep(slow_s)
         if step_s:

@@ -292,6 +292,46 @@ def test_slow_is_not_hung(tmp_path, how, extra):
     assert run.result["status"] == "finished" and not (run.run_dir / "hang").exists()
 
 
+def test_a_collective_that_timed_out_names_the_ranks_it_waited_for_by_their_records():
+    from expgpu.errors import timed_out
+    from expgpu.procs.hang_rules import held_up
+
+    error = "RuntimeError: Timed out waiting 5000ms for recv operation to complete"
+    # rank 0 in a step of its own (behind rank 1's), rank 2 waiting beside rank 1: rank 0 alone is named
+    said = held_up({0: rec(5, 9.0), 1: rec(6, 0.5), 2: rec(6, 0.4)}, me=1, timeout_s=5, error=error)
+    assert said.startswith("its collective in step 7 timed out after backend.timeout_s=5 s waiting for rank 0: rank 0 "
+                           "was still in step 6, for 9 s (RuntimeError: Timed out waiting 5000ms for recv operation "
+                           "to complete): work one rank does alone (an evaluation, a save or a download on rank 0 "
+                           "only) must end within backend.timeout_s while the others wait: raise it above")
+    # all at one step: the ranks outside a step (an evaluation in run.phase, their own code, a save)
+    said = held_up({0: rec(6, 8.0, "evaluation"), 1: rec(6, 8.0), 2: rec(6, 8.0, "outside the steps")}, 1, 300, error)
+    assert said.startswith("its collective in step 7 timed out after backend.timeout_s=300 s waiting for rank 0 and "
+                           "rank 2: rank 0 was in its evaluation after step 6, for 8 s; rank 2 was in its own code "
+                           "outside run.steps after step 6, for 8 s (")
+    assert "rank 0 was done with its steps after step 6 (ended)" in held_up({0: rec(6, 3.0, "ended"), 1: rec(7, 5.0)},
+                                                                             1, 5, error)
+    # nobody behind, or nothing known of the others: nothing to add to the error
+    assert held_up({0: rec(6, 8.0), 1: rec(6, 8.0)}, 1, 5, error) is None
+    assert held_up({0: rec(0, 8.0, "setup"), 1: rec(0, 8.0, "setup")}, 1, 5, error) is None
+    for text in (error, "DistBackendError: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, ...)",
+                 "Rank 1 failed to pass monitoredBarrier in 5000 ms", "wait timeout after 300000ms, keys: /x"):
+        assert timed_out(RuntimeError(text)), text
+    assert not timed_out(RuntimeError("Connection closed by peer"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_collective_timeout_names_the_rank_whose_work_alone_outlasted_it_not_only_the_rank_that_waited(tmp_path):
+    """Rank 1 evaluates alone in run.phase (a slow phase, which the watchdog allows) past backend.timeout_s: rank
+    0's collective times out, and its line names rank 1 and where it was, where it used to blame only itself."""
+    run, took = _hang(tmp_path, "alone", "task.slow_s=60", "backend.timeout_s=4")
+    assert run.returncode == 1, run.stderr[-3000:]
+    last = run.output.strip().splitlines()[-1]
+    assert last.startswith("expgpu: rank 0 failed: its collective in step 6 timed out after backend.timeout_s=4 s "
+                           "waiting for rank 1: rank 1 was in its evaluation after step 5, for "), last
+    assert "raise it above that work's length" in last and took < 60
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_rank_that_crashes_during_an_async_save_stops_its_peers_at_once_and_keeps_the_last_checkpoint(tmp_path):

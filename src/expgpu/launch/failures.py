@@ -9,12 +9,11 @@ own (expgpu.launch.worker.main); the supervisor's last line names the cause too.
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
 from expgpu import results, rundir
-from expgpu.errors import UserError, WorkerFailed, first_line, lost_peer, no_room, no_room_line
+from expgpu.errors import UserError, WorkerFailed, first_line, lost_peer, no_room, no_room_line, short, timed_out
 from expgpu.results import write_failure
 
 # How long a rank whose collective lost its peer waits for the supervisor's record of a peer killed outright
@@ -59,16 +58,10 @@ def echo_of(run_dir: Path, rank: int, e: BaseException, wait_s: float = CAUSE_WA
         if job.get("rank") not in (None, rank) and not job.get("lost_peer"):
             return f"rank {rank}: stopping: rank {job['rank']} failed: {job['message']}"
         if time.monotonic() >= deadline:
-            return (f"rank {rank}: stopping: its process group lost a peer ({_short(first_line(e))}), and no rank "
+            return (f"rank {rank}: stopping: its process group lost a peer ({short(first_line(e))}), and no rank "
                     "recorded an error of its own: a rank was killed outright (kill -9, the OOM killer, its node "
                     "lost); the launcher's lines name it (srun: 'task N: Killed')")
         time.sleep(0.05)
-
-
-def _short(text: str) -> str:
-    """gloo's words without its source path and advice: 'Read error [10.0.0.2]:43124: Connection reset by peer'."""
-    text = re.sub(r"^(\w+: )?\[[^\]]*\.(cc|cpp|h):\d+\]\s*", r"\1", text)
-    return text.split(". This is typically")[0][:160]
 
 
 def record(run_dir: Path, rank: int, e: BaseException, step: int | None = None) -> None:
@@ -86,6 +79,8 @@ def record(run_dir: Path, rank: int, e: BaseException, step: int | None = None) 
             write_failure(run_dir, rank, "interrupted (second Ctrl-C)")
         elif no_room(e):
             write_failure(run_dir, rank, no_room_line(e), step=step)
+        elif timed_out(e) and getattr(e, "__notes__", None):   # whom it waited for (expgpu.launch.worker), first
+            write_failure(run_dir, rank, e.__notes__[-1], step=step)
         else:
             write_failure(run_dir, rank, f"{type(e).__name__}: {e}", step=step, lost_peer=lost_peer(e))
     except OSError:   # a full disk: the record is lost, not the error it records (raised on by the caller)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from expgpu import envvars, results, rundir
-from expgpu.errors import UserError
+from expgpu.errors import UserError, timed_out
 from expgpu.gpus import NodePlan, apply, placement
 from expgpu.launch import failures, task_env
 from expgpu.procs import stop_signals
@@ -148,6 +148,10 @@ def _outcome(run, spec, dog, on_error, t_start: float) -> tuple[str, dict]:
     try:
         status, metrics = _call(run, spec)
     except BaseException as e:
+        if dog is not None and timed_out(e):   # it waited past backend.timeout_s: say for whom, not only that
+            held = dog.held_up(e, run.cfg.backend.timeout_s)
+            if held is not None:
+                e.add_note(held)
         if on_error is not None:
             on_error(e, run.step)
         if dog is not None and not isinstance(e, KeyboardInterrupt):

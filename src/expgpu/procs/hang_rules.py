@@ -122,6 +122,38 @@ def _went_on(records: dict[int, dict], active: dict[int, dict], s: HangSettings,
             "ranks": {str(r): {"step": rec["step"], "phase": rec["phase"]} for r, rec in sorted(records.items())}}
 
 
+def held_up(records: dict[int, dict], me: int, timeout_s: float, error: str) -> str | None:
+    """What a rank whose collective timed out (expgpu.errors.timed_out) after `timeout_s` waited for, by everyone's
+    records ({rank: {step, phase, age}}), with `error` (its exception, one line): the ranks behind its step, else
+    those at its step outside one (their own code, a run.phase, a save); None when no rank was."""
+    mine = records.get(me)
+    if mine is None:
+        return None
+    step = mine["step"]
+    peers = {r: rec for r, rec in records.items() if r != me and rec["phase"] not in (FAILED, SETUP)}
+    behind = {r: rec for r, rec in peers.items() if rec["step"] < step}
+    behind = behind or {r: rec for r, rec in peers.items() if rec["step"] == step and rec["phase"] != "train"}
+    if not behind:
+        return None
+    where = "; ".join(f"rank {r} {_held_by(rec)}" for r, rec in sorted(behind.items()))
+    who = " and ".join(f"rank {r}" for r in sorted(behind))
+    return (f"its collective in step {step + 1} timed out after backend.timeout_s={timeout_s:g} s waiting for {who}: "
+            f"{where} ({error}): work one rank does alone (an evaluation, a save or a download on rank 0 only) must "
+            f"end within backend.timeout_s while the others wait: raise it above that work's length, or share the "
+            f"work out over every rank (run.loader(..., drop_last=False) and run.all_reduce)")
+
+
+def _held_by(rec: dict) -> str:
+    """Where a rank that others waited for was, by its record."""
+    phase, step, age = rec["phase"], rec["step"], rec.get("age") or 0.0
+    if past_steps(phase):
+        return f"was done with its steps after step {step} ({phase})"
+    if phase in ("train", "first step"):
+        return f"was still in step {step + 1}, for {age:.0f} s"
+    place = "its own code outside run.steps" if phase == "outside the steps" else f"its {phase}"
+    return f"was in {place} after step {step}, for {age:.0f} s"
+
+
 # Where a rank waits for its peers, by the innermost Python function it is in: a rank found there is
 # waiting, not the one at fault (a DDP backward waits in the C++ engine, for the gradients' all-reduce).
 WAITING = ("_engine_run_backward", "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor",

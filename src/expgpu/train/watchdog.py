@@ -26,6 +26,7 @@ after its limit (RUN_DIR/.expgpu/backstop-rank<N>.txt).
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import json
 import logging
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from expgpu import rundir
-from expgpu.errors import EXIT_HUNG, EXIT_PEER_FAILED
+from expgpu.errors import EXIT_HUNG, EXIT_PEER_FAILED, first_line, short
 from expgpu.procs import stacks
 from expgpu.procs.hang_rules import (
     DONE,
@@ -47,6 +48,7 @@ from expgpu.procs.hang_rules import (
     HangSettings,
     culprits,
     ended,
+    held_up,
     judge,
     limit,
     line,
@@ -62,6 +64,7 @@ PERIOD_S = 1.0         # how often a rank publishes where it is, and a watcher j
 # a rank whose watchdog cannot run (a frame that never comes) makes the wait this long
 FRAMES_WAIT_S = 10.0
 BACKSTOP_S = 60.0      # faulthandler ends a rank whose watchdog could not run this long after its limit
+READ_S = 5.0           # after a collective timed out, how long the records' read may take (the store's host gone)
 PREFIX = "expgpu/watchdog"
 
 
@@ -107,6 +110,22 @@ class Watchdog:
             path = Path(self._backstop.name)
             if path.exists() and path.stat().st_size == 0:
                 path.unlink()
+
+    def held_up(self, error: BaseException, timeout_s: float) -> str | None:
+        """After this rank's collective timed out (expgpu.errors.timed_out): the ranks it waited for and where they
+        were, by everyone's records, in words (hang_rules.held_up); None when it cannot tell. Stops this watchdog
+        (done() follows)."""
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=READ_S))   # its host, rank 0, may be gone
+            keys = [f"{PREFIX}/hb/{r}" for r in range(self.world)]
+            records = {r: json.loads(raw) for r, raw in enumerate(self.store.multi_get(keys))}
+        except Exception:
+            return None
+        records[self.rank] = {**records[self.rank], "step": self.where()[0]}
+        return held_up(records, self.rank, timeout_s, short(f"{type(error).__name__}: {first_line(error)}"))
 
     def _loop(self) -> None:
         failing_since = None
