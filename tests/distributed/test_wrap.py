@@ -57,7 +57,8 @@ def _probe(store: str, out: str) -> None:
                   "isinstance": isinstance(model, Coder) and isinstance(model, torch.nn.Module),
                   "again": [_refused(lambda m=m: wrap(m, torch.device("cpu"), "ddp", world_size=2, n_gpus=1))
                             for m in (model, ddp)],
-                  "options": _options_reach_ddp(wrap), "unused": _unused_named(wrap, dist)}
+                  "options": _options_reach_ddp(wrap), "unused": _unused_named(wrap, dist),
+                  "bypassed": _bypassed(wrap)}
         with open(out, "w") as f:
             json.dump(result, f)
     finally:
@@ -82,6 +83,26 @@ def _unused_named(wrap, dist) -> list:
         model(torch.ones(2, 4), decode=False).sum().backward()
         said.append(_refused(lambda: model(torch.ones(2, 4))))
     dist.set_debug_level(dist.DebugLevel.OFF)
+    return said
+
+
+def _bypassed(wrap) -> dict:
+    """What bypassed() says after a step whose loss came from each way of calling the module."""
+    from expgpu.distributed.wrap import bypassed, count_forwards
+
+    said = {}
+    ways = {"forward": lambda m, x: m(x), "method": lambda m, x: m.decode(m.enc(x)),
+            "module": lambda m, x: m.module(x), "no_grad": None}
+    for how, call in ways.items():
+        model = wrap(Coder(), torch.device("cpu"), "ddp", world_size=2, n_gpus=1)
+        model.decode(torch.ones(1, 2))   # before the loop (a sample, say): not counted
+        count_forwards([model])
+        if call is None:   # a method under no_grad (sampling), no backward: nothing to sync
+            with torch.no_grad():
+                model.decode(torch.ones(1, 2))
+        else:
+            call(model, torch.ones(2, 4)).sum().backward()
+        said[how] = bypassed(model)
     return said
 
 
@@ -133,6 +154,18 @@ def test_parameters_a_step_left_without_gradient_are_named_in_one_line(wrapped):
     assert by_index.startswith("run.wrap(Coder): on rank 0 the step before this forward gave dec.weight, dec.bias no "
                                "gradient (not used in its loss), and DDP reduces every trainable parameter's gradient")
     assert "run.wrap(model, find_unused_parameters=True) or launch.ddp.find_unused_parameters=true" in by_index
+
+
+def test_a_first_step_whose_gradients_came_around_ddp_is_said(wrapped):
+    said = wrapped["bypassed"]
+    assert said["forward"] is None and said["no_grad"] is None
+    assert said["method"] == (
+        "run.wrap(Coder): the first step gave its parameters gradients with no forward through DDP: model.decode(...) "
+        "(a method of Coder, called on what run.wrap returned) runs your module directly, and DDP syncs the gradients "
+        "of the forwards it runs only: each rank trains its own copy. Call model(...) for the forward whose loss you "
+        "backward (make decode Coder's forward, or call it from forward)")
+    assert said["module"].startswith("run.wrap(Coder): the first step gave its parameters gradients with no forward "
+                                     "through DDP: model.module(...) or a method of Coder runs your module directly")
 
 
 def test_ddp_options_are_checked_on_one_rank_as_on_several():

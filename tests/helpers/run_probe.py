@@ -99,7 +99,11 @@ class TwoHeads(torch.nn.Module):
         self.body, self.head_a, self.head_b = torch.nn.Linear(2, 4), torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
 
     def forward(self, x, head: str = "a"):
-        return (self.head_a if head == "a" else self.head_b)(torch.relu(self.body(x)))
+        h = torch.relu(self.body(x))
+        return self.head_a(h) + self.head_b(h) if head == "both" else (self.head_a if head == "a" else self.head_b)(h)
+
+    def loss(self, x):
+        return self(x, "both").pow(2).mean()
 
 
 def two_heads(run: Run, max_steps: int = 6, find_unused: Optional[bool] = None):
@@ -115,6 +119,21 @@ def two_heads(run: Run, max_steps: int = 6, find_unused: Optional[bool] = None):
         loss.backward()
         opt.step()
     return {"find_unused": int(model._forward_module.find_unused_parameters)}
+
+
+def around_ddp(run: Run, max_steps: int = 6, how: str = "method"):
+    """Each step's loss from a method of the module (how=method), as Lightning-style code computes it, or through
+    the forward (how=forward); each rank its own data."""
+    model = run.wrap(TwoHeads())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.track(model=model, opt=opt)
+    data = torch.Generator().manual_seed(run.rank)
+    for _ in run.steps(None, max_steps):
+        x = torch.randn(4, 2, generator=data)
+        loss = model.loss(x) if how == "method" else model(x, "both").pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
 
 
 class Sleepy(torch.utils.data.Dataset):

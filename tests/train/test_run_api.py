@@ -175,6 +175,20 @@ def test_parameters_a_step_leaves_out_are_named_and_ddps_option_for_them_reaches
 
 
 @pytest.mark.slow
+def test_a_loss_computed_by_a_method_of_the_module_around_ddp_is_said_after_the_first_step(tmp_path):
+    run = probe(["task=probe_around_ddp", "launch.nproc_per_node=2"], tmp_path / "method")
+    assert run.returncode == 0, run.stderr[-3000:]
+    said = [ln for ln in run.output.splitlines() if "no forward through DDP" in ln]
+    assert len(said) == 1 and "[rank 0]" in said[0], said   # once, by rank 0
+    assert "model.loss(...) (a method of TwoHeads, called on what run.wrap returned) runs your module directly" \
+        in said[0]
+    assert "rank(s) 1 ended with other parameters than rank 0" in run.output
+    through = probe(["task=probe_around_ddp", "launch.nproc_per_node=2", "task.how=forward"], tmp_path / "forward")
+    assert through.returncode == 0 and "no forward through DDP" not in through.output
+    assert "other parameters" not in through.output
+
+
+@pytest.mark.slow
 def test_a_loop_that_breaks_early_saves_the_steps_it_did(tmp_path):
     """A break after step 40's body: 40 steps done, the same checkpoint as max_steps=40, and a
     rerun with more steps trains on as the uninterrupted run does."""

@@ -12,6 +12,7 @@ is the user's module.
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
 import sys
 from typing import Any
@@ -172,6 +173,9 @@ def _wrapped_class() -> type:
             super().__init__()
             self._forward_module = forward_module
             object.__setattr__(self, "_original_module", original)   # not a second child: once in parameters()
+            # forwards through DDP, and the names of the user's methods called on it, since the loop began (bypassed)
+            object.__setattr__(self, "_expgpu_calls", 0)
+            object.__setattr__(self, "_expgpu_methods", set())
             self._expgpu_wrapped = True
 
         @property
@@ -179,6 +183,7 @@ def _wrapped_class() -> type:
             return self._original_module
 
         def forward(self, *args, **kwargs):
+            self.__dict__["_expgpu_calls"] += 1
             try:
                 return self._forward_module(*args, **kwargs)
             except RuntimeError as e:   # DDP's about parameters that got no gradient: one line naming them
@@ -208,7 +213,10 @@ def _wrapped_class() -> type:
                 pass
             original = self.__dict__["_original_module"]
             if hasattr(original, name):
-                return getattr(original, name)
+                found = getattr(original, name)
+                if inspect.ismethod(found):   # it runs the user's module directly, outside DDP (bypassed)
+                    self.__dict__["_expgpu_methods"].add(name)
+                return found
             return getattr(super().__getattr__("_forward_module"), name)
 
         def __setattr__(self, name: str, value) -> None:
@@ -238,6 +246,30 @@ def _wrapped_class() -> type:
 
     _CLASS = Wrapped
     return Wrapped
+
+
+def count_forwards(modules: list) -> None:
+    """From now on (the loop's first step), count each Wrapped's forwards through DDP and the methods called on it."""
+    for module in modules:
+        module.__dict__.update(_expgpu_calls=0, _expgpu_methods=set())
+
+
+def bypassed(module) -> str | None:
+    """The warning for a module run.wrap wrapped in DDP whose parameters got gradients while no forward went
+    through DDP since count_forwards (a step whose loss came from model.compute_loss(...), a method of the user's
+    module, or model.module(...)): DDP syncs the gradients of the forwards it runs only, so each rank would train
+    its own copy, silently; None otherwise."""
+    state = module.__dict__
+    if state["_expgpu_calls"] or not any(p.grad is not None for p in module.parameters()):
+        return None
+    cls = type(state["_original_module"]).__name__
+    methods = sorted(state["_expgpu_methods"])
+    how = (f"{', '.join(f'model.{m}(...)' for m in methods)} ({'a method' if len(methods) == 1 else 'methods'} "
+           f"of {cls}, called on what run.wrap returned)" if methods else f"model.module(...) or a method of {cls}")
+    own = f"make {methods[0]} {cls}'s forward, or call it from forward" if methods else "not model.module(...)"
+    return (f"run.wrap({cls}): the first step gave its parameters gradients with no forward through DDP: {how} "
+            f"runs your module directly, and DDP syncs the gradients of the forwards it runs only: each rank trains "
+            f"its own copy. Call model(...) for the forward whose loss you backward ({own})")
 
 
 def skips_sync(module) -> bool:

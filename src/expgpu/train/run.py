@@ -38,8 +38,8 @@ from expgpu.checkpoint import world_change
 from expgpu.checkpoint.keep import names_of
 from expgpu.checkpoint.state import CheckpointState
 from expgpu.config import checkpoint_format
-from expgpu.distributed import gather, group, rng
-from expgpu.distributed.wrap import ddp_options, unsynced, wrap
+from expgpu.distributed import group, rng
+from expgpu.distributed.wrap import bypassed, count_forwards, ddp_options, unsynced, wrap
 from expgpu.errors import UserError
 from expgpu.loggers.jsonl import LOG_FORMS, ROW_KEYS, MetricsLog, WindowMeanLog, positional_values
 from expgpu.procs.hang_rules import DATA_OUT, MAX_DONE
@@ -48,6 +48,7 @@ from expgpu.train.batches import END_OF_EPOCH, Feed
 from expgpu.train.loaders import RankLoaders, check_loader_args
 from expgpu.train.run_args import check_steps, epochs_range
 from expgpu.train.run_checkpoint import RunCheckpoint, StopTraining
+from expgpu.train.run_collectives import RunCollectives
 from expgpu.train.run_end import RunEnd
 
 __all__ = ["Run", "StopTraining"]   # StopTraining lives with the saves (run_checkpoint); `expgpu` exports both
@@ -55,7 +56,7 @@ __all__ = ["Run", "StopTraining"]   # StopTraining lives with the saves (run_che
 log = logging.getLogger("expgpu")
 
 
-class Run(RunCheckpoint, RunEnd):
+class Run(RunCheckpoint, RunEnd, RunCollectives):
     """What a training function gets: where it runs, and the few calls that make a loop resumable."""
 
     def __init__(self, *, info, device, run_dir: Path, cfg: dict, spec, agreement, wrap: str = "ddp",
@@ -79,6 +80,7 @@ class Run(RunCheckpoint, RunEnd):
         self.stop_signal: str | None = None
         self._spec, self._agreement, self._wrap, self._n_gpus = spec, agreement, wrap, n_gpus
         self._wrapped_any = False   # run.wrap was called (several ranks without it: no gradient sync)
+        self._wrapped: list = []    # what it wrapped in DDP: checked after the first step (bypassed)
         self._state = CheckpointState(self.run_dir, spec, self.rank, self.world_size, device,
                                       checkpoint_format(self.cfg), self.cfg.checkpoint.get("async_save", False),
                                       self.cfg.backend.timeout_s, (cfg.get("faults") or {}).get("slow_write_s") or 0.0,
@@ -137,8 +139,11 @@ class Run(RunCheckpoint, RunEnd):
         launch.ddp's, used where it builds a DDP."""
         options = ddp_options(dict(self.cfg.launch.get("ddp") or {}), ddp)
         self._wrapped_any = True
-        return wrap(module.to(self.device), self.device, self._wrap, self.world_size, self._n_gpus,
-                    fsdp=self.cfg.launch.get("fsdp"), precision=self.precision, ddp=options)
+        wrapped = wrap(module.to(self.device), self.device, self._wrap, self.world_size, self._n_gpus,
+                       fsdp=self.cfg.launch.get("fsdp"), precision=self.precision, ddp=options)
+        if getattr(wrapped, "_expgpu_wrapped", False):
+            self._wrapped.append(wrapped)
+        return wrapped
 
     def loader(self, dataset, batch_size: int, shuffle: bool = True, drop_last: bool = True, **kwargs):
         """This rank's DataLoader over `dataset`: every rank takes a disjoint share of each epoch
@@ -284,6 +289,8 @@ class Run(RunCheckpoint, RunEnd):
             if metrics is not None:
                 metrics.waited = lambda: self._waited
         clock, idle = time.perf_counter, group.gpu_idle(self.device)
+        if self.step == start:
+            count_forwards(self._wrapped)
         try:
             while self.step < max_steps:
                 fetched = clock()
@@ -302,6 +309,8 @@ class Run(RunCheckpoint, RunEnd):
                     index += 1
                 self._in_step = False
                 self.step = step = self.step + 1
+                if step - start == 1:
+                    self._warn_bypassed()
                 if step - start == 10:
                     group.sync_device(self.device)
                     self._timing["t10"] = time.time()   # steps/s is measured after 10 warm-up steps
@@ -315,6 +324,14 @@ class Run(RunCheckpoint, RunEnd):
                     self._stop()
         finally:
             self._in_steps = False
+
+    def _warn_bypassed(self) -> None:
+        """After the first step, on rank 0: a module wrapped in DDP whose gradients DDP never saw (no forward
+        through it)."""
+        for module in self._wrapped if self.is_main else ():
+            said = bypassed(module)
+            if said is not None:
+                log.warning("%s", said)
 
     def _end(self) -> None:
         self._agreement.settle()   # the stop poll still in flight: finished before the group goes
@@ -344,25 +361,6 @@ class Run(RunCheckpoint, RunEnd):
         if self._metrics is not None:
             self._metrics.log(self.step + 1 if self._in_step else self.step, scalars)
 
-    def all_reduce(self, value, op: str = "sum"):
-        """`value` summed (or "mean", "max", "min") over all ranks, returned on every rank: a
-        tensor (a new one, detached), a number, or a dict of them; as it is on one rank.
-        Collective: every rank calls it, with the same keys. For metrics each rank computed on
-        its share, e.g. an evaluation's (loss sum, count)."""
-        return group.reduce_value(value, op, self.device)
-
-    def gather(self, value):
-        """Every rank's `value`, in rank order, on every rank: tensors concatenated along their first dimension,
-        which may differ by rank (each rank's share of an evaluation: its predictions, for a metric computed on
-        all of them), a dict entry by entry, anything else as a list of each rank's. Collective: every rank
-        calls it. On one rank, the value itself (a 0-d tensor as one entry)."""
-        return gather.gather_value(value, self.device)
-
-    def broadcast(self, obj, src: int = 0):
-        """Rank `src`'s `obj` (anything picklable: a choice rank 0 made, a path it wrote), on every rank.
-        Collective: every rank calls it."""
-        return gather.broadcast_object(obj, src, self.world_size)
-
     @contextlib.contextmanager
     def phase(self, name: str):
         """A stretch of the loop that may take long without finishing a step (an evaluation, a long
@@ -379,10 +377,6 @@ class Run(RunCheckpoint, RunEnd):
             yield
         finally:
             self._phase = before
-
-    def barrier(self) -> None:
-        """Every rank waits here for all the others (e.g. while rank 0 downloads the data)."""
-        group.barrier()
 
     def autocast(self):
         """The configured task.precision for the forward pass: bf16 or fp16 autocast, or nothing at 32."""
