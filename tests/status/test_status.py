@@ -236,6 +236,21 @@ def test_torn_files_and_lost_runs_are_rows(tmp_path):
     assert "torn_result: result.json unreadable" in done.stdout and "50/100 (50 %)" in done.stdout
 
 
+def test_a_running_run_that_waits_for_its_data_says_so(tmp_path):
+    now = time.time()
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "created": __import__("psutil").Process().create_time(),
+          "started": now - 60}
+    rows = [{"step": s, "loss": 0.5, "max_steps": 100, "eta_s": 10.0, "time": now, "data_wait": 0.62}
+            for s in range(1, 11)]
+    write_run(tmp_path / "starved", rows, record=me)
+    write_run(tmp_path / "fed", [{**r, "data_wait": 0.03} for r in rows], record=me)
+    got = by_dir(rows_of(str(tmp_path)))
+    assert got["starved"]["data_wait"] == 0.62 and got["fed"]["data_wait"] == 0.03
+    assert got["starved"]["note"] == ("waited for batches 62% of its last 30 s: the data, not the model, sets its "
+                                      "pace") and got["fed"]["note"] == ""
+    assert "starved: waited for batches 62% of its last 30 s" in status(str(tmp_path)).stdout
+
+
 def test_read_only_the_tail_of_a_long_metrics_file(tmp_path):
     from expgpu.status import read_run
 

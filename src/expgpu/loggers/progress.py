@@ -34,6 +34,7 @@ log = logging.getLogger("expgpu")
 FIELDS = ("max_steps", "epochs", "steps_per_s", "eta_s", "data_wait")
 PACE = ("steps_per_s", "eta_s", "data_wait")   # the fields the clock decides: two runs of the same steps differ in them
 DATA_SHOWN = 0.05   # the progress line says `data N%` from this share of the time waited for batches up
+DATA_WARN = 0.25    # from this share up, the run's end (expgpu.train.run_end) and `expgpu status` say so
 WINDOW_S = 30.0   # the pace is over the rows of about this many seconds: it follows a change within a minute
 
 # Without a terminal, a progress line at most this often (and the last row at the end): a line per
@@ -197,4 +198,4 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-__all__ = ["DATA_SHOWN", "FIELDS", "PACE", "PROGRESS_EVERY_S", "WINDOW_S", "Display", "Pace", "line"]
+__all__ = ["DATA_SHOWN", "DATA_WARN", "FIELDS", "PACE", "PROGRESS_EVERY_S", "WINDOW_S", "Display", "Pace", "line"]

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from expgpu import rundir
-from expgpu.loggers.progress import FIELDS
+from expgpu.loggers.progress import DATA_WARN, FIELDS
 from expgpu.report.collect import Row as ReportRow
 from expgpu.report.collect import devices, failure_line
 
@@ -44,6 +44,7 @@ class RunRow:
     started: float | None = None      # when the run began (epoch seconds)
     elapsed_s: float | None = None
     eta_s: float | None = None
+    data_wait: float | None = None    # a running run's share of its last 30 s spent waiting for batches
     note: str = ""                    # why a run failed or was lost, a torn file
     jobs: dict[str, int] | None = None   # a sweep's: its jobs by status
     host: str | None = None
@@ -207,6 +208,10 @@ def read_run(run_dir: Path, now: float | None = None) -> RunRow:
         eta = _number(last.get("eta_s")) if last else None
         if eta is not None:
             row.eta_s = round(max(0.0, eta - max(0.0, now - (_number(last.get("time")) or now))), 1)
+        row.data_wait = _number(last.get("data_wait")) if last else None
+        if row.data_wait is not None and row.data_wait >= DATA_WARN:   # in a sweep: which jobs starve
+            row.note = row.note or (f"waited for batches {100 * row.data_wait:.0f}% of its last 30 s: the data, "
+                                    "not the model, sets its pace")
     elif row.started:
         row.elapsed_s = round(max(0.0, newest - row.started), 1)
     return row

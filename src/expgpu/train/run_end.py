@@ -8,12 +8,13 @@ from __future__ import annotations
 import time
 
 from expgpu.distributed import group
+from expgpu.loggers.progress import DATA_WARN
 from expgpu.procs.hang_rules import ENDED, ENDED_IN_STEP, SETUP
 from expgpu.procs.stop_signals import PRUNED
 
-# A rank that waited for its batches this share of its training time or more, in a training of at least
+# A rank that waited for its batches DATA_WARN of its training time or more, in a training of at least
 # DATA_WARN_S (a short one's first batch, its loader's workers starting, is most of it), is said at the end.
-DATA_WARN, DATA_WARN_S = 0.25, 20.0
+DATA_WARN_S = 20.0
 
 
 class RunEnd:
