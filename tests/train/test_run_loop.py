@@ -145,6 +145,49 @@ def test_the_share_of_the_time_spent_waiting_for_batches_is_in_the_rows_and_resu
     assert not any("data_wait" in json.loads(line) for line in (tmp_path / "none" / "metrics.jsonl").open())
 
 
+def evaluates(run: Run, epochs: int = 3, how: str = "forgot"):
+    """An evaluation at each epoch's end (model.eval()); how=forgot: no model.train() after it; right: train()
+    at each epoch's start; inside: every evaluation inside a step, train() after it; eval_only: no training."""
+    model = run.wrap(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run.track(model=model, opt=opt)
+    for epoch in run.epochs(epochs):
+        if how == "right":
+            model.train()
+        for i, (x, y) in run.steps(run.loader(Noisy(), batch_size=8)):
+            if how == "eval_only":
+                model.eval()
+                with torch.no_grad():
+                    model(x)
+                continue
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            if how == "inside":
+                model.eval()
+                with torch.no_grad():
+                    model(x)
+                model.train()
+        if how in ("forgot", "right"):
+            model.eval()
+
+
+@pytest.mark.parametrize("how, said", [("forgot", True), ("right", False), ("inside", False), ("eval_only", False)])
+def test_a_model_left_in_eval_mode_while_it_trains_is_said_once(tmp_path, base_cfg, caplog, how, said):
+    caplog.set_level("WARNING", logger="expgpu")
+    status, _, _ = run_task(tmp_path / how, base_cfg, "evaluates", how=how)
+    lines = [r.getMessage() for r in caplog.records if "in eval mode" in r.getMessage()]
+    assert status == "finished"
+    if not said:
+        assert lines == []
+        return
+    # 5 steps an epoch: the evaluation after step 5, and steps 6, 7, ... in eval mode; said at the second's end
+    assert lines == ["model (Sequential) trained step 7 in eval mode: model.eval() by the end of step 6 and no "
+                     "model.train() since, so its Dropout layers work as in an evaluation (no dropout; BatchNorm's "
+                     "running statistics, not updated) while it trains: call model.train() after an evaluation (on "
+                     "purpose, BatchNorm frozen: model.train(), then .eval() on those layers alone)"]
+
+
 def test_ranks_that_waited_for_their_batches_are_said_with_what_keeps_the_loader_ahead():
     from expgpu.train.run_end import slow_data
 

@@ -39,7 +39,7 @@ from expgpu.checkpoint.keep import names_of
 from expgpu.checkpoint.state import CheckpointState
 from expgpu.config import checkpoint_format
 from expgpu.distributed import group, rng
-from expgpu.distributed.wrap import bypassed, count_forwards, ddp_options, unsynced, wrap
+from expgpu.distributed.wrap import ddp_options, wrap
 from expgpu.errors import UserError
 from expgpu.loggers.jsonl import LOG_FORMS, ROW_KEYS, MetricsLog, WindowMeanLog, positional_values
 from expgpu.procs.hang_rules import DATA_OUT, MAX_DONE
@@ -48,6 +48,7 @@ from expgpu.train.batches import END_OF_EPOCH, Feed
 from expgpu.train.loaders import RankLoaders, check_loader_args
 from expgpu.train.run_args import check_steps, epochs_range
 from expgpu.train.run_checkpoint import RunCheckpoint, StopTraining
+from expgpu.train.run_checks import RunChecks
 from expgpu.train.run_collectives import RunCollectives
 from expgpu.train.run_end import RunEnd
 
@@ -56,7 +57,7 @@ __all__ = ["Run", "StopTraining"]   # StopTraining lives with the saves (run_che
 log = logging.getLogger("expgpu")
 
 
-class Run(RunCheckpoint, RunEnd, RunCollectives):
+class Run(RunCheckpoint, RunEnd, RunCollectives, RunChecks):
     """What a training function gets: where it runs, and the few calls that make a loop resumable."""
 
     def __init__(self, *, info, device, run_dir: Path, cfg: dict, spec, agreement, wrap: str = "ddp",
@@ -81,6 +82,7 @@ class Run(RunCheckpoint, RunEnd, RunCollectives):
         self._spec, self._agreement, self._wrap, self._n_gpus = spec, agreement, wrap, n_gpus
         self._wrapped_any = False   # run.wrap was called (several ranks without it: no gradient sync)
         self._wrapped: list = []    # what it wrapped in DDP: checked after the first step (bypassed)
+        self._modes = None          # rank 0's ModeWatch for a model left in eval mode (expgpu.train.modes)
         self._state = CheckpointState(self.run_dir, spec, self.rank, self.world_size, device,
                                       checkpoint_format(self.cfg), self.cfg.checkpoint.get("async_save", False),
                                       self.cfg.backend.timeout_s, (cfg.get("faults") or {}).get("slow_write_s") or 0.0,
@@ -223,16 +225,6 @@ class Run(RunCheckpoint, RunEnd, RunCollectives):
         if keep:
             self._state.kept(where, names_of(keep, where)).bind(frame)
 
-    def _warn_unsynced(self) -> None:
-        """Before the first step, on rank 0: tracked modules that no rank's gradients will keep in step."""
-        names = unsynced(self._state.objects, self._wrap, self.world_size, self._wrapped_any) if self.is_main else []
-        if names:
-            log.warning("run.wrap was not called: on %d ranks each trains its own copy of %s, with no gradient sync "
-                        "(launch.wrap=%s wraps what run.wrap is given), and the checkpoint keeps rank 0's: "
-                        "model = run.wrap(model) before the loop; launch.wrap=none where each rank is to train alone; "
-                        "a DDP of your own: track it, not the module inside", self.world_size,
-                        ", ".join(names), self._wrap)
-
     def _loop(self, max_steps: int) -> Iterator[tuple[int, Any]]:
         self._begin(max_steps, last_poll=max_steps - 1)
         self._resume_into(self._feed)
@@ -290,7 +282,8 @@ class Run(RunCheckpoint, RunEnd, RunCollectives):
                 metrics.waited = lambda: self._waited
         clock, idle = time.perf_counter, group.gpu_idle(self.device)
         if self.step == start:
-            count_forwards(self._wrapped)
+            self._watch_first_steps()
+        modes = self._modes
         try:
             while self.step < max_steps:
                 fetched = clock()
@@ -311,6 +304,8 @@ class Run(RunCheckpoint, RunEnd, RunCollectives):
                 self.step = step = self.step + 1
                 if step - start == 1:
                     self._warn_bypassed()
+                if modes is not None:
+                    self._check_modes(modes, step)
                 if step - start == 10:
                     group.sync_device(self.device)
                     self._timing["t10"] = time.time()   # steps/s is measured after 10 warm-up steps
@@ -324,14 +319,6 @@ class Run(RunCheckpoint, RunEnd, RunCollectives):
                     self._stop()
         finally:
             self._in_steps = False
-
-    def _warn_bypassed(self) -> None:
-        """After the first step, on rank 0: a module wrapped in DDP whose gradients DDP never saw (no forward
-        through it)."""
-        for module in self._wrapped if self.is_main else ():
-            said = bypassed(module)
-            if said is not None:
-                log.warning("%s", said)
 
     def _end(self) -> None:
         self._agreement.settle()   # the stop poll still in flight: finished before the group goes
