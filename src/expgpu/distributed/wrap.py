@@ -55,8 +55,6 @@ def ddp_options(configured: dict, given: dict) -> dict:
     """DDP's keyword arguments for one run.wrap call: launch.ddp's (`configured`), the call's own (`given`) over
     them. A name DDP does not take, or one run.wrap sets, is one line on one rank as on several, where no DDP is
     built: a task's first try on one rank shows the typo its run on eight would stop on."""
-    import inspect
-
     from torch.nn.parallel import DistributedDataParallel
 
     from expgpu.errors import UserError
