@@ -148,7 +148,8 @@ def test_a_model_not_given_to_run_wrap_on_two_ranks_is_said_before_the_first_ste
             "(launch.wrap=ddp wraps what run.wrap is given), and the checkpoint keeps rank 0's: model = "
             "run.wrap(model) before the loop") in run.output
     assert ("rank(s) 1 ended with other parameters than rank 0 (result.json's rank_checksums): no gradient sync kept "
-            "them in step (launch.wrap=ddp wraps what run.wrap is given)") in run.output
+            "them in step (launch.wrap=ddp syncs a module given to run.wrap, in the steps whose loss comes from its "
+            "forward, model(...))") in run.output
     alone = probe(["task=probe_unwrapped", "launch.nproc_per_node=2", "launch.wrap=none"], tmp_path / "alone")
     assert alone.returncode == 0 and "run.wrap was not called" not in alone.output   # each rank alone, as asked
     assert "launch.wrap=none keeps no rank in step" in alone.output

@@ -102,7 +102,8 @@ def _warn_apart(ranks: list[dict], wrap: str) -> None:
     if not apart or None in sums:
         return
     why = ("launch.wrap=none keeps no rank in step" if wrap == "none" else
-           f"no gradient sync kept them in step (launch.wrap={wrap} wraps what run.wrap is given)")
+           f"no gradient sync kept them in step (launch.wrap={wrap} syncs a module given to run.wrap, in the steps "
+           f"whose loss comes from its forward, model(...))")
     log.warning("rank(s) %s ended with other parameters than rank 0 (result.json's rank_checksums): %s, and the "
                 "checkpoint keeps rank 0's state, which a resume gives to every rank", ", ".join(map(str, apart)), why)
 
