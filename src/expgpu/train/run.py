@@ -276,10 +276,10 @@ class Run(RunCheckpoint, RunEnd, RunCollectives, RunChecks):
         self._in_steps = True   # the watchdog tells the loop from the code around it (progress())
         if feed.loader is not None:
             self._loader_workers = getattr(feed.loader, "num_workers", None)
-        if feed.loader is not None and self._waited is None:
-            self._waited = 0.0
-            if metrics is not None:
-                metrics.waited = lambda: self._waited
+            if self._waited is None:   # the first loop that takes batches from a loader: from now on, timed
+                self._waited = 0.0
+                if metrics is not None:
+                    metrics.waited = lambda: self._waited
         clock, idle = time.perf_counter, group.gpu_idle(self.device)
         if self.step == start:
             self._watch_first_steps()

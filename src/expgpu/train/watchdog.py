@@ -96,9 +96,7 @@ class Watchdog:
         its task raised, and its peers are told to stop at once."""
         if self._stop.is_set() and not failed:
             return
-        self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
+        self._halt()
         try:
             self._step, phase = self.where()   # the step it ended at, not its last tick's: its peers compare theirs
             self._publish(FAILED if failed else phase if ended(phase) else DONE)   # why it ended, kept
@@ -111,20 +109,25 @@ class Watchdog:
             if path.exists() and path.stat().st_size == 0:
                 path.unlink()
 
+    def _halt(self) -> None:
+        """The thread stopped (from another thread: waited for), so that this one may use the store."""
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
     def held_up(self, error: BaseException, timeout_s: float) -> str | None:
         """After this rank's collective timed out (expgpu.errors.timed_out): the ranks it waited for and where they
         were, by everyone's records, in words (hang_rules.held_up); None when it cannot tell. Stops this watchdog
         (done() follows)."""
-        self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
+        self._halt()
         try:
             self.store.set_timeout(datetime.timedelta(seconds=READ_S))   # its host, rank 0, may be gone
-            keys = [f"{PREFIX}/hb/{r}" for r in range(self.world)]
-            records = {r: json.loads(raw) for r, raw in enumerate(self.store.multi_get(keys))}
+            records = self._records()
         except Exception:
             return None
-        records[self.rank] = {**records[self.rank], "step": self.where()[0]}
+        if self.rank not in records:
+            return None
+        records[self.rank]["step"] = self.where()[0]
         return held_up(records, self.rank, timeout_s, short(f"{type(error).__name__}: {first_line(error)}"))
 
     def _loop(self) -> None:
