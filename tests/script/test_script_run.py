@@ -101,10 +101,17 @@ def test_a_failing_rank_ends_the_others_and_is_named_with_its_code_and_stderr(tm
 def test_a_rank_that_exits_0_early_is_named_not_the_rank_whose_collective_lost_it(tmp_path):
     run = expgpu([*CONF, "task=script_early_exit", "launch.nproc_per_node=2"], tmp_path / "run")
     assert run.returncode == 1, run.stderr
-    assert run.stderr.strip().splitlines()[-1] == (
+    line = run.stderr.strip().splitlines()[-1]
+    # Now and then (1 run in several hundred here, under load) rank 1's exit aborts amid gloo's threads
+    # (SIGABRT): then its own line says so (expgpu.script.result.torn_down), naming it all the same.
+    assert line == (
         "expgpu: rank 1 failed: its process ended (code 0) while rank 0 still trained: its task ended on that rank "
         "alone (an early exit decided there: sys.exit(0) in a script, os._exit(0)), and rank 0's next collective "
-        "lost it")
+        "lost it") or line.startswith(
+        "expgpu: rank 1 failed: its script's process aborted as it exited, its Python code done with no traceback "
+        "(SIGABRT, 'terminate called without an active exception': torch's gloo threads still running at the exit):"
+        " where the other ranks still trained, their next collective lost it, so an early exit (sys.exit(0)) must be "
+        "decided on every rank together"), line
 
 
 def _wait_for_step(proc, run_dir: Path, step: int, ranks=(0, 1), timeout: float = 60) -> None:

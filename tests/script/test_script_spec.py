@@ -391,3 +391,22 @@ def test_expgpu_log_refuses_a_rows_own_keys(tmp_path):
 def test_a_refusal_by_the_scripts_argument_parser_is_told_from_a_crash(code, tail, refused):
     from expgpu.script.result import refused_arguments
     assert refused_arguments({"exit_code": code, "signal": None, "stderr_tail": tail}) == refused
+
+
+@pytest.mark.parametrize("signal, tail, torn", [
+    ("SIGABRT", ["terminate called without an active exception"], True),         # an exit amid gloo's threads
+    ("SIGABRT", ["epoch 3 loss 0.12", "terminate called without an active exception", ""], True),
+    ("SIGABRT", ["Traceback (most recent call last):", "  File \"train.py\", line 9", "RuntimeError: boom",
+                 "terminate called without an active exception"], False),       # it failed first: its traceback
+    ("SIGABRT", ["free(): invalid pointer"], False),                             # a crash in its work
+    ("SIGSEGV", ["terminate called without an active exception"], False),
+    (None, ["terminate called without an active exception"], False),
+])
+def test_a_script_that_aborted_in_its_exit_is_told_from_one_that_crashed(tmp_path, signal, tail, torn):
+    from expgpu.script.result import failure, torn_down
+    record = {"rank": 1, "exit_code": -6 if signal == "SIGABRT" else -11 if signal else 1, "signal": signal,
+              "stderr_tail": tail}
+    assert torn_down(record) is torn
+    line = failure(record, tmp_path).message
+    assert ("aborted as it exited, its Python code done with no traceback" in line) is torn, line
+    assert str(tmp_path / "logs" / "rank1.script.log") in line

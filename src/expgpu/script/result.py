@@ -95,6 +95,13 @@ def failure(record: dict, run_dir: Path, spec=None, args: list[str] | None = Non
         return Failure(record["rank"], f"task.args: the script refused its arguments: {refused}{given}; its usage: "
                                        f"{rundir.script_log(run_dir, record['rank'])}", True, 2)
     code = record["exit_code"]
+    if torn_down(record):
+        return Failure(record["rank"], "its script's process aborted as it exited, its Python code done with no "
+                                       "traceback (SIGABRT, 'terminate called without an active exception': torch's "
+                                       "gloo threads still running at the exit): where the other ranks still "
+                                       "trained, their next collective lost it, so an early exit (sys.exit(0)) must "
+                                       "be decided on every rank together (all its output: "
+                                       f"{rundir.script_log(run_dir, record['rank'])})", False, code)
     how = f"was killed by {record['signal']}" if record.get("signal") else f"exited with code {code}"
     tail = " | ".join(line.strip() for line in record["stderr_tail"][-5:] if line.strip())
     told = f"; the last lines of its stderr: {tail[-600:]}" if tail else "; it wrote nothing to stderr"
@@ -102,6 +109,18 @@ def failure(record: dict, run_dir: Path, spec=None, args: list[str] | None = Non
     fix = missing_input(record["stderr_tail"], run_dir, spec) if spec is not None else None
     return Failure(record["rank"], f"its script {how}{told} (all its output: {where})" + (f". {fix}" if fix else ""),
                    False, code)
+
+
+_TERMINATE = "terminate called without an active exception"
+
+
+def torn_down(record: dict) -> bool:
+    """The script's process aborted in its exit, not in its work: SIGABRT, the C++ runtime's last words for a
+    thread destroyed while it ran (torch's gloo threads, when a rank exits in the middle of its peers'
+    collectives or before their last message is freed), and no Python traceback before them."""
+    lines = [line.strip() for line in record["stderr_tail"] if line.strip()]
+    return record.get("signal") == "SIGABRT" and bool(lines) and lines[-1] == _TERMINATE and \
+        not any(line.startswith("Traceback (most recent call last)") for line in lines)
 
 
 # A command-line parser's refusal, exit code 2 after its usage: argparse's parser.error ("usage: train.py ...",
