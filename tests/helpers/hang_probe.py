@@ -9,6 +9,8 @@
     how=save        no hang: every checkpoint save (checkpoint.every_steps) takes `slow_s` on rank `rank`
     how=setup       no hang: before run.steps, rank `rank` takes `slow_s` (a download) while the others wait
                     in run.barrier()
+    how=late        rank `rank` takes `slow_s` before run.steps, with no collective there: the others' first step
+                    waits for it
     how=after       no hang: after run.steps, every rank's own code takes `slow_s` (an evaluation, no run.phase)
     how=crash       rank `rank` raises at step `at`, with a thread of its own that keeps its process
                     alive `slow_s` more (the interpreter waits for it at exit)
@@ -51,10 +53,11 @@ def hangs(run: Run, rank: int = 1, at: int = 5, how: str = "sleep", max_steps: i
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     run.track(net=net, opt=opt, **({"slow": SlowState(slow_s if run.rank == rank else 0)} if how == "save" else {}))
     x = torch.randn(16, 8)
-    if how == "setup":
+    if how in ("setup", "late"):
         if run.rank == rank:
             time.sleep(slow_s)
-        run.barrier()
+        if how == "setup":
+            run.barrier()
     if how == "uneven":
         for _ in run.epochs(1):
             for _, batch in run.steps([x] * (at if run.rank == rank else max_steps)):

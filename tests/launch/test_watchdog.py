@@ -312,7 +312,17 @@ def test_a_collective_that_timed_out_names_the_ranks_it_waited_for_by_their_reco
                                                                              1, 5, error)
     # nobody behind, or nothing known of the others: nothing to add to the error
     assert held_up({0: rec(6, 8.0), 1: rec(6, 8.0)}, 1, 5, error) is None
-    assert held_up({0: rec(0, 8.0, "setup"), 1: rec(0, 8.0, "setup")}, 1, 5, error) is None
+    assert held_up({0: rec(0, 8.0, "first step"), 1: rec(0, 8.0, "setup")}, 1, 5, error) is None
+    # a rank still in its setup: behind a collective of the setup (run.wrap's, a barrier), and behind the first step
+    assert held_up({0: rec(0, 8.0, "setup"), 1: rec(0, 8.0, "setup")}, 1, 5, error).startswith(
+        "its collective before run.steps (in its setup) timed out after backend.timeout_s=5 s waiting for rank 0: "
+        "rank 0 was still in its setup (its own code before run.steps), for 8 s (")
+    assert held_up({0: rec(0, 8.0, "setup"), 1: rec(0, 8.0, "setup")}, 1, 5, error).endswith(
+        "raise it above that work's length, or do it before the launch (a download, a dataset's preparation: a step "
+        "of its own)")
+    assert held_up({0: rec(0, 8.0, "setup"), 1: rec(0, 5.0, "first step")}, 1, 5, error).startswith(
+        "its collective in step 1 timed out after backend.timeout_s=5 s waiting for rank 0: rank 0 was still in its "
+        "setup")
     for text in (error, "DistBackendError: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, ...)",
                  "Rank 1 failed to pass monitoredBarrier in 5000 ms", "wait timeout after 300000ms, keys: /x"):
         assert timed_out(RuntimeError(text)), text
@@ -331,6 +341,19 @@ def test_a_collective_timeout_names_the_rank_whose_work_alone_outlasted_it_not_o
     assert last.startswith("expgpu: rank 0 failed: its collective in step 6 timed out after backend.timeout_s=8 s "
                            "waiting for rank 1: rank 1 was in its evaluation after step 5, for "), last
     assert "raise it above that work's length" in last and took < 60
+
+
+@pytest.mark.parametrize("how, where", [("setup", "before run.steps (in its setup)"), ("late", "in step 1")])
+def test_a_collective_timeout_names_the_rank_still_in_its_setup(tmp_path, how, where):
+    """Rank 1 builds alone before run.steps (a download on one rank) past backend.timeout_s: rank 0's collective
+    in its own setup (run.barrier) or in its first step (no collective in the setup) names rank 1, in its setup."""
+    run, took = _hang(tmp_path, how, "task.slow_s=60", "backend.timeout_s=8")
+    assert run.returncode == 1, run.stderr[-3000:]
+    last = run.output.strip().splitlines()[-1]
+    assert last.startswith(f"expgpu: rank 0 failed: its collective {where} timed out after backend.timeout_s=8 s "
+                           "waiting for rank 1: rank 1 was still in its setup (its own code before run.steps), "
+                           "for "), last
+    assert took < 60
 
 
 @pytest.mark.slow

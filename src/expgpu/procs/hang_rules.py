@@ -130,22 +130,30 @@ def held_up(records: dict[int, dict], me: int, timeout_s: float, error: str) -> 
     if mine is None:
         return None
     step = mine["step"]
-    peers = {r: rec for r, rec in records.items() if r != me and rec["phase"] not in (FAILED, SETUP)}
-    behind = {r: rec for r, rec in peers.items() if rec["step"] < step}
-    behind = behind or {r: rec for r, rec in peers.items() if rec["step"] == step and rec["phase"] != "train"}
+    peers = {r: rec for r, rec in records.items() if r != me and rec["phase"] != FAILED}
+    if mine["phase"] == SETUP:   # a collective of the setup (run.wrap's, a barrier): those still in theirs
+        behind = {r: rec for r, rec in peers.items() if rec["phase"] == SETUP}
+    else:   # a peer still in its setup is behind the first step too (its step is the run's start)
+        behind = {r: rec for r, rec in peers.items() if rec["step"] < step or rec["phase"] == SETUP}
+        behind = behind or {r: rec for r, rec in peers.items() if rec["step"] == step and rec["phase"] != "train"}
     if not behind:
         return None
     where = "; ".join(f"rank {r} {_held_by(rec)}" for r, rec in sorted(behind.items()))
     who = " and ".join(f"rank {r}" for r in sorted(behind))
-    return (f"its collective in step {step + 1} timed out after backend.timeout_s={timeout_s:g} s waiting for {who}: "
+    which = "before run.steps (in its setup)" if mine["phase"] == SETUP else f"in step {step + 1}"
+    return (f"its collective {which} timed out after backend.timeout_s={timeout_s:g} s waiting for {who}: "
             f"{where} ({error}): work one rank does alone (an evaluation, a save or a download on rank 0 only) must "
-            f"end within backend.timeout_s while the others wait: raise it above that work's length, or share the "
-            f"work out over every rank (run.loader(..., drop_last=False) and run.all_reduce)")
+            f"end within backend.timeout_s while the others wait: raise it above that work's length, or "
+            + ("do it before the launch (a download, a dataset's preparation: a step of its own)"
+               if all(rec["phase"] == SETUP for rec in behind.values()) else
+               "share the work out over every rank (run.loader(..., drop_last=False) and run.all_reduce)"))
 
 
 def _held_by(rec: dict) -> str:
     """Where a rank that others waited for was, by its record."""
     phase, step, age = rec["phase"], rec["step"], rec.get("age") or 0.0
+    if phase == SETUP:
+        return f"was still in its setup (its own code before run.steps), for {age:.0f} s"
     if past_steps(phase):
         return f"was done with its steps after step {step} ({phase})"
     if phase in ("train", "first step"):
