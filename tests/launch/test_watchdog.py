@@ -343,6 +343,7 @@ def test_a_collective_timeout_names_the_rank_whose_work_alone_outlasted_it_not_o
     assert "raise it above that work's length" in last and took < 60
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how, where", [("setup", "before run.steps (in its setup)"), ("late", "in step 1")])
 def test_a_collective_timeout_names_the_rank_still_in_its_setup(tmp_path, how, where):
     """Rank 1 builds alone before run.steps (a download on one rank) past backend.timeout_s: rank 0's collective

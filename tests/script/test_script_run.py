@@ -5,6 +5,7 @@ resume, expgpu.log, the dry run, gpu_pool and torchrun. The published scripts: t
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -112,6 +113,26 @@ def test_a_rank_that_exits_0_early_is_named_not_the_rank_whose_collective_lost_i
         "(SIGABRT, 'terminate called without an active exception': torch's gloo threads still running at the exit):"
         " where the other ranks still trained, their next collective lost it, so an early exit (sys.exit(0)) must be "
         "decided on every rank together"), line
+
+
+@pytest.mark.parametrize("alone_s, waited", [(9, r"rank 1's script ran on for \d+ s"),
+                                              (60, r"rank 1's script still ran 10 s later")])
+def test_a_collective_timeout_names_the_rank_whose_script_worked_alone_not_its_echo(tmp_path, alone_s, waited):
+    """Rank 1 works alone past the group's timeout: rank 0's collective times out; rank 1's, later, loses rank 0
+    (its echo, recorded first: rank 0 waits for its peers' ends). The line is rank 0's, naming rank 1; past the
+    10 s expgpu waits for a peer's end, rank 1 is stopped (the run takes far less than its 60 s)."""
+    t0 = time.monotonic()
+    run = expgpu([*CONF, "task=script_alone", "launch.nproc_per_node=2", "task.args.timeout-s=3",
+                  f"task.args.alone-s={alone_s}"], tmp_path / "run")
+    assert run.returncode == 1, run.stderr
+    line = run.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"expgpu: rank 0 failed: its script's collective timed out \(RuntimeError: Timed out waiting "
+                        rf"3000ms for (recv|send) operation to complete\) while {waited}: work one rank does alone "
+                        r"\(an evaluation, a save or a download on rank 0 only\) must end within the process group's "
+                        r"timeout \(init_process_group\(timeout=\.\.\.\) in the script\) while the others wait: raise "
+                        r"it above that work's length, or share the work out over every rank \(all its output: .*"
+                        r"rank0\.script\.log\)", line), line
+    assert time.monotonic() - t0 < 50
 
 
 def _wait_for_step(proc, run_dir: Path, step: int, ranks=(0, 1), timeout: float = 60) -> None:

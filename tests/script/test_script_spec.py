@@ -410,3 +410,25 @@ def test_a_script_that_aborted_in_its_exit_is_told_from_one_that_crashed(tmp_pat
     line = failure(record, tmp_path).message
     assert ("aborted as it exited, its Python code done with no traceback" in line) is torn, line
     assert str(tmp_path / "logs" / "rank1.script.log") in line
+
+
+def test_a_scripts_own_error_is_the_cause_before_a_peers_echo_and_a_timeout_names_who_ran_on(tmp_path):
+    from expgpu.script.result import failure, first_failure
+
+    def rec(rank, ended, last):
+        return {"rank": rank, "ended": ended, "exit_code": 1, "signal": None, "stopped_by": None,
+                "stderr_tail": ["Traceback (most recent call last):", f"[rank{rank}]: {last}"]}
+    timeout = "RuntimeError: [/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation"
+    echo = "RuntimeError: [/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:6345"
+    # the echo ended first (its peer's supervisor was slow to see the kill): the own error is still the cause
+    assert first_failure([rec(0, 10.5, "ValueError: bad batch"), rec(1, 10.0, echo)])["rank"] == 0
+    assert first_failure([rec(0, 10.0, "ValueError: a"), rec(1, 9.0, "ValueError: b")])["rank"] == 1
+    records = [rec(0, 10.0, timeout), rec(1, 17.0, echo), None]
+    line = failure(records[0], tmp_path, records=records).message
+    assert line.startswith("its script's collective timed out (RuntimeError: Timed out waiting 3000ms for recv "
+                           "operation) while rank 1's script ran on for 7 s and rank 2's script still ran 10 s "
+                           "later: work one rank does alone"), line
+    # nobody ran on past it (they all ended with it), or no records: the plain line
+    assert failure(records[0], tmp_path, records=[records[0], rec(1, 10.3, echo)]).message.startswith(
+        "its script exited with code 1")
+    assert failure(records[0], tmp_path).message.startswith("its script exited with code 1")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from expgpu import envvars, procs
 from expgpu.errors import EXIT_PEER_FAILED, UserError
+from expgpu.launch.failures import CAUSE_WAIT_S
 from expgpu.procs import stop_signals
 from expgpu.procs.handles import ProcHandle, RankStarter
 from expgpu.results import Failure, failure_record, failure_time, killed_by, read_failure, write_failure
@@ -130,8 +131,9 @@ def run_node(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
                 # it went first. The cause may still be exiting (printing its traceback,
                 # tearing its group down) when its echo has already ended: it counts too.
                 # A rank its watchdog ended because a peer failed (EXIT_PEER_FAILED) is an echo: last.
-                bad += [(r, 1) for r, c in enumerate(codes) if c is None and failure_file(run_dir, r).exists()]
-                rank, code = min(bad, key=lambda rc: (rc[1] == EXIT_PEER_FAILED, _recorded(run_dir, rc[0])))
+                bad = _failed(run_dir, workers, bad)
+                rank, code = min(bad, key=lambda rc: (rc[1] == EXIT_PEER_FAILED, _echo(run_dir, rc[0]),
+                                                      _recorded(run_dir, rc[0])))
                 _stop(workers, grace_s=grace_s)
                 cause = read_failure(run_dir, rank, code)
                 return _left_early(run_dir, ended, cause) or cause
@@ -217,6 +219,27 @@ def _left_early(run_dir: Path, ended: dict[int, float], failure: Failure) -> Fai
                           f"{f' (at step {failure.step})' if failure.step is not None else ''}: its task ended on "
                           "that rank alone (an early exit decided there: sys.exit(0) in a script, os._exit(0)), and "
                           f"rank {failure.rank}'s next collective lost it", False, 1)
+
+
+def _failed(run_dir: Path, workers: list[ProcHandle], bad: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The failed ranks (rank, exit code): `bad`, which ended, and those that recorded a failure and still end.
+    Where all of them are echoes (_echo), this waits up to CAUSE_WAIT_S for a rank's own record: a script task's
+    rank records its own failure only once its peers' scripts have ended (expgpu.script.result.collect)."""
+    deadline = time.monotonic() + CAUSE_WAIT_S
+    while True:
+        ended = {r for r, _ in bad}
+        found = bad + [(r, 1) for r, p in enumerate(workers)
+                       if r not in ended and p.poll() != 0 and failure_file(run_dir, r).exists()]
+        if not all(_echo(run_dir, r) for r, _ in found) or time.monotonic() >= deadline or \
+                all(p.poll() is not None for p in workers):
+            return found
+        time.sleep(0.02)
+
+
+def _echo(run_dir: Path, rank: int) -> bool:
+    """Its record is a collective that lost its peer: the echo of another rank's end, which its own record says
+    (a rank that waited in collect for its peers' scripts records its own failure after theirs)."""
+    return bool(failure_record(run_dir, rank).get("lost_peer"))
 
 
 def _recorded(run_dir: Path, rank: int) -> float:

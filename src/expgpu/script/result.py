@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from expgpu import rundir
+from expgpu.errors import lost_peer, short, timed_out
 from expgpu.gpus import NodePlan
 from expgpu.loggers.jsonl import ROW_KEYS, read_rows
 from expgpu.procs import stop_signals
@@ -82,13 +83,17 @@ def failed(record: dict) -> bool:
 def first_failure(records: list[dict | None]) -> dict | None:
     """The rank that failed first: the cause; the others' failures are its echo."""
     bad = [r for r in records if r is not None and failed(r)]
-    return min(bad, key=lambda r: r["ended"]) if bad else None
+    # an error of its own before the echo of one (a collective that lost its peer), whatever the clocks say:
+    # a peer killed outright is seen a tick after the collective it tore down
+    return min(bad, key=lambda r: (lost_peer(RuntimeError(_last_error(r))), r["ended"])) if bad else None
 
 
-def failure(record: dict, run_dir: Path, spec=None, args: list[str] | None = None) -> Failure:
+def failure(record: dict, run_dir: Path, spec=None, args: list[str] | None = None,
+            records: list[dict | None] | None = None) -> Failure:
     """The failed rank's line; with the task's spec, the fix for a file it opened relative to the launch dir.
     A script whose own parser refused the arguments expgpu gave it (`args`, from task.args) failed on the
-    user's input: a user error (exit 2, never restarted), as expgpu's own refusal of a key would be."""
+    user's input: a user error (exit 2, never restarted), as expgpu's own refusal of a key would be. With every
+    rank's `records`, a collective that timed out names the ranks whose scripts ran on past it."""
     refused = refused_arguments(record)
     if refused is not None:
         given = f" (its arguments, from task.args: {shlex.join(args) or 'none'})" if args is not None else ""
@@ -102,6 +107,10 @@ def failure(record: dict, run_dir: Path, spec=None, args: list[str] | None = Non
                                        "trained, their next collective lost it, so an early exit (sys.exit(0)) must "
                                        "be decided on every rank together (all its output: "
                                        f"{rundir.script_log(run_dir, record['rank'])})", False, code)
+    held = held_up(record, records) if records is not None else None
+    if held is not None:
+        return Failure(record["rank"], f"{held} (all its output: {rundir.script_log(run_dir, record['rank'])})",
+                       False, code)
     how = f"was killed by {record['signal']}" if record.get("signal") else f"exited with code {code}"
     tail = " | ".join(line.strip() for line in record["stderr_tail"][-5:] if line.strip())
     told = f"; the last lines of its stderr: {tail[-600:]}" if tail else "; it wrote nothing to stderr"
@@ -109,6 +118,31 @@ def failure(record: dict, run_dir: Path, spec=None, args: list[str] | None = Non
     fix = missing_input(record["stderr_tail"], run_dir, spec) if spec is not None else None
     return Failure(record["rank"], f"its script {how}{told} (all its output: {where})" + (f". {fix}" if fix else ""),
                    False, code)
+
+
+def _last_error(record: dict) -> str:
+    """The last line its script wrote to stderr, without torchrun's "[rank1]: " before it."""
+    lines = [line.strip() for line in record["stderr_tail"] if line.strip()]
+    return re.sub(r"^\[rank\d+\]:\s*", "", lines[-1]) if lines else ""
+
+
+def held_up(record: dict, records: list[dict | None]) -> str | None:
+    """A script whose collective timed out while other ranks' scripts ran on, in words (their records: ended
+    later, or not there yet): they worked alone past the process group's timeout, and it waited for them."""
+    error = _last_error(record)
+    if not timed_out(RuntimeError(error)):
+        return None
+    later = {r["rank"]: r["ended"] - record["ended"] for r in records
+             if r is not None and r["rank"] != record["rank"] and r["ended"] - record["ended"] > 1.0}
+    running = [rank for rank, r in enumerate(records) if r is None]
+    if not later and not running:
+        return None
+    on = [f"rank {rank}'s script ran on for {s:.0f} s" for rank, s in sorted(later.items())]
+    on += [f"rank {rank}'s script still ran {RECORD_WAIT_S:g} s later" for rank in running]
+    return (f"its script's collective timed out ({short(error)}) while {' and '.join(on)}: work "
+            "one rank does alone (an evaluation, a save or a download on rank 0 only) must end within the process "
+            "group's timeout (init_process_group(timeout=...) in the script) while the others wait: raise it above "
+            "that work's length, or share the work out over every rank")
 
 
 _TERMINATE = "terminate called without an active exception"

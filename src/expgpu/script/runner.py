@@ -98,7 +98,7 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
             feed.finish(doc["status"], doc["metrics"], doc["steps"])
         failed = result.first_failure(records)
         if failed is not None:
-            _raise(result.failure(failed, run_dir, spec, argv[len(spec.command):]))
+            _raise(result.failure(failed, run_dir, spec, argv[len(spec.command):], records))
     elif result.failed(record):
         _raise(result.failure(record, run_dir, spec, argv[len(spec.command):]))
     return doc
