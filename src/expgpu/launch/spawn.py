@@ -25,9 +25,9 @@ from pathlib import Path
 from expgpu import envvars, procs
 from expgpu.errors import EXIT_PEER_FAILED, UserError
 from expgpu.launch.failures import CAUSE_WAIT_S
-from expgpu.procs import stop_signals
+from expgpu.procs import oom, stop_signals
 from expgpu.procs.handles import ProcHandle, RankStarter
-from expgpu.results import Failure, failure_record, failure_time, killed_by, read_failure, write_failure
+from expgpu.results import Failure, failure_record, failure_time, read_failure, write_failure
 from expgpu.rundir import failure_file, failure_files
 
 log = logging.getLogger("expgpu")
@@ -106,6 +106,7 @@ def run_node(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
         # only, which passes it on once, as it does a signal sent to its pid alone (a scheduler,
         # `kill -INT`). Sent to both, a Ctrl-C would arrive twice and read as "abort unsaved".
         workers.append(_start(server, env, run_dir))
+    oom_counts = [oom.OomCount(p.pid) for p in workers]   # a rank killed by SIGKILL: was it the OOM killer?
 
     def forward(signum, frame):
         for p in workers:   # send_signal skips one that has exited (and reads no pipe or socket)
@@ -125,7 +126,7 @@ def run_node(nproc: int, run_dir: Path, env_extra: dict[str, str] | None = None,
             ended.update({r: time.time() for r, c in enumerate(codes) if c == 0 and r not in ended})
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                _record_killed(run_dir, bad)
+                _record_killed(run_dir, bad, oom_counts)
                 # The earliest failure is the cause; the others' errors are its echo
                 # ("connection closed by peer"). A rank killed outright wrote nothing:
                 # it went first. The cause may still be exiting (printing its traceback,
@@ -195,14 +196,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _record_killed(run_dir: Path, bad: list[tuple[int, int]]) -> None:
+def _record_killed(run_dir: Path, bad: list[tuple[int, int]], oom_counts: list[oom.OomCount]) -> None:
     """A failure record for each rank killed outright (a signal: the OOM killer, a segfault), which wrote none:
     its peers, whose collectives it tore down, read it and say one line naming it instead of a traceback each
     (expgpu.launch.worker). Before this supervisor stops anyone, so only a rank that died by itself."""
     for rank, code in bad:
         if code < 0 and failure_time(run_dir, rank) is None:
             try:
-                write_failure(run_dir, rank, killed_by(code), killed=True)
+                write_failure(run_dir, rank, oom.killed_by(code, oom_counts[rank]), killed=True)
             except OSError:   # a full disk: its peers print what they caught, as before
                 pass
 

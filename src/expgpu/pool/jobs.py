@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from expgpu import results
 from expgpu.errors import UserError, WorkerFailed, one_line
 from expgpu.pool.sharing import is_share, shown, which
+from expgpu.procs import oom
 from expgpu.rundir import CONSOLE, STATE
 from expgpu.rundir import POOL_JOB as JOB_FILE
 from expgpu.rundir import POOL_RECORD as RECORD
@@ -57,6 +59,8 @@ class Job:
     kept: bool = False           # finished in an earlier run of this sweep dir: not started (expgpu.pool.kept)
     timed_out: str | None = None   # why the launcher stopped it (past hydra.launcher.timeout_min), if it did
     kill_at: float | None = None   # then: when SIGKILL follows (time.monotonic())
+    oom_count: Any = None        # its process's memory cgroup's OOM kills from its start (expgpu.procs.oom)
+    sent_kill: bool = False      # the launcher sent it SIGKILL (a stop or a time limit, past the grace)
 
     @property
     def label(self) -> str:
@@ -221,7 +225,7 @@ def _made_up_return(job: Job, code: int | None, stop_signal: int | None, spares_
     ret.hydra_cfg = OmegaConf.create({"hydra": job.config.hydra})
     if job.error is None:
         if code is not None and code < 0:
-            job.error = f"killed by {signal.Signals(-code).name}"
+            job.error = results.killed_by(code) if job.sent_kill else oom.killed_by(code, job.oom_count)
         elif stop_signal is not None:
             job.error = f"stopped by {signal.Signals(stop_signal).name} (exit code {code})"
         else:

@@ -104,6 +104,7 @@ class Pool(StepStarter, Starter):
     def end(self) -> None:
         """After the last round (or an error in one): nothing outlives the launcher."""
         for job in self._running():
+            job.sent_kill = True
             self._kill(job)
             job.proc.wait()
         for job in self.jobs:
@@ -182,6 +183,7 @@ class Pool(StepStarter, Starter):
                 self._steps_killed = True
                 self._signal(self._running(), signal.SIGKILL)
             for job in self._running():
+                job.sent_kill = True
                 self._kill(job)
 
     def _time_limits(self) -> None:
@@ -205,6 +207,7 @@ class Pool(StepStarter, Starter):
         nothing to save: its srun ends it."""
         steps_of = [j for j in jobs if self.alloc is not None and not hasattr(j.proc, "signal_group")]
         for job in jobs:
+            job.sent_kill = job.sent_kill or sig == signal.SIGKILL
             if job not in steps_of:
                 self._kill(job, sig)
         if steps_of:

@@ -16,6 +16,7 @@ from expgpu.pool import jobs as jobfiles
 from expgpu.pool import sharing
 from expgpu.pool.jobs import Job
 from expgpu.pool.spares import Spare
+from expgpu.procs import oom
 
 
 class Starter:
@@ -176,6 +177,7 @@ class Starter:
             self._dirty = True
             return
         job.proc = spare.proc
+        job.oom_count = oom.OomCount(job.proc.pid)
         for lease in job_leases:  # the job's process holds the lease from now on
             lease.handed_over()
         job.state, job.gpus, job.slot, job.started = "running", gpus, slot, time.time()

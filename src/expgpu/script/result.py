@@ -30,7 +30,7 @@ from expgpu import rundir
 from expgpu.errors import lost_peer, short, timed_out
 from expgpu.gpus import NodePlan
 from expgpu.loggers.jsonl import ROW_KEYS, read_rows
-from expgpu.procs import stop_signals
+from expgpu.procs import oom, stop_signals
 from expgpu.ranks import RankInfo
 from expgpu.results import Failure, is_script, write_result
 from expgpu.rundir import atomic_write_bytes
@@ -48,12 +48,15 @@ def previous(run_dir: Path) -> dict | None:
     return doc if doc is not None and is_script(doc) else None
 
 
-def write_record(run_dir: Path, info: RankInfo, launch: str, outcome, gpus: list, names: list, device: str) -> dict:
+def write_record(run_dir: Path, info: RankInfo, launch: str, outcome, gpus: list, names: list, device: str,
+                 oom_count: oom.OomCount | None = None) -> dict:
+    """This rank's record of its script's end; `oom_count`: its cgroup's OOM kills, from the script's start."""
+    died = (outcome.returncode or 0) < 0 and not outcome.killed   # by a signal not expgpu's (after its grace)
     record = {"rank": info.rank, "launch": launch, "host": socket.gethostname(), "device": device, "gpus": gpus,
               "names": names, "exit_code": outcome.exit_code, "stopped_by": outcome.stopped_by,
               "signal": signal.Signals(-outcome.returncode).name if (outcome.returncode or 0) < 0 else None,
               "killed_after_grace": outcome.killed, "hung": outcome.hung, "stderr_tail": outcome.tail[-10:],
-              "ended": outcome.ended}
+              "ended": outcome.ended, "killed_by": oom.killed_by(outcome.returncode, oom_count) if died else None}
     path = rundir.script_record(run_dir, info.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps(record).encode())
@@ -111,7 +114,8 @@ def failure(record: dict, run_dir: Path, spec=None, args: list[str] | None = Non
     if held is not None:
         return Failure(record["rank"], f"{held} (all its output: {rundir.script_log(run_dir, record['rank'])})",
                        False, code)
-    how = f"was killed by {record['signal']}" if record.get("signal") else f"exited with code {code}"
+    how = f"was {record.get('killed_by') or 'killed by ' + record['signal']}" if record.get("signal") else \
+        f"exited with code {code}"
     tail = " | ".join(line.strip() for line in record["stderr_tail"][-5:] if line.strip())
     told = f"; the last lines of its stderr: {tail[-600:]}" if tail else "; it wrote nothing to stderr"
     where = rundir.script_log(run_dir, record["rank"])

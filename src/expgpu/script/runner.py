@@ -23,7 +23,7 @@ from expgpu import procs, rundir
 from expgpu.errors import EXIT_HUNG, Hung, UserError, WorkerFailed
 from expgpu.gpus import NodePlan, placement
 from expgpu.gpus.mask import gpu_env
-from expgpu.procs import stop_signals
+from expgpu.procs import oom, stop_signals
 from expgpu.ranks import RankInfo
 from expgpu.script import environ, process, prune, result
 from expgpu.script.loggers import LoggerFeed
@@ -62,6 +62,7 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
     if info.rank == 0:
         rundir.script_log_marker(run_dir).unlink(missing_ok=True)   # the rows of this attempt start anew
         feed = LoggerFeed(cfg, run_dir, trial)   # the loggers (a trial's pruner), the script's progress on the console
+    oom_count = oom.OomCount()   # this process's cgroup, its script's
     try:
         outcome = process.run_script(argv, env, run_dir, script_log, stopper, spec.grace_s,
                                      _on_tick(feed, info, run_dir, launch, stopper), watch,
@@ -77,7 +78,7 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan, t_start: 
             watch.close()
     device = "cuda" if mine and cfg["inventory"]["simulate"] is None else "cpu"
     record = result.write_record(run_dir, info, launch, outcome, [g.index for g in mine], [g.name for g in mine],
-                                 device)
+                                 device, oom_count)
     if outcome.hung:
         _hung(watch, feed, info, run_dir, launch, record,
               lambda records, verdict: result.write(cfg, info, node, run_dir, spec, records, argv, resumed, attempt,
