@@ -248,6 +248,23 @@ def _did_you_mean(key: str, given: dict, named: dict, prefix: str = "task.") -> 
     return f" (did you mean {found[0]}?)" if found else ""
 
 
+def _check_target_keys(obj: Any, value: dict, where: str) -> None:
+    """A `{_target_: ...}` entry's keys against what its callable takes: a misspelt key is named with what is
+    allowed, not left to a TypeError from inside the build (a callable whose parameters cannot be read, or that
+    takes **kwargs, is left to its own checks)."""
+    try:
+        ps = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.kind == p.VAR_KEYWORD for p in ps):
+        return
+    named = {p.name: p for p in ps if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    for k in value:
+        if not k.startswith("_") and k not in named:
+            raise UserError(f"{where}.{k}: {value['_target_']} takes no parameter {k!r}"
+                            f"{_did_you_mean(k, {}, named, prefix=where + '.')}; it takes {', '.join(named)}")
+
+
 def _hints(fn: Callable, named: dict[str, inspect.Parameter]) -> dict[str, Any]:
     """The parameters' annotations, where they evaluate: what values are checked and converted to."""
     try:
@@ -367,8 +384,8 @@ def build_params(spec: TaskSpec) -> dict[str, Any]:
         if not _has_target(value):
             built[key] = value
             continue
-        if isinstance(value, dict) and "_target_" in value:
-            locate(value["_target_"], f"task.{key}._target_")   # a clear reason if it does not import
+        if isinstance(value, dict) and "_target_" in value:   # a clear reason if it does not import or fit
+            _check_target_keys(locate(value["_target_"], f"task.{key}._target_"), value, f"task.{key}")
         try:
             built[key] = instantiate(value, _convert_="all")
         except Exception as e:

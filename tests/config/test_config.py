@@ -165,6 +165,20 @@ def configured(run, cfg: GPTConfig):
     return None
 
 
+class Block:
+    def __init__(self, width: int, depth: int = 2):
+        self.width, self.depth = width, depth
+
+
+class Loose:
+    def __init__(self, width: int, **extra):
+        self.width, self.extra = width, extra
+
+
+def built(run, model=None):
+    return None
+
+
 HERE = __name__
 
 
@@ -211,6 +225,19 @@ def test_a_task_key_the_function_cannot_take_is_one_line(keys, needle):
     with pytest.raises(UserError) as caught:
         spec(**keys)
     assert needle in str(caught.value), str(caught.value)
+
+
+def test_a_target_entrys_key_its_callable_does_not_take_is_one_line_with_what_it_takes():
+    s = spec(fn="built", model={"_target_": f"{HERE}.Block", "widht": 3})
+    with pytest.raises(UserError) as caught:
+        task.build_params(s)
+    assert str(caught.value) == (f"task.model.widht: {HERE}.Block takes no parameter 'widht' (did you mean "
+                                 "task.model.width?); it takes width, depth")
+    ok = task.build_params(spec(fn="built", model={"_target_": f"{HERE}.Block", "width": 3}))["model"]
+    assert (ok.width, ok.depth) == (3, 2)
+    # a callable that takes **kwargs checks its own keys: built as given
+    loose = task.build_params(spec(fn="built", model={"_target_": f"{HERE}.Loose", "width": 3, "widht": 4}))
+    assert loose["model"].extra == {"widht": 4}
 
 
 def test_a_script_tasks_output_watch_finds_hangs_to_restart_after_without_the_watchdog():

@@ -187,8 +187,10 @@ def test_user_task_from_own_config_dir(tmp_path):
                             "max_steps, loss, eval_dataset"),
     (["task.lr=0.1"], "takes no parameter 'lr' (did you mean task.optimizer.lr?); it takes model"),
     (["gpu_map.strategi=ranked"], "gpu_map.strategi: unknown key; allowed under gpu_map: strategy, gpus"),
-    (["task.model.hiden=3"], "task.model: cannot build expgpu.tasks.models.MLP: TypeError:"),
-    (["+task.optimizer.momentum=0.9"], "task.optimizer: Adam refused its settings"),
+    (["task.model.hiden=3"], "task.model.hiden: expgpu.tasks.models.MLP takes no parameter 'hiden' (did you mean "
+                             "task.model.hidden?); it takes in_features, out_features, hidden, depth"),
+    (["+task.optimizer.momentum=0.9"], "task.optimizer.momentum: torch.optim.Adam takes no parameter 'momentum'; "
+                                       "it takes params, lr, betas"),
     (["task.optimizer._target_=torch.optim.SGDD"], "torch.optim has no attribute 'SGDD'"),
     (["task.batch_size=abc"], "task.batch_size"),
     (["task=nope"], "task/nope"),
