@@ -162,7 +162,7 @@ def test_compile_trains_as_eager_does_and_resumes(tmp_path, eager_a):
     (["task.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_sise:5}"],
      "task.scheduler.step_sise: torch.optim.lr_scheduler.StepLR takes no parameter 'step_sise' (did you mean "
      "task.scheduler.step_size?); it takes optimizer, step_size, gamma, last_epoch"),
-    # a value the constructor checks (torch's ValueError), as a keyword it does not take
+    # a value the constructor checks (torch's ValueError)
     (["task.optimizer.lr=-1"], "task.optimizer: Adam refused its settings (ValueError: Invalid learning rate: -1)"),
     (["task.scheduler={_target_:torch.optim.lr_scheduler.CosineAnnealingWarmRestarts,_partial_:true,T_0:0}"],
      "task.scheduler: CosineAnnealingWarmRestarts refused its settings (ValueError: Expected positive integer T_0"),

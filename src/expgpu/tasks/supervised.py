@@ -120,9 +120,9 @@ def _loss(loss: Any) -> tuple[Any, bool]:
 
 def _build(factory: Any, key: str, arg: Any) -> Any:
     """optimizer(params) / scheduler(optimizer) from a `_partial_: true` config. What its constructor
-    refuses is one line, as a model or dataset that cannot be built (expgpu.task.build_params): a keyword
-    it does not take, with the ones it does (e.g. +task.optimizer.momentum=0.9 on Adam), or a value it
-    checks (torch's optimizers raise ValueError, e.g. task.optimizer.lr=-1)."""
+    refuses is one line, as a model or dataset that cannot be built (expgpu.task.build_params): a value it
+    checks (torch's optimizers raise ValueError, e.g. task.optimizer.lr=-1), or a keyword that one taking
+    **kwargs does not take, with the ones it names (build_params refused the others' already)."""
     if not callable(factory):
         raise UserError(f"task.{key}: needs `_partial_: true` so that expgpu can pass the "
                         f"{'parameters' if key == 'optimizer' else 'optimizer'}")
