@@ -15,6 +15,7 @@ from config_compose import composed, refused
 
 from expgpu import config, task
 from expgpu.errors import UserError
+from expgpu.task import values
 
 SIM2 = "inventory.simulate=[{name:A100,memory_mb:40960},{name:T4,memory_mb:15360}]"
 
@@ -201,7 +202,7 @@ def test_the_length_and_logging_keys_do_not_change_what_a_checkpoint_must_match(
 
 def test_a_config_object_takes_the_task_keys_as_its_fields():
     s = spec(fn="configured", lr=1e-3, model={"n_layer": "4"}, seed=3)
-    built = task._built_object(s.config_object[1], s.params)
+    built = values.built_object(s.config_object[1], s.params)
     assert built == GPTConfig(lr=1e-3, model=ModelCfg(n_layer=4), seed=3)
 
 

@@ -23,16 +23,15 @@ its GPU.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import importlib
 import inspect
 import json
-import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from expgpu.errors import UserError, first_line, shown
+from expgpu.errors import UserError, first_line
+from expgpu.task import values
 
 SUPERVISED = "expgpu.tasks.supervised.train"
 # What every rank of a function task imports before the task's own code, so that a process forked
@@ -59,7 +58,6 @@ LOG_REDUCES = ("last", "mean")
 # Settings a resume may change: the rest must match the checkpoint's (its fingerprint).
 MAY_CHANGE = ("max_steps", "log_every", "log_reduce", "name", "eval_every", "eval_dataset", "eval_batch_size",
               "compile")
-_SIMPLE = (int, float, bool, str)
 
 
 @dataclass(frozen=True)
@@ -116,20 +114,21 @@ def resolve(task_cfg: dict) -> TaskSpec:
         raise UserError(f"task._target_={target}: a {type(fn).__name__}, not a function to call as fn(run, ...)")
     run_keys = {k: cfg.pop(k, default) for k, default in RUN_KEYS.items()}
     named, var_kw = _parameters(fn, target)
-    hints = _hints(fn, named)
-    whole = _config_object(named, hints, cfg)
+    hints = values.hints(fn, named)
+    whole = values.config_object(named, hints, cfg)
     if whole is not None:
         # the run's keys reach a dataclass that has such a field (a script's own `seed`), a dict never
         names = [f.name for f in dataclasses.fields(whole[1])] if whole[1] is not dict else []
-        params = _check_fields(whole[1], {**cfg, **{k: task_cfg[k] for k in RUN_KEYS if k in names and k in task_cfg}},
-                               f"{target} takes its parameters as {whole[0]}: {_type_name(whole[1])}")
-        defaults = _field_defaults(whole[1])
+        given = {**cfg, **{k: task_cfg[k] for k in RUN_KEYS if k in names and k in task_cfg}}
+        params = values.check_fields(whole[1], given,
+                                     f"{target} takes its parameters as {whole[0]}: {values.type_name(whole[1])}")
+        defaults = values.field_defaults(whole[1])
     else:
         params = _check_params(cfg, named, var_kw, target, hints)
         for k in RUN_KEYS:
             if k in named and k in task_cfg:
                 params[k] = task_cfg[k]
-        defaults = {n: p.default for n, p in named.items() if p.default is not p.empty and _plain(p.default)}
+        defaults = {n: p.default for n, p in named.items() if p.default is not p.empty and values.plain(p.default)}
     settings = _run_settings(run_keys, classic=target == SUPERVISED)
     identity = {"_target_": target, **{k: v for k, v in {**defaults, **params}.items() if k not in MAY_CHANGE},
                 "seed": settings["seed"], "seed_per_rank": settings["seed_per_rank"],
@@ -137,71 +136,6 @@ def resolve(task_cfg: dict) -> TaskSpec:
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return TaskSpec(name=run_keys["name"] or target.rsplit(".", 2)[-2], target=target, fn=fn, params=params,
                     identity=identity, fingerprint=digest, config_object=whole, **settings)
-
-
-def _config_object(named: dict[str, inspect.Parameter], hints: dict[str, Any], given: dict) -> tuple[str, Any] | None:
-    """(name, dataclass or dict) when the function takes one parameter besides the run, annotated
-    with a dataclass or a mapping type, and the task file does not set that name itself: the task
-    keys are then that object's fields (a script's config block stays as it is)."""
-    from collections.abc import Mapping
-
-    if len(named) != 1:
-        return None
-    (name, _), = named.items()
-    ann = hints.get(name)
-    if name in given or ann is None:
-        return None
-    if isinstance(ann, type) and dataclasses.is_dataclass(ann):
-        return name, ann
-    return (name, dict) if (typing.get_origin(ann) or ann) in (dict, Mapping) else None
-
-
-def _type_name(cls: Any) -> str:
-    return getattr(cls, "__name__", str(cls))
-
-
-def _check_fields(cls: Any, given: dict, whose: str, prefix: str = "task.") -> dict:
-    """The task keys checked against the config object's fields and converted to their annotations;
-    a nested dataclass field takes a mapping, checked alike. A dict takes every key as given."""
-    if cls is dict:
-        return dict(given)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:   # an annotation that does not evaluate: values pass as given
-        hints = {}
-    out = {}
-    for key, value in given.items():
-        if key not in fields:
-            raise UserError(f"{prefix}{key}: {whose} has no field {key!r}{_did_you_mean(key, given, fields, prefix)}; "
-                            f"its fields: {', '.join(fields)}")
-        ann = hints.get(key)
-        if isinstance(ann, type) and dataclasses.is_dataclass(ann) and isinstance(value, dict):
-            out[key] = _check_fields(ann, value, f"{_type_name(cls)}.{key}: {_type_name(ann)}", f"{prefix}{key}.")
-        else:
-            out[key] = _coerce(f"{prefix[len('task.'):]}{key}", value, ann)
-    for name, f in fields.items():
-        if name not in given and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise UserError(f"{prefix}{name}: {whose} needs it (a field without a default); "
-                            f"set it in the task file or as {prefix}{name}=...")
-    return out
-
-
-def _field_defaults(cls: Any) -> dict:
-    """The config object's plain defaults, which belong to the run's identity as a function's do."""
-    if cls is dict:
-        return {}
-    return {f.name: f.default for f in dataclasses.fields(cls)
-            if f.default is not dataclasses.MISSING and _plain(f.default)}
-
-
-def _built_object(cls: Any, values: dict) -> Any:
-    """The config object from its checked fields, nested dataclasses built from their mappings."""
-    if cls is dict:
-        return values
-    hints = typing.get_type_hints(cls)
-    return cls(**{k: _built_object(hints[k], v) if isinstance(v, dict) and isinstance(hints.get(k), type)
-                  and dataclasses.is_dataclass(hints[k]) else v for k, v in values.items()})
 
 
 def _parameters(fn: Callable, target: str) -> tuple[dict[str, inspect.Parameter], bool]:
@@ -223,29 +157,13 @@ def _check_params(given: dict, named: dict[str, inspect.Parameter], var_kw: bool
     for key in given:
         if key not in named and not var_kw:
             takes = ", ".join(named) or "nothing"
-            raise UserError(f"task.{key}: {target} takes no parameter {key!r}{_did_you_mean(key, given, named)}; "
+            raise UserError(f"task.{key}: {target} takes no parameter {key!r}{values.did_you_mean(key, given, named)}; "
                             f"it takes {takes} (and the run's keys {', '.join(RUN_KEYS)})")
     for name, p in named.items():
         if p.default is p.empty and name not in given and name not in RUN_KEYS:
             raise UserError(f"task.{name}: {target} needs it (a parameter without a default); "
                             f"set it in the task file or as task.{name}=...")
-    return {k: _coerce(k, v, hints.get(k)) for k, v in given.items()}
-
-
-def _did_you_mean(key: str, given: dict, named: dict, prefix: str = "task.") -> str:
-    """Where the user probably meant to put `key`: a nested setting of that name (task.lr for
-    task.optimizer.lr), else a parameter spelt alike (task.max_step)."""
-    import difflib
-
-    def nested(value: Any, path: str) -> list[str]:
-        if not isinstance(value, dict):
-            return []
-        here = [f"{path}.{key}"] if key in value else []
-        return here + [p for k, v in value.items() if k != key for p in nested(v, f"{path}.{k}")]
-
-    found = [p for k, v in given.items() if k != key for p in nested(v, f"{prefix}{k}")]
-    found = found or [f"{prefix}{m}" for m in difflib.get_close_matches(key, list(named), n=1)]
-    return f" (did you mean {found[0]}?)" if found else ""
+    return {k: values.coerce(k, v, hints.get(k)) for k, v in given.items()}
 
 
 def _check_target_keys(obj: Any, value: dict, where: str) -> None:
@@ -262,78 +180,7 @@ def _check_target_keys(obj: Any, value: dict, where: str) -> None:
     for k in value:
         if not k.startswith("_") and k not in named:
             raise UserError(f"{where}.{k}: {value['_target_']} takes no parameter {k!r}"
-                            f"{_did_you_mean(k, {}, named, prefix=where + '.')}; it takes {', '.join(named)}")
-
-
-def _hints(fn: Callable, named: dict[str, inspect.Parameter]) -> dict[str, Any]:
-    """The parameters' annotations, where they evaluate: what values are checked and converted to."""
-    try:
-        hints = typing.get_type_hints(fn)
-    except Exception:   # an annotation that does not evaluate: no conversion, values pass as given
-        return {}
-    return {name: hints[name] for name in named if name in hints}
-
-
-def _coerce(key: str, value: Any, ann: Any) -> Any:
-    """A config value converted to the parameter's annotation: int, float, bool and str as OmegaConf
-    converts them; list, tuple, Sequence and dict of those element by element (a YAML list becomes a
-    tuple for `tuple[...]`); Literal choices checked; an Enum member by its name or value; Optional
-    of any of these. Any other annotation (a class, Any) takes the value as given, as does a
-    `{_target_: ...}` value, built later."""
-    import types
-    from collections.abc import Mapping, Sequence
-
-    if ann is None or value is None or _has_target(value):
-        return value
-    if ann in _SIMPLE:
-        return _simple(key, value, ann)
-    if isinstance(ann, type) and issubclass(ann, enum.Enum):   # by name, as OmegaConf does, or by value
-        for member in ann:
-            if value in (member.name, member.value) or value is member:
-                return member
-        raise UserError(f"task.{key}={shown(value)} is not allowed: one of {', '.join(m.name for m in ann)}")
-    origin, args = typing.get_origin(ann) or ann, typing.get_args(ann)
-    if origin in (typing.Union, types.UnionType):
-        rest = [a for a in args if a is not type(None)]
-        return _coerce(key, value, rest[0]) if len(rest) == 1 else value
-    if origin is typing.Literal:
-        if any(choice == value and type(choice) is type(value) for choice in args):
-            return value
-        raise UserError(f"task.{key}={shown(value)} is not allowed: one of {', '.join(map(str, args))}")
-    if origin in (list, tuple, Sequence):
-        if not isinstance(value, (list, tuple)):
-            raise UserError(f"task.{key}={shown(value)} is not allowed: a list ([...])")
-        fixed = origin is tuple and args and args[-1] is not Ellipsis
-        kinds = args if fixed else (args[:1] or (None,)) * len(value)
-        if len(kinds) != len(value):
-            raise UserError(f"task.{key}={shown(value)} is not allowed: a list of {len(kinds)} values")
-        items = [_coerce(f"{key}[{i}]", v, k) for i, (v, k) in enumerate(zip(value, kinds))]
-        return tuple(items) if origin is tuple else items
-    if origin in (dict, Mapping):
-        if not isinstance(value, dict):
-            raise UserError(f"task.{key}={shown(value)} is not allowed: a mapping ({{...}})")
-        kind = args[1] if len(args) == 2 else None
-        return {k: _coerce(f"{key}.{k}", v, kind) for k, v in value.items()}
-    return value
-
-
-def _simple(key: str, value: Any, hint: type) -> Any:
-    if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
-        return value
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    from dataclasses import make_dataclass
-
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ValidationError
-
-    node = OmegaConf.structured(make_dataclass("Param", [("value", typing.Optional[hint], None)]))
-    try:
-        node.value = value
-    except ValidationError as e:
-        kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[hint]
-        raise UserError(f"task.{key}={shown(value)} is not allowed: {kind} ({first_line(e)})") from None
-    return node.value
+                            f"{values.did_you_mean(k, {}, named, prefix=where + '.')}; it takes {', '.join(named)}")
 
 
 def _run_settings(keys: dict, classic: bool) -> dict:
@@ -356,32 +203,13 @@ def _run_settings(keys: dict, classic: bool) -> dict:
             "seed_per_rank": (not classic) if per_rank is None else per_rank}
 
 
-def _plain(value: Any) -> bool:
-    """A default that means the same in every process (no object whose text is its address)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
-    return False
-
-
-def _has_target(value: Any) -> bool:
-    if isinstance(value, dict):
-        return "_target_" in value or any(_has_target(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_has_target(v) for v in value)
-    return False
-
-
 def build_params(spec: TaskSpec) -> dict[str, Any]:
     """The function's keyword arguments, with every `{_target_: ...}` inside them built, in order."""
     from hydra.utils import instantiate
 
     built = {}
     for key, value in spec.params.items():
-        if not _has_target(value):
+        if not values.has_target(value):
             built[key] = value
             continue
         if isinstance(value, dict) and "_target_" in value:   # a clear reason if it does not import or fit
@@ -396,7 +224,7 @@ def build_params(spec: TaskSpec) -> dict[str, Any]:
         return built
     name, cls = spec.config_object
     try:
-        return {name: _built_object(cls, built)}
+        return {name: values.built_object(cls, built)}
     except Exception as e:   # the dataclass's own checks (__post_init__)
-        raise UserError(f"task: {_type_name(cls)} refused the task's settings: {type(e).__name__}: "
+        raise UserError(f"task: {values.type_name(cls)} refused the task's settings: {type(e).__name__}: "
                         f"{first_line(e)}") from None
