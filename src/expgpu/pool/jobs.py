@@ -59,7 +59,7 @@ class Job:
     kept: bool = False           # finished in an earlier run of this sweep dir: not started (expgpu.pool.kept)
     timed_out: str | None = None   # why the launcher stopped it (past hydra.launcher.timeout_min), if it did
     kill_at: float | None = None   # then: when SIGKILL follows (time.monotonic())
-    oom_count: Any = None        # its process's memory cgroup's OOM kills from its start (expgpu.procs.oom)
+    oom_count: oom.OomCount | None = None   # its process's memory cgroup's OOM kills from its start (expgpu.procs.oom)
     sent_kill: bool = False      # the launcher sent it SIGKILL (a stop or a time limit, past the grace)
 
     @property

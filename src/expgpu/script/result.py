@@ -124,9 +124,14 @@ def failure(record: dict, run_dir: Path, spec=None, args: list[str] | None = Non
                    False, code)
 
 
+def _lines(record: dict) -> list[str]:
+    """The last lines its script wrote to stderr, stripped, the blank ones left out."""
+    return [line.strip() for line in record["stderr_tail"] if line.strip()]
+
+
 def _last_error(record: dict) -> str:
     """The last line its script wrote to stderr, without torchrun's "[rank1]: " before it."""
-    lines = [line.strip() for line in record["stderr_tail"] if line.strip()]
+    lines = _lines(record)
     return re.sub(r"^\[rank\d+\]:\s*", "", lines[-1]) if lines else ""
 
 
@@ -156,7 +161,7 @@ def torn_down(record: dict) -> bool:
     """The script's process aborted in its exit, not in its work: SIGABRT, the C++ runtime's last words for a
     thread destroyed while it ran (torch's gloo threads, when a rank exits in the middle of its peers'
     collectives or before their last message is freed), and no Python traceback before them."""
-    lines = [line.strip() for line in record["stderr_tail"] if line.strip()]
+    lines = _lines(record)
     return record.get("signal") == "SIGABRT" and bool(lines) and lines[-1] == _TERMINATE and \
         not any(line.startswith("Traceback (most recent call last)") for line in lines)
 
