@@ -119,7 +119,8 @@ def test_a_script_trial_is_pruned_on_every_rank_from_the_rows_it_logs(tmp_path):
         # both ranks' scripts stopped: by the SIGTERM passed on (143), or, rank 1, by its collective with the
         # stopped rank 0 (1): either way pruned, not failed
         assert result["exit_codes"][0] == 143 and result["exit_codes"][1] in (1, 143), result
-        assert 3 <= result["steps"] < 40, result   # judged from step 3 (n_warmup_steps=2), stopped soon after
+        # judged from step 3 (n_warmup_steps=2) and stopped then, long before its 400 steps end (20 s unpruned)
+        assert 3 <= result["steps"] < 400, result
         assert _study(sweep)[n]["last_step"] is not None
     assert json.loads((sweep / "0" / "result.json").read_text())["steps"] == 40
     assert "never logged" not in done.stdout + done.stderr
