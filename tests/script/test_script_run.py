@@ -156,14 +156,15 @@ def _start(args: list[str], run_dir: Path) -> subprocess.Popen:
 
 def test_sigterm_to_the_launcher_stops_every_script_and_a_rerun_adds_resume_args(tmp_path):
     run_dir = tmp_path / "run"
+    # 200 steps of 0.2 s, a kill grace of 60 s: a stop that worked ends in seconds, far from either
     args = [*CONF, "task=script_probe_resume", "launch.nproc_per_node=2", "task.args.log=true",
-            "logger=[csv,tensorboard]"]
+            "logger=[csv,tensorboard]", "task.args.steps=200", "task.grace_s=60"]
     proc = _start(args, run_dir)
     _wait_for_step(proc, run_dir, 3)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)   # the launcher's pid alone
     run = finish(proc, run_dir)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30   # not the script's end (40 s), not the grace's SIGKILL (60 s)
     assert run.returncode == 143, run.stderr
     res = run.result
     assert (res["status"], res["stop_signal"], res["exit_codes"]) == ("stopped", "SIGTERM", [143, 143])
