@@ -20,6 +20,12 @@ cuda:LOCAL_RANK over nccl): what CUDA's start costs each. For the start-up only:
 
     python bench/bench_ddp_overhead.py --gpu --nproc 1 --rounds 0 --launches 5
 
+--workers N: the separate launches with N DataLoader workers a rank (expgpu: data.num_workers=N; the plain
+script keeps its workers for the whole run, persistent_workers=True), and the plain script once more with
+PyTorch's default, its workers started again each epoch ("+fresh"): what each epoch's new workers cost.
+
+    python bench/bench_ddp_overhead.py --nproc 1 --rounds 0 --workers 2
+
 steps/s ratio  = built-in loop / plain loop, interleaved     (goal >= 0.98)
 startup extra  = expgpu - plain, seconds from launch to the first training step (goal <= 0.3 s)
 """
@@ -62,6 +68,7 @@ def run_expgpu(steps: int, tmp: Path, n: int, args) -> tuple[float, float]:
     t0 = time.time()
     subprocess.run([sys.executable, "-m", "expgpu", "task=a", f"task.max_steps={steps}",
                     f"launch.nproc_per_node={args.nproc}", f"task.precision={args.precision}",
+                    f"data.num_workers={args.workers}",
                     f"hydra.run.dir={run_dir}", "checkpoint.resume=false"],
                    check=True, env=env(args.gpu), cwd=REPO, capture_output=True)
     timing = json.loads((run_dir / "result.json").read_text())["timing"]
@@ -69,8 +76,11 @@ def run_expgpu(steps: int, tmp: Path, n: int, args) -> tuple[float, float]:
 
 
 def run_plain(steps: int, launcher: str, port: int, args) -> tuple[float, float]:
+    """launcher: torchrun, mp.spawn or python, with "+fresh": the script's workers started again each epoch."""
+    launcher, fresh = launcher.removesuffix("+fresh"), launcher.endswith("+fresh")
     script = [str(REPO / "bench" / "plain_ddp.py"), str(steps), "--precision", args.precision,
-              "--device", "cuda" if args.gpu else "cpu"]
+              "--device", "cuda" if args.gpu else "cpu", "--workers", str(args.workers),
+              *(["--fresh-workers"] if fresh else [])]
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", *script]
     elif launcher == "mp.spawn":
@@ -120,6 +130,8 @@ def interleaved(args, tmp: Path) -> None:
 
 def launches(args, tmp: Path) -> None:
     bases = ["python"] if args.nproc == 1 else ["torchrun", "mp.spawn"]
+    if args.workers:
+        bases.append(f"{bases[0]}+fresh")
     results: dict[str, list] = {"expgpu": [], **{b: [] for b in bases}}
     for i in range(args.launches):
         results["expgpu"].append(run_expgpu(args.launch_steps, tmp, i, args))
@@ -129,7 +141,8 @@ def launches(args, tmp: Path) -> None:
             f"{k} start {v[-1][0]:.2f}s {v[-1][1]:.0f} steps/s" for k, v in results.items()), flush=True)
     med = {k: (statistics.median(s for s, _ in v), statistics.median(r for _, r in v)) for k, v in results.items()}
     where = "GPU" if args.gpu else "CPU"
-    print(f"\nseparate launches, {args.nproc} rank(s) on the {where}, {args.launch_steps} steps, median of "
+    workers = f", {args.workers} DataLoader worker(s) a rank" if args.workers else ""
+    print(f"\nseparate launches, {args.nproc} rank(s) on the {where}{workers}, {args.launch_steps} steps, median of "
           f"{args.launches} alternating rounds")
     for base in bases:
         ratio = med["expgpu"][1] / med[base][1]
@@ -148,6 +161,7 @@ def main() -> None:
     ap.add_argument("--launch-steps", type=int, default=1500)
     ap.add_argument("--nproc", type=int, default=2, help="ranks of the separate launches (1: against plain python)")
     ap.add_argument("--gpu", action="store_true", help="the separate launches on this node's GPUs")
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader workers a rank in the separate launches")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.rounds:

@@ -7,6 +7,8 @@ line from rank 0: absolute time of the first step, and steps/s after the first 1
 `--precision bf16` runs the forward pass under torch.autocast, as a mixed-precision script does.
 `--device cuda`: each rank on its GPU over nccl, its batches pinned and copied as such a script does;
 `python bench/plain_ddp.py STEPS --device cuda` alone is a one-GPU script (no process group, no DDP).
+`--workers N`: N DataLoader workers, kept for the whole run (persistent_workers), as a careful script keeps
+them; `--fresh-workers` with it: started again each epoch, PyTorch's default.
 """
 
 import contextlib
@@ -24,7 +26,8 @@ from expgpu.tasks.data import SmoothRegression
 from expgpu.tasks.models import MLP
 
 
-def train(rank: int, world: int, steps: int, precision: str = "32", device: str = "cpu") -> None:
+def train(rank: int, world: int, steps: int, precision: str = "32", device: str = "cpu", workers: int = 0,
+          fresh: bool = False) -> None:
     """device cuda: this rank's GPU (cuda:LOCAL_RANK) and nccl. One rank started on its own (no RANK, no
     --spawn): no process group and no DDP, as a one-GPU script is written."""
     cuda = device == "cuda"
@@ -42,10 +45,12 @@ def train(rank: int, world: int, steps: int, precision: str = "32", device: str 
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = torch.nn.MSELoss()
+    loader = DataLoader(data, batch_size=64, sampler=sampler, drop_last=True, pin_memory=cuda, num_workers=workers,
+                        persistent_workers=workers > 0 and not fresh)
     step, epoch, t_first, t10 = 0, 0, time.time(), None
     while step < steps:
         sampler.set_epoch(epoch)
-        for x, y in DataLoader(data, batch_size=64, sampler=sampler, drop_last=True, pin_memory=cuda):
+        for x, y in loader:
             if cuda:
                 x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             opt.zero_grad(set_to_none=True)
@@ -74,8 +79,8 @@ def train(rank: int, world: int, steps: int, precision: str = "32", device: str 
     time.sleep(0.05)
 
 
-def _spawned(rank: int, world: int, steps: int, precision: str, device: str) -> None:
-    train(rank, world, steps, precision, device)
+def _spawned(rank: int, world: int, steps: int, precision: str, device: str, workers: int, fresh: bool) -> None:
+    train(rank, world, steps, precision, device, workers, fresh)
 
 
 def _option(name: str, default: str) -> str:
@@ -85,10 +90,12 @@ def _option(name: str, default: str) -> str:
 if __name__ == "__main__":
     steps = int(sys.argv[1])
     precision, device = _option("--precision", "32"), _option("--device", "cpu")
+    workers, fresh = int(_option("--workers", "0")), "--fresh-workers" in sys.argv
     if "--spawn" in sys.argv:
         world = int(_option("--spawn", "2"))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29533")
-        torch.multiprocessing.spawn(_spawned, args=(world, steps, precision, device), nprocs=world)
+        torch.multiprocessing.spawn(_spawned, args=(world, steps, precision, device, workers, fresh), nprocs=world)
     else:   # under torchrun, or alone (one process: no process group)
-        train(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), steps, precision, device)
+        train(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), steps, precision, device,
+              workers, fresh)

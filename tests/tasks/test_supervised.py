@@ -139,6 +139,29 @@ def test_every_setting_resumes_exactly_after_a_stop(tmp_path):
     assert resumed.result["param_checksum"] == straight.result["param_checksum"]
 
 
+def test_the_loops_data_workers_start_once_a_run_not_once_an_epoch_and_resume_exactly(tmp_path):
+    """data.num_workers=2 on 2 ranks, 4 batches an epoch on each: 12 steps are 3 epochs and 3 evaluations
+    (eval_every=4), yet each rank's training loader started its 2 workers once, and so did its
+    evaluation's (PyTorch's default would start 6 of each); stopped half-way and resumed
+    (checkpoint.verify), the run trains as one never stopped."""
+    pids = tmp_path / "pids"
+    args = ["task=a", "task.max_steps=12", "task.batch_size=32", "data.num_workers=2", "launch.nproc_per_node=2",
+            "task.dataset._target_=worker_probe.WorkerPids", "task.dataset.size=256", "task.eval_every=4",
+            "task.log_every=1",
+            f"+task.dataset.log_dir={pids / 'train'}",
+            f"+task.eval_dataset={{_target_:worker_probe.WorkerPids,size:128,log_dir:{pids / 'eval'}}}"]
+    env = clean_env(PYTHONPATH=str(HELPERS))
+    run = expgpu(args, tmp_path / "run", env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [r["step"] for r in run.metrics() if "eval_loss" in r] == [4, 8, 12]
+    for loader in ("train", "eval"):
+        started = {r: (pids / loader / f"rank{r}.txt").read_text().split() for r in (0, 1)}
+        assert {r: len(set(p)) for r, p in started.items()} == {0: 2, 1: 2}, (loader, started)
+    checked = expgpu([*args, "checkpoint.verify=true"], tmp_path / "verify", env=env)
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    assert "checkpoint.verify: exact: stopped at step 6 of 12 and resumed" in checked.stdout + checked.stderr
+
+
 @pytest.mark.xdist_group("test_supervised")
 def test_compile_trains_as_eager_does_and_resumes(tmp_path, eager_a):
     eager = eager_a

@@ -138,10 +138,10 @@ def test_the_share_of_the_time_spent_waiting_for_batches_is_in_the_rows_and_resu
     assert status == "finished" and 0.5 < share <= 1.0   # 12 ms a batch against a step of a few microseconds
     got = [json.loads(line) for line in (tmp_path / "slow" / "metrics.jsonl").read_text().splitlines()]
     assert all(0.5 < row["data_wait"] <= 1.0 for row in got), got
-    assert run.data_workers() == 0
+    assert run.data_workers() == (0, False)
     # no loader: nothing waited for, and no such field
     status, _, run = run_task(tmp_path / "none", base_cfg, "slow_data", loader=False, log_every=4)
-    assert run.timings(0.0)["data_wait"] is None and run.data_workers() is None
+    assert run.timings(0.0)["data_wait"] is None and run.data_workers() == (None, False)
     assert not any("data_wait" in json.loads(line) for line in (tmp_path / "none" / "metrics.jsonl").open())
 
 
@@ -197,6 +197,7 @@ def test_ranks_that_waited_for_their_batches_are_said_with_what_keeps_the_loader
                            "the model, set the pace; the loader has no workers: data.num_workers=4")
     assert slow_data([0.3, 0.5], 120.0, workers=2).startswith("rank(s) 0, 1 waited for batches 50%")
     assert "the loader has 2 worker(s): more of them, persistent_workers=True" in slow_data([0.3], 120.0, 2)
+    assert "2 worker(s): more of them, or less work" in slow_data([0.3], 120.0, 2, kept=True)   # persistent already
     assert "an iterable of your own: a DataLoader with workers" in slow_data([0.9], 120.0, None)
     assert slow_data([0.1, 0.2], 120.0, 0) is None      # the loader kept up
     assert slow_data([0.9], 5.0, 0) is None              # too short a run to tell (its workers' start)

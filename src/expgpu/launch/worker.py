@@ -82,7 +82,7 @@ def run_rank(cfg: dict, info: RankInfo, run_dir: Path, node: NodePlan | None = N
         return None
     checksums = [r["param_checksum"] for r in ranks]
     _warn_apart(ranks, cfg["launch"]["wrap"])
-    slow = slow_data([r["data_wait"] for r in ranks], mine["timing"]["train_s"], run.data_workers())
+    slow = slow_data([r["data_wait"] for r in ranks], mine["timing"]["train_s"], *run.data_workers())
     if slow:
         log.warning("%s", slow)
     for r in ranks:

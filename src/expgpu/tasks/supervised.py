@@ -62,7 +62,7 @@ def train(run: Run, model: Any, dataset: Any, optimizer: Any, batch_size: int, m
     held_out = eval_dataset if eval_dataset is not None else (dataset if classification else None)
     # no gradients kept: a larger batch than training's fits, and evaluates in fewer, fuller passes
     evaluator = _Evaluator(run, model, held_out, loss_fn, classification, eval_batch_size or given,
-                           prefix="eval_" if eval_dataset is not None else "train_")
+                           prefix="eval_" if eval_dataset is not None else "train_", repeated=eval_every > 0)
     last, results = None, {}
     try:
         for step, batch in run.steps(loader, max_steps, accumulate=accumulate):
@@ -167,7 +167,8 @@ def _data(run: Run, dataset, given: int, batch_size: int, loss_fn, ddp: bool, ac
         if share < batch_size:
             raise UserError(f"task.batch_size={batch_size} is larger than a rank's share of the dataset "
                             f"({n} examples / {ws} ranks = {share}); lower it")
-        return local, None, run.loader(dataset, given)   # run.loader takes its share as _rank_batch did
+        # run.loader takes its share as _rank_batch did
+        return local, None, run.loader(dataset, given, **_kept_workers(run))
     if n < batch_size * ws:
         raise UserError(f"task.batch_size={batch_size} x {ws} ranks = a global batch of {batch_size * ws}, more "
                         f"than the dataset's {n} examples; lower it")
@@ -175,8 +176,18 @@ def _data(run: Run, dataset, given: int, batch_size: int, loss_fn, ddp: bool, ac
     sampler = proportional.ShareBatchSampler(n, local.split.sizes, run.rank, seed)
     if workers:   # as run.loader does: the workers' random draws seeded per batch
         dataset, sampler.keyed = SeededFetch(dataset, seed), True
-    loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=run.device.type == "cuda", num_workers=workers)
+    loader = DataLoader(dataset, batch_sampler=sampler, pin_memory=run.device.type == "cuda", num_workers=workers,
+                        **_kept_workers(run))
     return local, sampler, loader
+
+
+def _kept_workers(run: Run) -> dict:
+    """A built-in loader walked more than once keeps its workers as long as it lives (persistent_workers):
+    started again for each epoch or evaluation, they would cost each one their start (a fork, the
+    dataset's copy, its first batches) while the step waits. The loop's datasets are not changed between
+    epochs, the one reason to start them again. run.loader's own default stays PyTorch's (False): a
+    script's dataset may be."""
+    return {"persistent_workers": True} if run.cfg.data.num_workers else {}
 
 
 def _forward_backward(run: Run, net, loss_fn, batches, local, scaler):
@@ -212,12 +223,14 @@ def _gather(obj, world_size: int) -> list:
 class _Evaluator:
     """Every rank evaluates its share of a held-out set; the sums are all-reduced."""
 
-    def __init__(self, run: Run, model, dataset, loss_fn, classification: bool, batch_size: int, prefix: str):
+    def __init__(self, run: Run, model, dataset, loss_fn, classification: bool, batch_size: int, prefix: str,
+                 repeated: bool):
         self.run, self.model, self.loss_fn, self.classification = run, model, loss_fn, classification
         self.prefix = prefix
         self.ready = dataset is not None
         if self.ready:
-            self.loader = run.loader(dataset, batch_size, shuffle=False, drop_last=False)
+            self.loader = run.loader(dataset, batch_size, shuffle=False, drop_last=False,
+                                     **(_kept_workers(run) if repeated else {}))
             self.summed = proportional.loss_reduction(loss_fn) == "sum"
 
     def __call__(self) -> dict[str, float]:

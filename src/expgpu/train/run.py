@@ -110,7 +110,7 @@ class Run(RunCheckpoint, RunEnd, RunCollectives, RunChecks):
         # seconds run.steps waited for batches (taking the next from the loader, moving it to the device); None
         # until it takes one from a loader: the share of the time that was, in the rows and result.json
         self._waited: float | None = None
-        self._loader_workers: int | None = None
+        self._loader_workers: tuple[int | None, bool] = (None, False)
         # What the task adds to result.json beside expgpu's own keys (the built-in loop: its data split,
         # and "step_means", what one step of run.steps stands for, when it is more than one iteration)
         self.result_extra: dict[str, Any] = {}
@@ -275,7 +275,8 @@ class Run(RunCheckpoint, RunEnd, RunCollectives, RunChecks):
         crash_step = self._faults.get("crash_step")
         self._in_steps = True   # the watchdog tells the loop from the code around it (progress())
         if feed.loader is not None:
-            self._loader_workers = getattr(feed.loader, "num_workers", None)
+            self._loader_workers = (getattr(feed.loader, "num_workers", None),
+                                    bool(getattr(feed.loader, "persistent_workers", False)))
             if self._waited is None:   # the first loop that takes batches from a loader: from now on, timed
                 self._waited = 0.0
                 if metrics is not None:

@@ -89,8 +89,9 @@ class RunEnd:
                 "data_wait": round(min(1.0, self._waited / train_s), 3) if train_s and self._waited is not None
                 else None}
 
-    def data_workers(self) -> int | None:
-        """The worker processes of the last loader run.steps took batches from (None: not a DataLoader)."""
+    def data_workers(self) -> tuple[int | None, bool]:
+        """The worker processes of the last loader run.steps took batches from (None: not a DataLoader), and
+        whether they live as long as it (persistent_workers)."""
         return self._loader_workers
 
     def checksums(self) -> tuple[str | None, str | None]:
@@ -109,9 +110,10 @@ class RunEnd:
                 "timing": self.timings(t_start), "param_checksum": whole, **extra}
 
 
-def slow_data(waits: list[float | None], train_s: float | None, workers: int | None) -> str | None:
+def slow_data(waits: list[float | None], train_s: float | None, workers: int | None, kept: bool = False) -> str | None:
     """The warning for the ranks that waited for their batches DATA_WARN of their training time or more
-    (`waits`: each rank's timing.data_wait), with what would keep their loader ahead; None when none did."""
+    (`waits`: each rank's timing.data_wait), with what would keep their loader ahead (`kept`: its workers are
+    persistent already); None when none did."""
     slow = [(rank, w) for rank, w in enumerate(waits) if w is not None and w >= DATA_WARN]
     if not slow or train_s is None or train_s < DATA_WARN_S:
         return None
@@ -123,8 +125,8 @@ def slow_data(waits: list[float | None], train_s: float | None, workers: int | N
         fix = ("the loader has no workers: data.num_workers=4 (run.loader's; a DataLoader of your own: its "
                "num_workers) prepares batches in the background while a step computes")
     else:
-        fix = (f"the loader has {workers} worker(s): more of them, persistent_workers=True (no new workers at "
-               f"each epoch), or less work in the dataset's __getitem__")
+        keep = "" if kept else "persistent_workers=True (no new workers at each epoch), "
+        fix = f"the loader has {workers} worker(s): more of them, {keep}or less work in the dataset's __getitem__"
     return (f"{who} waited for batches {100 * worst:.0f}% of the training time (run.steps taking the next one "
             f"from the loader and moving it to the device; result.json's plan[].data_wait): the data, not the "
             f"model, set the pace; {fix}")
