@@ -5,25 +5,17 @@ worker processes a loader started over a run."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import torch
-from torch.utils.data import Dataset
+from shard_probe import IndexLog
 
 
-class WorkerPids(Dataset):
-    """task a's kind of example (x a fixed random vector, y a fixed function of it); the first fetch in
-    each process appends that process's pid to LOG_DIR/rank<R>.txt (R: EXPGPU_RANK)."""
+class WorkerPids(IndexLog):
+    """shard_probe.IndexLog's examples; instead of each index, the first fetch in each process appends that
+    process's pid to LOG_DIR/rank<R>.txt (R: EXPGPU_RANK)."""
 
     def __init__(self, log_dir: str, size: int = 256, in_features: int = 32, out_features: int = 4):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(size, in_features, generator=g)
-        self.y = torch.tanh(self.x[:, :out_features])
-        self.log_dir = Path(log_dir)
+        super().__init__(log_dir, size, in_features, out_features)
         self._pid = None
-
-    def __len__(self) -> int:
-        return len(self.x)
 
     def __getitem__(self, i):
         if self._pid != os.getpid():
