@@ -33,7 +33,8 @@ def test_a_peer_killed_outright_is_named_over_the_echoes_that_recorded_before_it
         results.write_failure(tmp_path, 1, "killed by SIGKILL", killed=True)
 
     threading.Thread(target=supervisor).start()
-    assert lost_to(tmp_path, 0, before) == [1]
+    # a wait far longer than the supervisor's poll: a loaded machine may run its thread late
+    assert lost_to(tmp_path, 0, before, wait_s=30) == [1]
     # its record is the earliest, whenever it was written: the supervisor ranks it first too
     assert results.failure_time(tmp_path, 1) == float("-inf") < results.failure_time(tmp_path, 2)
 
@@ -44,8 +45,8 @@ def test_a_peer_that_failed_first_on_its_own_error_is_named_at_once(tmp_path):
     time.sleep(0.01)
     results.write_failure(tmp_path, 0, f"RuntimeError: {GLOO}", lost_peer=True)
     t0 = time.monotonic()
-    assert lost_to(tmp_path, 0, failed_before(tmp_path, 0)) == [3]
-    assert time.monotonic() - t0 < 0.5
+    assert lost_to(tmp_path, 0, failed_before(tmp_path, 0), wait_s=30) == [3]
+    assert time.monotonic() - t0 < 10   # at once, not after the wait for a supervisor's record
 
 
 def test_with_no_better_cause_in_time_the_earlier_echoes_are_named(tmp_path):
