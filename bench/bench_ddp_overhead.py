@@ -20,9 +20,10 @@ cuda:LOCAL_RANK over nccl): what CUDA's start costs each. For the start-up only:
 
     python bench/bench_ddp_overhead.py --gpu --nproc 1 --rounds 0 --launches 5
 
---workers N: the separate launches with N DataLoader workers a rank (expgpu: data.num_workers=N; the plain
-script keeps its workers for the whole run, persistent_workers=True), and the plain script once more with
-PyTorch's default, its workers started again each epoch ("+fresh"): what each epoch's new workers cost.
+--workers N: N DataLoader workers a rank (expgpu: data.num_workers=N; the plain loop keeps its workers for
+the whole run, persistent_workers=True). Interleaved, each of the two loops has its own N; the separate
+launches run the plain script once more with PyTorch's default, its workers started again each epoch
+("+fresh"): what each epoch's new workers cost.
 
     python bench/bench_ddp_overhead.py --nproc 1 --rounds 0 --workers 2
 
@@ -108,8 +109,8 @@ def interleaved(args, tmp: Path) -> None:
     for i in range(args.rounds):
         for kind in kinds:
             if kind == "builtin":
-                m = run_interleaved("builtin_both", [f"task.steps={args.steps}", f"task.precision={args.precision}"],
-                                    tmp / f"builtin{i}")
+                m = run_interleaved("builtin_both", [f"task.steps={args.steps}", f"task.precision={args.precision}",
+                                                     f"data.num_workers={args.workers}"], tmp / f"builtin{i}")
             else:
                 m = run_interleaved("loop_both", [f"task.steps={args.steps}", "task.chunk=50", "+task.control=true"],
                                     tmp / f"control{i}")
@@ -117,8 +118,9 @@ def interleaved(args, tmp: Path) -> None:
             what = "built-in loop" if kind == "builtin" else "plain #2 (A/A)"
             print(f"round {i + 1}/{args.rounds}: plain {m['plain_steps_per_s']:.0f} steps/s, {what} "
                   f"{m['run_steps_per_s']:.0f} steps/s, ratio {ratios[kind][-1]:.3f}", flush=True)
-    print(f"\n2 ranks, gloo, CPU, task a, precision {args.precision}, {args.steps} steps per loop in chunks of 50, "
-          f"{args.rounds} launches")
+    workers = f", {args.workers} DataLoader worker(s) a rank and loop, kept" if args.workers else ""
+    print(f"\n2 ranks, gloo, CPU, task a, precision {args.precision}{workers}, {args.steps} steps per loop in chunks "
+          f"of 50, {args.rounds} launches")
     if args.control:
         c = ratios["control"]
         print(f"A/A control (plain vs plain, 32-bit): ratio {statistics.median(c):.3f} "
@@ -161,7 +163,7 @@ def main() -> None:
     ap.add_argument("--launch-steps", type=int, default=1500)
     ap.add_argument("--nproc", type=int, default=2, help="ranks of the separate launches (1: against plain python)")
     ap.add_argument("--gpu", action="store_true", help="the separate launches on this node's GPUs")
-    ap.add_argument("--workers", type=int, default=0, help="DataLoader workers a rank in the separate launches")
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader workers a rank (and a loop, interleaved)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.rounds:

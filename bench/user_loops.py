@@ -68,10 +68,11 @@ def with_run(run: Run, steps: int = 3000):
 
 
 
-def _plain_half(run: Run, data, seed: int, precision: str = "32", hidden: int = 128):
+def _plain_half(run: Run, data, seed: int, precision: str = "32", hidden: int = 128, workers: int = 0):
     """A plainly written DDP loop over `data` (bench/plain_ddp.py's), run `chunk` steps at a time:
     (step(chunk)), on the run's device. precision bf16: the forward pass under torch.autocast, as such a
-    script does."""
+    script does. `workers`: DataLoader workers, kept for the whole run (persistent_workers), as a careful
+    script keeps them."""
     import contextlib
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -85,12 +86,14 @@ def _plain_half(run: Run, data, seed: int, precision: str = "32", hidden: int = 
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = torch.nn.MSELoss()
 
+    loader = DataLoader(data, batch_size=64, sampler=sampler, drop_last=True, pin_memory=device.type == "cuda",
+                        num_workers=workers, persistent_workers=workers > 0)
+
     def batches():
         epoch = 0
         while True:
             sampler.set_epoch(epoch)
-            yield from DataLoader(data, batch_size=64, sampler=sampler, drop_last=True,
-                                  pin_memory=device.type == "cuda")
+            yield from loader
             epoch += 1
 
     it = batches()
@@ -193,13 +196,15 @@ def builtin_interleaved(run: Run, precision: str, steps: int = 3000, chunk: int 
     The built-in loop keeps control: its run.steps generator is wrapped so that every `chunk`
     steps it runs a chunk of the plain loop before yielding the next batch. Each built-in chunk's
     time covers its step bodies and run.steps' own work between them (stop poll, log flushes,
-    progress lines, fetching the batch)."""
+    progress lines, fetching the batch). With data.num_workers > 0 both loops take their batches from
+    that many DataLoader workers a rank, kept for the run (the built-in loop's own choice, and the plain
+    loop's persistent_workers=True)."""
     import functools
 
     from expgpu.tasks import supervised
 
     data = SmoothRegression(4096, 32, 4)
-    plain = _plain_half(run, data, seed=1, precision=precision)
+    plain = _plain_half(run, data, seed=1, precision=precision, workers=run.cfg.data.num_workers)
     times: tuple[list, list] = ([], [])
     builtin_steps = run.steps
 
