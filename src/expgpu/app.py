@@ -29,6 +29,7 @@ from expgpu.procs import stop_signals
 from expgpu.results import finished_earlier, is_script, write_job_failure
 from expgpu.rundir import atomic_write_bytes
 from expgpu.status.busy import claim, refuse_busy
+from expgpu.task import precheck
 
 log = logging.getLogger("expgpu")
 
@@ -163,6 +164,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
     if plain["dry_run"]:
         node = placement.compute(plain, local_ranks)
         if info.local_rank == 0:
+            if plain.get("script") is None:   # the task function's keys, as its ranks would check them
+                precheck.check([("", plain["task"])])
             rows = _write_plan(run_dir, node, info)
             print(placement.table(rows, node.strategy), flush=True)
             if plain.get("script") is not None:

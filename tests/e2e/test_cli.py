@@ -174,6 +174,22 @@ def test_dry_run_never_imports_torch(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_dry_run_checks_a_task_functions_keys_as_its_ranks_would(tmp_path):
+    (tmp_path / "my_tasks.py").write_text("import torch\n\n\ndef train(run, lr: float = 1e-3):\n    return {}\n")
+    (tmp_path / "conf" / "task").mkdir(parents=True)
+    (tmp_path / "conf" / "task" / "mine.yaml").write_text("_target_: my_tasks.train\n_partial_: true\n")
+    args = ["--config-dir", str(tmp_path / "conf"), "task=mine", "dry_run=true"]
+    ok = expgpu(args, tmp_path / "ok", cwd=tmp_path)   # the launch dir's module, imported from there
+    assert ok.returncode == 0 and (tmp_path / "ok" / "plan.json").exists(), ok.stderr
+    bad = expgpu([*args, "task.lrr=0.1"], tmp_path / "bad", cwd=tmp_path)
+    said = [line for line in bad.stderr.splitlines() if line.startswith("expgpu")]
+    assert bad.returncode == 2 and said == [
+        "expgpu: error: task.lrr: my_tasks.train takes no parameter 'lrr' (did you mean task.lr?); it takes lr (and "
+        "the run's keys name, seed, seed_per_rank, log_every, log_reduce, precision)"], bad.stderr
+    assert not (tmp_path / "bad" / "plan.json").exists()
+
+
+@pytest.mark.slow
 def test_user_task_from_own_config_dir(tmp_path):
     env = clean_env(PYTHONPATH=str(REPO / "examples"))
     run = expgpu(["--config-dir", str(REPO / "examples" / "conf"), "task=linreg"], tmp_path / "run", env=env)
@@ -199,6 +215,8 @@ def test_user_task_from_own_config_dir(tmp_path):
                            "given with --config-dir (python -m expgpu --config-dir my_conf experiment=short)"),
     (["gpu_map=ranked", "gpu_map.strategy=fastest"], "gpu_map.strategy"),
     (["task.batch_size=0"], "task.batch_size=0"),
+    (["task.steps=100", "dry_run=true"], "task.steps: expgpu.tasks.supervised.train takes no parameter 'steps' (did "
+                                         "you mean task.max_steps?)"),   # a dry run checks the task's keys too
     (["gpu_map=custom", "gpu_map.gpus=[0,0]", "launch.nproc_per_node=2", "dry_run=true",
       "inventory.simulate=[{name:A100,memory_mb:40960},{name:A100,memory_mb:40960}]"], "gpu_map.gpus"),
     (["gpu_map=custom", "gpu_map.gpus=[5]", "dry_run=true",

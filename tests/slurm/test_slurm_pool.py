@@ -344,12 +344,18 @@ def test_with_jobs_per_gpu_its_dry_run_places_the_first_jobs_on_every_gpu_then_o
     (["gpu_map.gpus_per_rank=1,6"], "job #1 (task=a task.max_steps=20 logger=none gpu_map.gpus_per_rank=6) needs 6 "
                                     "GPUs on each of 1 node(s), but the allocation has at most 4 GPU(s) per node"),
     (["launch.nodes=3"], "asks for launch.nodes=3, but the allocation has 2 node(s); allowed: 1..2"),
+    # what each job's start would refuse after the queue (expgpu.task.precheck; a script's keys, spec.checked)
+    (["task.lrr=0.1"], "task.lrr: expgpu.tasks.supervised.train takes no parameter 'lrr'; it takes model"),
+    (["--config-dir", str(REPO / "tests" / "conf"), "task=script_alone", "~task.max_steps", "task.script=nope.py"],
+     "task.script=nope.py: " + str(REPO / "nope.py") + " does not exist"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_anything_is_submitted(tmp_path, args, message):
     env = clean_env(PATH=os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
                                          if not (Path(p) / "sbatch").exists()) or "/nonexistent")
-    done = subprocess.run([sys.executable, "-m", "expgpu", "-m", *SWEEP, *args, f"hydra.sweep.dir={tmp_path / 's'}"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    first = args[:2] if args[:1] == ["--config-dir"] else []   # before the overrides, as argparse wants it
+    done = subprocess.run([sys.executable, "-m", "expgpu", "-m", *first, *SWEEP, *args[len(first):],
+                           f"hydra.sweep.dir={tmp_path / 's'}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 2, done.stderr
     said = [ln for ln in done.stderr.splitlines() if ln.startswith("expgpu")]
     assert len(said) == 1 and message in said[0] and "Traceback" not in done.stderr, done.stderr

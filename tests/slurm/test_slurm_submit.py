@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from slurm_cluster import slurm_cluster, slurm_cluster_2n  # noqa: F401
 
-from conftest import PACED, REPO, clean_env, multirun
+from conftest import HELPERS, PACED, REPO, TESTS, clean_env, multirun
 
 pytestmark = pytest.mark.slurm
 
@@ -148,6 +148,22 @@ def test_tasks_per_node_must_fit_the_gpus_without_a_cluster(tmp_path):
     assert "gpu_map.gpus=[0] lists 1 GPU(s), but 2 rank(s) per node x gpu_map.gpus_per_rank=1 need 2" in line
     line = error_line(multirun(["hydra/launcher=slurm", "task=a"], tmp_path / "sweep2", env))
     assert "sbatch" in line and "not found on PATH" in line
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "submitit_local"])
+def test_a_task_key_its_function_does_not_take_is_one_line_before_anything_is_submitted(tmp_path, launcher):
+    # each job would check it at its start, after its wait in the queue, and every one would fail
+    env = clean_env(PATH=f"{Path(sys.executable).parent}", PYTHONPATH=str(HELPERS))
+    line = error_line(multirun([f"hydra/launcher={launcher}", "task=a", "task.lrr=0.1,0.2"], tmp_path / "s1", env))
+    assert line.startswith("expgpu: error: task.lrr: expgpu.tasks.supervised.train takes no parameter 'lrr'"), line
+    assert line.endswith("; job #0 (task=a task.lrr=0.1); nothing was submitted"), line
+    # a task function's module is imported (in a child process) and its signature read
+    line = error_line(multirun(["--config-dir", str(TESTS / "conf"), f"hydra/launcher={launcher}", "task=probe_paced",
+                                "task.step_s=0.1,fast"], tmp_path / "s2", env))
+    assert line.startswith("expgpu: error: task.step_s='fast' is not allowed: a number"), line
+    assert line.endswith("; job #1 (task=probe_paced task.step_s=fast); nothing was submitted"), line
+    for sweep in ("s1", "s2"):
+        assert not (tmp_path / sweep / ".submitit").exists()
 
 
 @pytest.mark.parametrize("launcher, key, value, allowed", [

@@ -252,6 +252,8 @@ def test_a_search_whose_every_trial_is_pruned_exits_1_with_one_line(tmp_path):
                                                                 "dir/s.db: cannot be opened"),
     (["objective=accuracy"], "trial 0: objective=accuracy: the task returned no metric 'accuracy'; it returned "
                              "score, x"),
+    # every trial's job would refuse it at its start, after its wait in the queue: said before the study opens
+    (["hydra/launcher=submitit_local", "task.xx=1"], "task.xx: tune_probe.train takes no parameter 'xx'"),
 ])
 @pytest.mark.timeout(120)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
@@ -261,6 +263,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
     assert "Traceback" not in done.stderr
     if args == ["objective=accuracy"]:   # said after the first trial, not after all six
         assert _states_in_journal(tmp_path / "sweep") == {0: "FAIL"}
+    if "task.xx=1" in args:
+        assert last.endswith("; in every trial; nothing was submitted"), last
+        assert not (tmp_path / "sweep" / "optuna.journal").exists() and not (tmp_path / "sweep" / ".submitit").exists()
 
 
 @pytest.mark.timeout(120)

@@ -3,8 +3,9 @@
 hydra-submitit-launcher's own launch() submits first and asks questions later: a bad tasks_per_node
 fails in every rank after the job waited in the queue, an unknown partition fails with sbatch's
 multi-line error, and without accounting (sacct) a cancelled job is waited for forever. Here:
-1. every job's config is composed; an expgpu config is checked and its tasks/GPUs per node derived
-   from its gpu_map, another Hydra app's job asks for what hydra.launcher says (resources.py);
+1. every job's config is composed; an expgpu config is checked (its task function's parameters too,
+   expgpu.task.precheck) and its tasks/GPUs per node derived from its gpu_map, another Hydra app's job
+   asks for what hydra.launcher says (resources.py);
 2. the cluster is asked (cluster.py): tools on PATH, controller answering, partition known;
 3. dry_run=true prints the sbatch script and the plans (preview.py) and submits nothing;
 4. jobs are submitted as one array per distinct resource shape (usually one); if a later sbatch
@@ -57,9 +58,9 @@ class Job:
 
     @property
     def label(self) -> str:
-        from hydra.core.utils import filter_overrides
-
-        return f"#{self.num} ({' '.join(filter_overrides(self.overrides)) or 'no overrides'})"
+        # the user's overrides: not Hydra's own, nor those the sweeper adds (++hydra.job.env_set...)
+        own = [o for o in self.overrides if not o.lstrip("+~").startswith("hydra.")]
+        return f"#{self.num} ({' '.join(own) or 'no overrides'})"
 
 
 @dataclass
@@ -123,6 +124,16 @@ def _script(cfg) -> dict | None:
     return spec.checked(cfg, os.getcwd())
 
 
+def check_tasks(jobs: list[Job], label: str | None = None) -> None:
+    """Each job's task function and its parameters, as the job will check them at its start: a misspelt key is
+    one line now, not every job failing after its wait in the queue. `label`: what the line calls the job
+    (else `job #N (its overrides)`)."""
+    from expgpu.task import precheck
+
+    precheck.check([(label or f"job {j.label}", _resolved(j.cfg, "task")) for j in jobs if j.parts is not None
+                    and j.script is None], then="nothing was submitted")
+
+
 def check_cluster(p: Plan, dry: bool = False) -> None:
     """sbatch on PATH, the controller answering, the partition known (SLURM only)."""
     if p.kind != "slurm":
@@ -148,6 +159,7 @@ def _groups(jobs: list[Job]) -> dict[tuple, list[Job]]:
 def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
     p = plan(launcher)
     jobs = [compose(launcher, p, overrides, initial_job_idx + i) for i, overrides in enumerate(job_overrides)]
+    check_tasks(jobs)
     dry = any(j.dry_run for j in jobs)
     check_cluster(p, dry)
     if dry:

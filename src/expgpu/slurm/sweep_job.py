@@ -33,6 +33,7 @@ from expgpu.errors import RunDirBusy, UserError, shown
 from expgpu.rundir import atomic_write_bytes
 from expgpu.slurm import cluster, resources
 from expgpu.slurm.follow import SLURM_CALL_S, follow, state_of
+from expgpu.task import precheck
 
 STATE = rundir.SLURM_POOL
 # The allocation's own keys (hydra.launcher.*); `pool` holds gpu_pool's, passed to the sweep inside
@@ -288,7 +289,7 @@ def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Seq
     s = settings(pool_params(inside(params)))
     if cpu_jobs(alloc, s):   # as gpu_pool will count it inside
         alloc = on_cpu_slots(alloc, s.cpu_slots)
-    rows = []
+    rows, tasks = [], []
     for num, overrides in enumerate(job_overrides or [()]):
         cfg = (jobfiles.compose(hydra_context, config, overrides, num, lambda c: 0).config if job_overrides
                else config)
@@ -298,7 +299,27 @@ def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Seq
         check_job(label, need, n, alloc, key, "hydra.launcher.pool.gpus_per_job" if s.gpus_per_job is not None
                   else "launch.nproc_per_node x gpu_map.gpus_per_rank")
         rows.append((num, " ".join(overrides), need, n))
+        tasks += _function_task(cfg, label)
+    precheck.check(tasks, then="nothing was submitted")
     return alloc, rows
+
+
+def _function_task(cfg, label: str) -> list[tuple[str, dict]]:
+    """[(label, the job's task config)] for an expgpu job of a task function (expgpu.task.precheck's to check
+    before the queue); [] for another Hydra app's job, or a script task, checked here as its start will check it
+    (in the allocation, which runs from this launch dir)."""
+    from omegaconf import OmegaConf
+
+    from expgpu import config
+    from expgpu.script import spec
+
+    if not config.is_expgpu(cfg):
+        return []
+    task = OmegaConf.to_container(cfg.task, resolve=True, enum_to_str=True)
+    if spec.is_script(task):
+        spec.checked(cfg, Path.cwd())
+        return []
+    return [(label, task)]
 
 
 def first_jobs(alloc, rows: list[tuple], jobs_per_gpu: int = 1, shown: int = 8) -> str:

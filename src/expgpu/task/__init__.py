@@ -60,6 +60,13 @@ MAY_CHANGE = ("max_steps", "log_every", "log_reduce", "name", "eval_every", "eva
               "compile")
 
 
+class ImportRaised(UserError):
+    """The task's module exists but raised on import (not a syntax error): a module it imports is missing, a
+    library would not load (flash-attn without the GPU driver's libcuda), its own code failed. Where its job
+    runs may differ (the node's GPU and driver, the job's setup lines: `module load`, a venv), so a check
+    before the job (expgpu.task.precheck) cannot settle it."""
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     name: str
@@ -90,10 +97,10 @@ def locate(path: str, key: str) -> Any:
         except ModuleNotFoundError as e:
             if e.name and (module == e.name or module.startswith(e.name + ".")):
                 continue   # that prefix is no module: try a shorter one
-            raise UserError(f"{key}={path}: importing {module} failed: {type(e).__name__}: {e}") from None
-        except Exception as e:   # the module exists but raised (a syntax error, a missing dependency)
-            raise UserError(f"{key}={path}: importing {module} failed: {type(e).__name__}: "
-                            f"{first_line(e)}") from None
+            raise ImportRaised(f"{key}={path}: importing {module} failed: {type(e).__name__}: {e}") from None
+        except Exception as e:   # the module exists but raised (a syntax error, a dependency that would not load)
+            error = UserError if isinstance(e, SyntaxError) else ImportRaised
+            raise error(f"{key}={path}: importing {module} failed: {type(e).__name__}: {first_line(e)}") from None
         for j, attr in enumerate(parts[i:], start=i):
             if not hasattr(obj, attr):
                 raise UserError(f"{key}={path}: {'.'.join(parts[:j])} has no attribute {attr!r}")

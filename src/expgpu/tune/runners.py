@@ -26,6 +26,10 @@ class Runner:
     capacity = 1   # trials at once
     ahead = 0      # trials queued beyond those, so that one is ready when a slot frees
 
+    def check(self, overrides: list[str]) -> None:
+        """Before the study opens: what a trial's job (these overrides) would refuse at its start, where that
+        comes only after a wait in a queue (a UserError)."""
+
     def submit(self, overrides: list[str], num: int) -> Path:
         """Start (or queue) job `num`; its job dir."""
         raise NotImplementedError
@@ -110,6 +114,11 @@ class SubmititRunner(Runner):
         self.capacity = n_jobs or (at_once if self.plan.kind == "slurm" else 1)
         self.jobs: dict[int, object] = {}
         self.gone_since: dict[str, float] = {}
+
+    def check(self, overrides: list[str]) -> None:
+        # every trial has the same task keys (a searched value its function refuses fails that trial alone):
+        # one trial's task checked, not a child process per trial
+        self.launch.check_tasks([self.launch.compose(self.launcher, self.plan, overrides, 0)], "in every trial")
 
     def submit(self, overrides: list[str], num: int) -> Path:
         import copy

@@ -314,6 +314,7 @@ def sweep(params, config, launcher, arguments: list[str]) -> None:
     runner = runner_for(launcher, s.n_jobs)
     if is_expgpu(config) and config.dry_run:
         return _dry_run(s, space, custom, sampler, config, launcher, runner.capacity)
+    runner.check(_drawn(optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)), space, custom, config))
     sweep_dir = Path(str(config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     study, where = studies.open_study(s, sweep_dir, sampler)
@@ -327,15 +328,18 @@ def _dry_run(s: Settings, space: Space, custom, sampler, config, launcher, at_on
     import optuna
 
     study = optuna.create_study(sampler=sampler, directions=list(s.directions))   # in memory only
-    batch = []
-    for _ in range(min(s.n_trials, at_once)):
-        trial = study.ask(space.distributions)
-        if custom is not None:
-            custom(config, trial)
-        batch.append(space.overrides(trial.params))
+    batch = [_drawn(study, space, custom, config) for _ in range(min(s.n_trials, at_once))]
     launcher.launch(batch, initial_job_idx=0)
     log.info("dry run: the first %d of %d trial(s) planned, nothing trained; the search needs their results to go "
              "on, so it stops here (no study stored)", len(batch), s.n_trials)
+
+
+def _drawn(study, space: Space, custom, config) -> list[str]:
+    """The overrides of a trial `study` draws (and custom_search_space's suggestions)."""
+    trial = study.ask(space.distributions)
+    if custom is not None:
+        custom(config, trial)
+    return space.overrides(trial.params)
 
 
 def _custom(path: str | None):
