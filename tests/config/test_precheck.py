@@ -1,7 +1,7 @@
 """expgpu.task.precheck: a task's parameters checked before its jobs start (a dry run, a launcher that submits to
 a queue), as the job would check them. Each case runs in a fresh process, as a launcher does: a task function's
-module is imported in a real child process there (torch not imported yet), or in that process itself where torch
-is (a gpu_pool job's)."""
+module, or the classes its `_target_` entries name, are imported in a real child process there (torch not
+imported yet), or in that process itself where torch is (a gpu_pool job's)."""
 
 from __future__ import annotations
 
@@ -54,8 +54,19 @@ def test_the_built_in_loops_misspelt_key_names_the_job_and_what_was_not_done(tmp
     said = check(tmp_path, jobs, then="nothing was submitted")
     assert said[0].startswith("refused: task.lrr: expgpu.tasks.supervised.train takes no parameter 'lrr'"), said
     assert said[0].endswith("; job #1 (task.lr=2); nothing was submitted"), said
-    # the good one alone passes, checked in that process: the built-in loop's module imports no torch
+    # the good one alone passes; its model class (torch's) was imported in a child, not in the launcher
     assert check(tmp_path, jobs[:1]) == ["torch imported: False"]
+
+
+def test_a_target_entrys_key_its_class_does_not_take_is_refused_before_anything_is_built(tmp_path):
+    said = check(tmp_path, [("", {**BUILT_IN, "model": {"_target_": "torch.nn.Linear", "in_feature": 4}})])
+    assert said[0].startswith("refused: task.model.in_feature: torch.nn.Linear takes no parameter 'in_feature' "
+                              "(did you mean task.model.in_features?)"), said
+    said = check(tmp_path, [("", {**BUILT_IN, "optimizer": {"_target_": "torch.optim.Adam", "_partial_": True,
+                                                              "momentum": 0.9}})])
+    assert said[0].startswith("refused: task.optimizer.momentum: torch.optim.Adam takes no parameter 'momentum'")
+    said = check(tmp_path, [("", {**BUILT_IN, "model": {"_target_": "torch.nn.Nope"}})])
+    assert said[0] == "refused: task.model._target_=torch.nn.Nope: torch.nn has no attribute 'Nope'", said
 
 
 def test_a_task_functions_keys_and_values_are_checked_against_its_signature_in_a_child(tmp_path):

@@ -217,6 +217,7 @@ def test_user_task_from_own_config_dir(tmp_path):
     (["task.batch_size=0"], "task.batch_size=0"),
     (["task.steps=100", "dry_run=true"], "task.steps: expgpu.tasks.supervised.train takes no parameter 'steps' (did "
                                          "you mean task.max_steps?)"),   # a dry run checks the task's keys too
+    (["task.model.hiden=3", "dry_run=true"], "task.model.hiden: expgpu.tasks.models.MLP takes no parameter 'hiden'"),
     (["gpu_map=custom", "gpu_map.gpus=[0,0]", "launch.nproc_per_node=2", "dry_run=true",
       "inventory.simulate=[{name:A100,memory_mb:40960},{name:A100,memory_mb:40960}]"], "gpu_map.gpus"),
     (["gpu_map=custom", "gpu_map.gpus=[5]", "dry_run=true",

@@ -210,17 +210,24 @@ def _run_settings(keys: dict, classic: bool) -> dict:
             "seed_per_rank": (not classic) if per_rank is None else per_rank}
 
 
+def check_targets(spec: TaskSpec) -> None:
+    """Each `{_target_: ...}` parameter's callable imported and its keys checked, before anything is built: one
+    that does not import, or a key it does not take, is one line naming it, not a TypeError from the build."""
+    for key, value in spec.params.items():
+        if isinstance(value, dict) and "_target_" in value:
+            _check_target_keys(locate(value["_target_"], f"task.{key}._target_"), value, f"task.{key}")
+
+
 def build_params(spec: TaskSpec) -> dict[str, Any]:
     """The function's keyword arguments, with every `{_target_: ...}` inside them built, in order."""
     from hydra.utils import instantiate
 
+    check_targets(spec)
     built = {}
     for key, value in spec.params.items():
         if not values.has_target(value):
             built[key] = value
             continue
-        if isinstance(value, dict) and "_target_" in value:   # a clear reason if it does not import or fit
-            _check_target_keys(locate(value["_target_"], f"task.{key}._target_"), value, f"task.{key}")
         try:
             built[key] = instantiate(value, _convert_="all")
         except Exception as e:
