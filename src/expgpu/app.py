@@ -163,21 +163,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
 
     if plain["dry_run"]:
         node = placement.compute(plain, local_ranks)
-        if info.local_rank == 0:
-            if plain.get("script") is None:   # the task function's keys, as its ranks would check them
-                precheck.check([("", plain["task"])])
-            rows = _write_plan(run_dir, node, info)
-            print(placement.table(rows, node.strategy), flush=True)
-            if plain.get("script") is not None:
-                from expgpu.script import runner as script_runner
-
-                print(script_runner.dry_run(plain, node, [r["rank"] for r in rows], run_dir), flush=True)
-            print(memory_estimate.line(memory_estimate.measure(plain["task"]), world), flush=True)
-            if run_leases.applies(plain, info):   # the run itself would plan around GPUs leased now
-                print(run_leases.preview(node) or "", end="", flush=True)
-            print(f"plan written to {run_dir / rundir.PLAN} (dry run: nothing trained)", flush=True)
-            return {"status": "dry_run", "plan": rows}
-        return None
+        return _dry_run(plain, node, info, world, run_dir) if info.local_rank == 0 else None
 
     # started by hand on this machine: its GPUs leased, as a gpu_pool job's, so that no sweep takes them
     with run_leases.held(plain, local_ranks, run_dir) if run_leases.applies(plain, info) else nullcontext():
@@ -190,6 +176,29 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
             return _finished(verify.verify(plain, info, run_dir, lambda cfg, where: _train(cfg, info, where, nproc)),
                              info, run_dir)
         return _finished(_train(plain, info, run_dir, nproc), info, run_dir)
+
+
+def _dry_run(plain: dict, node, info: ranks.RankInfo, world: int, run_dir: Path) -> dict:
+    """dry_run=true, on a node's first process: the task checked as its ranks would check it, the plan printed
+    and written (plan.json), what each rank holds for parameters and optimizer state; nothing trained."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    # the check and the memory count each import torch in a child process (the built-in loop): side by side
+    with ThreadPoolExecutor(1) as side:
+        memory = side.submit(memory_estimate.measure, plain["task"])
+        if plain.get("script") is None:   # a script's keys were checked as it was prepared
+            precheck.check([("", plain["task"])])
+        rows = _write_plan(run_dir, node, info)
+        print(placement.table(rows, node.strategy), flush=True)
+        if plain.get("script") is not None:
+            from expgpu.script import runner as script_runner
+
+            print(script_runner.dry_run(plain, node, [r["rank"] for r in rows], run_dir), flush=True)
+        print(memory_estimate.line(memory.result(), world), flush=True)
+    if run_leases.applies(plain, info):   # the run itself would plan around GPUs leased now
+        print(run_leases.preview(node) or "", end="", flush=True)
+    print(f"plan written to {run_dir / rundir.PLAN} (dry run: nothing trained)", flush=True)
+    return {"status": "dry_run", "plan": rows}
 
 
 def _train(plain: dict, info: ranks.RankInfo, run_dir: Path, nproc: int) -> dict | None:
