@@ -3,7 +3,7 @@
 hydra-submitit-launcher's own launch() submits first and asks questions later: a bad tasks_per_node
 fails in every rank after the job waited in the queue, an unknown partition fails with sbatch's
 multi-line error, and without accounting (sacct) a cancelled job is waited for forever. Here:
-1. every job's config is composed; an expgpu config is checked (its task function's parameters too,
+1. every job's config is composed; an expgpu config is checked (its task's parameters too,
    expgpu.task.precheck) and its tasks/GPUs per node derived from its gpu_map, another Hydra app's job
    asks for what hydra.launcher says (resources.py);
 2. the cluster is asked (cluster.py): tools on PATH, controller answering, partition known;
@@ -125,9 +125,9 @@ def _script(cfg) -> dict | None:
 
 
 def check_tasks(jobs: list[Job], label: str | None = None) -> None:
-    """Each job's task function and its parameters, as the job will check them at its start: a misspelt key is
-    one line now, not every job failing after its wait in the queue. `label`: what the line calls the job
-    (else `job #N (its overrides)`)."""
+    """Each job's task (its function's parameters, its `_target_` entries' keys), as the job will check it at
+    its start: a misspelt key is one line now, not every job failing after its wait in the queue. `label`: what
+    the line calls the job (else `job #N (its overrides)`)."""
     from expgpu.task import precheck
 
     precheck.check([(label or f"job {j.label}", _resolved(j.cfg, "task")) for j in jobs if j.parts is not None

@@ -26,9 +26,9 @@ class Runner:
     capacity = 1   # trials at once
     ahead = 0      # trials queued beyond those, so that one is ready when a slot frees
 
-    def check(self, overrides: list[str]) -> None:
-        """Before the study opens: what a trial's job (these overrides) would refuse at its start, where that
-        comes only after a wait in a queue (a UserError)."""
+    def check(self, a_trial) -> None:
+        """Before the study opens: what a trial's job would refuse at its start, where that comes only after a
+        wait in a queue (a UserError). `a_trial()`: the overrides of a trial drawn for the check."""
 
     def submit(self, overrides: list[str], num: int) -> Path:
         """Start (or queue) job `num`; its job dir."""
@@ -115,10 +115,10 @@ class SubmititRunner(Runner):
         self.jobs: dict[int, object] = {}
         self.gone_since: dict[str, float] = {}
 
-    def check(self, overrides: list[str]) -> None:
+    def check(self, a_trial) -> None:
         # every trial has the same task keys (a searched value its function refuses fails that trial alone):
         # one trial's task checked, not a child process per trial
-        self.launch.check_tasks([self.launch.compose(self.launcher, self.plan, overrides, 0)], "in every trial")
+        self.launch.check_tasks([self.launch.compose(self.launcher, self.plan, a_trial(), 0)], "in every trial")
 
     def submit(self, overrides: list[str], num: int) -> Path:
         import copy

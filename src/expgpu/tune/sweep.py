@@ -314,7 +314,9 @@ def sweep(params, config, launcher, arguments: list[str]) -> None:
     runner = runner_for(launcher, s.n_jobs)
     if is_expgpu(config) and config.dry_run:
         return _dry_run(s, space, custom, sampler, config, launcher, runner.capacity)
-    runner.check(_drawn(optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)), space, custom, config))
+    # a trial drawn aside (in memory, at random: the study's sampler untouched) for the runner's check
+    runner.check(lambda: _drawn(optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)), space, custom,
+                                config))
     sweep_dir = Path(str(config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     study, where = studies.open_study(s, sweep_dir, sampler)
