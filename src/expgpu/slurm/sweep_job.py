@@ -299,15 +299,15 @@ def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Seq
         check_job(label, need, n, alloc, key, "hydra.launcher.pool.gpus_per_job" if s.gpus_per_job is not None
                   else "launch.nproc_per_node x gpu_map.gpus_per_rank")
         rows.append((num, " ".join(overrides), need, n))
-        tasks += _function_task(cfg, label)
+        tasks += _task_to_check(cfg, label)
     precheck.check(tasks, then="nothing was submitted")
     return alloc, rows
 
 
-def _function_task(cfg, label: str) -> list[tuple[str, dict]]:
-    """[(label, the job's task config)] for an expgpu job of a task function (expgpu.task.precheck's to check
-    before the queue); [] for another Hydra app's job, or a script task, checked here as its start will check it
-    (in the allocation, which runs from this launch dir)."""
+def _task_to_check(cfg, label: str) -> list[tuple[str, dict]]:
+    """[(label, the job's task config)] for an expgpu job of a task function or the built-in loop
+    (expgpu.task.precheck's to check before the queue); [] for another Hydra app's job, or a script task,
+    checked here as its start will check it (in the allocation, which runs from this launch dir)."""
     from omegaconf import OmegaConf
 
     from expgpu import config

@@ -6,12 +6,10 @@ dry run (dry_run=true says whether the run would start), and the launchers that 
 The check is the job's own, before it builds anything (expgpu.task.resolve: the function imported, every key one
 of its parameters, every value of its annotated type; check_targets: each `{_target_: ...}` entry's callable
 imported, every key of the entry one it takes: `task.model.hiden`). Where it is made:
-- in a child process, where it imports more than expgpu (a task function's module, the built-in loop's model
-  and optimizer classes): those import torch and may touch CUDA, and neither belongs in a launcher or a dry
-  run. The child sees the launcher's sys.path (the launch dir's modules) and no GPU (CUDA_VISIBLE_DEVICES
-  empty: a dry run uses none);
-- in this process, a task with no `_target_` to import (expgpu's built-in loop alone imports no torch);
-- any task in a process that has torch already (a gpu_pool job's dry run, on its own GPU), in that process:
+- in a child process: it imports a task function's module, the built-in loop's model and optimizer classes,
+  which import torch and may touch CUDA, and neither belongs in a launcher or a dry run. The child sees the
+  launcher's sys.path (the launch dir's modules) and no GPU (CUDA_VISIBLE_DEVICES empty: a dry run uses none);
+- in a process that has torch already (a gpu_pool job's dry run, on its own GPU), in that process:
   its run would import the module there too, and a child would pay torch's import again.
 What cannot be settled before the job refuses nothing: a module that raises on import (a dependency missing
 here, a library that needs the node's GPU driver), or the child failing or timing out, is a warning; the job
@@ -28,7 +26,6 @@ import sys
 from typing import Sequence
 
 from expgpu.errors import UserError, first_line
-from expgpu.task import SUPERVISED
 
 log = logging.getLogger("expgpu")
 
@@ -38,15 +35,15 @@ TIMEOUT_S = 120   # the import of torch and of the task's module: seconds
 def check(jobs: Sequence[tuple[str, dict]], then: str = "") -> None:
     """Each (label, task config) checked as its job will check it; the first one refused raises its UserError,
     the job's label and `then` (what was not done) behind the key it names. Function tasks and the built-in
-    loop (a script task is expgpu.script.spec's to check). Each distinct task config is checked once, all those
-    that import in one child."""
+    loop (a script task is expgpu.script.spec's to check). Each distinct task config is checked once, all in
+    one child."""
     if not jobs:
         return
     distinct = {_key(task): task for _, task in jobs}
-    warm = "torch" in sys.modules   # where each is checked: the module's docstring
-    here = {k: verdict(t) for k, t in distinct.items() if warm or not _imports(t)}
-    away = [k for k in distinct if k not in here]
-    verdicts = {**here, **dict(zip(away, _in_child([distinct[k] for k in away]) if away else []))}
+    if "torch" in sys.modules:   # where it is checked: the module's docstring
+        verdicts = {k: verdict(t) for k, t in distinct.items()}
+    else:
+        verdicts = dict(zip(distinct, _in_child(list(distinct.values()))))
     warned = set()
     for label, task in jobs:
         said = verdicts[_key(task)]
@@ -59,13 +56,6 @@ def check(jobs: Sequence[tuple[str, dict]], then: str = "") -> None:
             warned.add(said["error"])
             log.warning("not checked before the start: %s; the job checks its task again where it runs",
                         said["error"])
-
-
-def _imports(task: dict) -> bool:
-    """Whether checking `task` imports more than expgpu: a task function's module, or a `{_target_: ...}` entry's
-    (the built-in loop's model, dataset, optimizer: torch's, torchvision's, the user's)."""
-    return task.get("_target_", SUPERVISED) != SUPERVISED or any(
-        isinstance(v, dict) and "_target_" in v for v in task.values())
 
 
 def _key(task: dict) -> str:
