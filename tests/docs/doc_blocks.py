@@ -278,16 +278,20 @@ def composed(overrides: list[str], config_dir: Path | None):
 def checked(overrides: list[str], config_dir: Path | None) -> dict:
     """The plain config of these overrides, checked as the CLI checks it before any rank starts (the
     schema, the ranges, the task's keys against its function or a script task's keys); raises otherwise."""
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf, open_dict
 
     from expgpu import config, task
+    from expgpu.pool.job_config import in_job
     from expgpu.script import spec
 
-    cfg = composed(overrides, config_dir)
-    with open_dict(cfg):
-        del cfg["hydra"]          # composed for its checks; resolving it needs a running job
+    composed_cfg = composed(overrides, config_dir)
+    with open_dict(composed_cfg):
+        composed_cfg.hydra.job.num = 0   # a sweep's first job, for a ${hydra:job.num} in the config
+    # without its hydra node (composed for its checks; resolving it needs a running job), whose values a
+    # ${hydra:...} still reads as the job will (expgpu.pool.job_config)
+    cfg = OmegaConf.masked_copy(composed_cfg, [k for k in composed_cfg if k != "hydra"])
     config.check(cfg)
-    plain = config.plain(cfg)
+    plain = in_job(composed_cfg, lambda _: config.plain(cfg))
     if spec.is_script(plain["task"]):
         spec._check_keys(plain["task"])
     else:

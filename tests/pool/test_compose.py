@@ -178,7 +178,7 @@ def test_a_jobs_dir_is_the_one_run_job_computes(loader, subdir, want):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from expgpu.pool.jobs import job_dir
+    from expgpu.pool.job_config import job_dir
 
     master = master_of(loader)
     cfg = compose.sweep_config(loader, master, [*subdir, "task.seed=3"])
@@ -188,6 +188,45 @@ def test_a_jobs_dir_is_the_one_run_job_computes(loader, subdir, want):
     before = HydraConfig.instance().cfg
     assert job_dir(cfg) == Path("/tmp/x") / want
     assert HydraConfig.instance().cfg is before
+
+
+def test_a_jobs_config_is_read_in_the_launcher_as_the_job_will_read_it(loader):
+    """in_job/resolved: ${hydra:job.num} and ${hydra:runtime.output_dir} resolve to the job's own values (a
+    copy made as run_job makes the job's config), hydra.job.id stands in where the launcher does not know it
+    (a SLURM job's), and neither the job's config nor the launcher's HydraConfig is changed."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from expgpu.pool.job_config import in_job, resolved
+
+    master = master_of(loader, "hydra.sweep.subdir=run_${hydra.job.num}")
+    cfg = compose.sweep_config(loader, master, ["task.seed=${hydra:job.num}", "+task.out=${hydra:runtime.output_dir}",
+                                                "+task.tag=${hydra:job.id}"])
+    with open_dict(cfg):
+        cfg.hydra.job.num = 7
+    HydraConfig.instance().set_config(master)   # the launcher's, as Hydra sets it
+    before = HydraConfig.instance().cfg
+    task = resolved(cfg, "task")
+    assert (task["seed"], task["out"], task["tag"]) == (7, "/tmp/x/run_7", "job_id_for_7")
+    assert HydraConfig.instance().cfg is before
+    assert OmegaConf.is_missing(cfg.hydra.runtime, "output_dir") and OmegaConf.is_missing(cfg.hydra.job, "id")
+    assert not OmegaConf.is_readonly(cfg.hydra)   # the job's process still sets what run_job sets
+    assert in_job(cfg, lambda c: c.hydra.job.num) == 7   # a read that needs nothing is made on cfg itself
+
+
+def test_a_read_that_fails_on_the_jobs_own_config_raises_its_error(loader):
+    """A bad value is the job's error, raised from the job's copy, not the launcher's missing HydraConfig."""
+    from omegaconf import open_dict
+    from omegaconf.errors import InterpolationResolutionError
+
+    from expgpu.pool.job_config import resolved
+
+    cfg = compose.sweep_config(loader, master_of(loader), ["+task.x=${hydra:job.num}_${oc.env:EXPGPU_NO_SUCH_VAR}"])
+    with open_dict(cfg):
+        cfg.hydra.job.num = 0
+    with pytest.raises(InterpolationResolutionError) as raised:
+        resolved(cfg, "task")
+    assert "HydraConfig was not set" not in str(raised.value) and "EXPGPU_NO_SUCH_VAR" in str(raised.value)
 
 
 def test_only_a_large_batchs_configs_are_frozen_for_the_collector_and_thawed_by_the_pool(monkeypatch):

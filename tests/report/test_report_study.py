@@ -66,3 +66,18 @@ def test_trials_ranked_pruned_marked_history_drawn_best_rerun(tmp_path, capsys, 
     assert marks["pruned (last reported)"] == [[1, 0.12], [4, 0.2]]
     best_line = first.get_lines()[0].get_ydata().tolist()
     assert best_line[-1] == 0.93   # the best so far, up to the last trial
+
+
+def test_the_rerun_of_a_trial_whose_config_reads_its_number_keeps_that_number(tmp_path, capsys):
+    """A trial seeded by its job's number (task.seed: ${hydra:job.num}) reruns with it: alone, outside a sweep,
+    Hydra would leave hydra.job.num null."""
+    sweep = tmp_path / "sweep"
+    _sweep(sweep)
+    for n in range(5):
+        hydra = sweep / str(n) / ".hydra"
+        (hydra / "config.yaml").write_text("objective: accuracy\ntask:\n  seed: ${hydra:job.num}\n")
+        (hydra / "hydra.yaml").write_text((hydra / "hydra.yaml").read_text().replace(
+            "  job:\n", f"  job:\n    num: {n}\n"))
+    assert main([str(sweep)]) == 0
+    assert ("rerun the best (job 2): python -m expgpu --config-dir '/home/me/my conf' hydra.job.num=2 "
+            "task.optimizer.lr=0.01 task.layers=b task=digits objective=accuracy") in capsys.readouterr().out

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from expgpu import results
 from expgpu.errors import UserError, WorkerFailed, one_line
+from expgpu.pool.job_config import job_dir
 from expgpu.pool.sharing import is_share, shown, which
 from expgpu.procs import oom
 from expgpu.rundir import CONSOLE, STATE
@@ -103,29 +104,6 @@ def compose(ctx, master, overrides: Sequence[str], num: int, need) -> Job:
         cfg.hydra.job.id = num
         cfg.hydra.job.num = num
     return Job(num, list(overrides), cfg, job_dir(cfg), need(cfg))
-
-
-def job_dir(cfg) -> Path:
-    """The job dir as run_job will compute it from the job's composed config (hydra.job.num set), so that a
-    launcher knows it ahead. A subdir like ${hydra:job.override_dirname} reads HydraConfig, which run_job
-    sets to the job's config: a copy of its hydra node (~3 ms a job), made here only for such a dir."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
-
-    def path() -> Path:
-        return Path(str(OmegaConf.select(cfg, "hydra.sweep.dir"))) / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
-
-    hc = HydraConfig.instance()
-    saved = hc.cfg
-    try:
-        hc.cfg = None   # unset: a ${hydra:...} the dir reaches fails, rather than read the launcher's own config
-        try:
-            return path()
-        except Exception:
-            hc.set_config(cfg)
-            return path()
-    finally:
-        hc.cfg = saved
 
 
 def write_job_file(job: Job, context: Path) -> Path:

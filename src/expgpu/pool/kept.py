@@ -17,21 +17,17 @@ from expgpu.pool.jobs import Job
 
 def finished_return(job: Job):
     """The JobReturn of `job`'s finished run in its job dir (same task settings), or None."""
-    from hydra.core.hydra_config import HydraConfig
     from hydra.core.utils import JobReturn, JobStatus
     from omegaconf import OmegaConf, open_dict
 
     from expgpu import config as expgpu_config
+    from expgpu.pool.job_config import resolved
     from expgpu.results import finished_earlier
 
     if not expgpu_config.is_expgpu(job.config) or not (job.dir / "result.json").exists():
         return None
-    hc = HydraConfig.instance()
-    saved = hc.cfg
-    hc.set_config(job.config)   # ${hydra:...} in the task's keys resolve as in the job
     try:
-        plain = {k: OmegaConf.to_container(job.config[k], resolve=True, enum_to_str=True)
-                 for k in ("task", "checkpoint")}
+        plain = {k: resolved(job.config, k) for k in ("task", "checkpoint")}   # ${hydra:...} as in the job
         if not plain["task"].get("name"):   # as app.run names it before it writes result.json
             plain["task"]["name"] = job.config.hydra.runtime.choices.get("task") or "task"
         result = finished_earlier(job.dir, plain)
@@ -47,8 +43,6 @@ def finished_return(job: Job):
         return ret
     except Exception:   # anything the pool cannot judge: the job runs, and app.run decides
         return None
-    finally:
-        hc.cfg = saved
 
 
 def keep_finished(jobs: list[Job]) -> list[Job]:

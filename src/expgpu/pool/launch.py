@@ -216,6 +216,7 @@ def _compose_all(ctx, config, first: list[tuple[list[str], int]], s: Settings, g
     script task's args: expgpu.script.spec.checked), before any starts: one line for the sweep, not a failure
     per job. (An optimizing sweeper's trials, composed one at a time, fail one by one instead.)"""
     from expgpu import config as expgpu_config
+    from expgpu.pool.job_config import in_job
     from expgpu.script import spec
 
     jobs = []
@@ -225,8 +226,8 @@ def _compose_all(ctx, config, first: list[tuple[list[str], int]], s: Settings, g
         settle(len(jobs))
     for job in jobs:
         if expgpu_config.is_expgpu(job.config):
-            expgpu_config.check(job.config)
-            spec.checked(job.config, os.getcwd())
+            in_job(job.config, expgpu_config.check)
+            in_job(job.config, lambda c: spec.checked(c, os.getcwd()))
     kept = keep_finished(jobs)
     if kept:
         log.info("gpu_pool: %d job(s) finished in an earlier run of this sweep dir, kept (not started again): %s",

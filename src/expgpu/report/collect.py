@@ -24,6 +24,7 @@ from expgpu.rundir import METRICS, POOL_RECORD, RESULT, STUDY, failure_files, ha
 
 # Every metrics.jsonl row's own bookkeeping, not a metric the task logged: no panel of its own.
 _NOT_PLOTTED = ("epoch", "time", "step", *FIELDS)   # FIELDS: a row's progress (expgpu.loggers.progress)
+_READS_NUM = re.compile(r"\$\{hydra:\s*job\.num\s*\}")
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Row:
     metrics: dict[str, float] = field(default_factory=dict)   # result.json's (what the task returned)
     objective: list[str] = field(default_factory=list)        # the job's `objective` key
     maximize: list[bool] | None = None                        # an optimizing sweeper's direction
-    flags: list[str] = field(default_factory=list)            # Hydra's flags it was composed with (--config-dir)
+    flags: list[str] = field(default_factory=list)            # Hydra flags (--config-dir), its hydra.job.num
     wall_s: float | None = None
     error: str = ""
     series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)   # metrics.jsonl, by name
@@ -49,7 +50,7 @@ class Row:
 
     def command(self) -> str:
         """The command that reruns this job alone: Hydra's flags the sweep was given (--config-dir), its
-        overrides but Hydra's own and the sweep's."""
+        overrides but Hydra's own and the sweep's (its hydra.job.num where its config reads it)."""
         import shlex
 
         kept = [o for o in self.overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
@@ -144,12 +145,13 @@ def _from_hydra(job_dir: Path, row: Row) -> None:
     try:
         from omegaconf import OmegaConf
 
-        cfg = OmegaConf.load(job_dir / ".hydra" / "config.yaml")
+        text = (job_dir / ".hydra" / "config.yaml").read_text()
+        cfg = OmegaConf.create(text)
         obj = OmegaConf.to_container(cfg).get("objective") if OmegaConf.is_dict(cfg) else None
         row.objective = [obj] if isinstance(obj, str) else [str(o) for o in obj or []]
         hydra = OmegaConf.load(job_dir / ".hydra" / "hydra.yaml")
         direction = OmegaConf.select(hydra, "hydra.sweeper.direction", default=None)
-        row.flags = _flags(hydra)
+        row.flags = _flags(hydra) + _its_number(text, hydra)
     except Exception:   # no .hydra/ (a run dir expgpu wrote by itself), or unreadable: no objective
         return
     if direction is not None:
@@ -167,6 +169,15 @@ def _flags(hydra) -> list[str]:
              for w in ("--config-dir", str(s.get("path")))]
     name = OmegaConf.select(hydra, "hydra.job.config_name", default=None)
     return flags + (["--config-name", str(name)] if name not in (None, "config") else [])
+
+
+def _its_number(config_text: str, hydra) -> list[str]:
+    """hydra.job.num=N for a job whose config reads its number (task.seed: ${hydra:job.num}): its rerun alone
+    is no sweep's job, whose number Hydra would leave null."""
+    from omegaconf import OmegaConf
+
+    num = OmegaConf.select(hydra, "hydra.job.num", default=None)
+    return [f"hydra.job.num={num}"] if num is not None and _READS_NUM.search(config_text) else []
 
 
 def failure_line(job_dir: Path, row: Row) -> str | None:

@@ -91,16 +91,21 @@ def plan(launcher) -> Plan:
 def compose(launcher, p: Plan, overrides: Sequence[str], num: int) -> Job:
     """Job number `num`, composed. An expgpu config is checked, and its tasks and GPUs per node derived
     from its gpu_map; another Hydra app's job gets what hydra.launcher asks for (resources.requested)."""
+    from omegaconf import open_dict
+
     from expgpu import config
     from expgpu.pool.compose import sweep_config
+    from expgpu.pool.job_config import in_job, resolved
 
     cfg = sweep_config(launcher.hydra_context.config_loader, launcher.config, overrides)
+    with open_dict(cfg):
+        cfg.hydra.job.num = num   # as the job will have it (its ${hydra:job.num}); the job composes its own
     if not config.is_expgpu(cfg):
         visible = _visible(p, None)
         res = resources.requested(p.params, p.name, len(visible) if p.kind == "local" else None)
         return Job(num, list(overrides), cfg, None, res, visible)
-    config.check(cfg)
-    parts = {k: _resolved(cfg, k) for k in ("gpu_map", "launch", "inventory")}
+    in_job(cfg, config.check)
+    parts = {k: resolved(cfg, k) for k in ("gpu_map", "launch", "inventory")}
     visible = _visible(p, parts["inventory"]["simulate"])
     res = resources.derive(p.params, parts, p.name, visible_gpus=len(visible) if p.kind == "local" else None)
     return Job(num, list(overrides), cfg, parts, res, visible, _script(cfg), bool(cfg.dry_run))
@@ -119,18 +124,20 @@ def _visible(p: Plan, simulate) -> tuple[int, ...]:
 def _script(cfg) -> dict | None:
     """A script task checked here, before anything is submitted (a missing script is one line now, not a
     failed job after the queue); its command made from this launch dir, as the job will make it."""
+    from expgpu.pool.job_config import in_job
     from expgpu.script import spec
 
-    return spec.checked(cfg, os.getcwd())
+    return in_job(cfg, lambda c: spec.checked(c, os.getcwd()))
 
 
 def check_tasks(jobs: list[Job], label: str | None = None) -> None:
     """Each job's task (its function's parameters, its `_target_` entries' keys), as the job will check it at
     its start: a misspelt key is one line now, not every job failing after its wait in the queue. `label`: what
     the line calls the job (else `job #N (its overrides)`)."""
+    from expgpu.pool.job_config import resolved
     from expgpu.task import precheck
 
-    precheck.check([(label or f"job {j.label}", _resolved(j.cfg, "task")) for j in jobs if j.parts is not None
+    precheck.check([(label or f"job {j.label}", resolved(j.cfg, "task")) for j in jobs if j.parts is not None
                     and j.script is None], then="nothing was submitted")
 
 
@@ -166,12 +173,6 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
         return _dry_run(_groups(jobs), p.params, p.init, p.kind, p.partition)
     submit(launcher, p, jobs)
     return _results(jobs, p.kind, p.lost_after_s)
-
-
-def _resolved(cfg, key: str):
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg[key], resolve=True, enum_to_str=True)
 
 
 def _executor_params(params: dict, job: Job, kind: str) -> dict:

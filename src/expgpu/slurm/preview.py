@@ -73,11 +73,10 @@ def _commands(script: Mapping, cfg: Mapping, node, labels) -> list[str]:
 def memory_lines(jobs) -> dict[int, str]:
     """job.num -> what each of the job's ranks will hold for parameters and optimizer state (ddp
     and fsdp); every distinct model of the sweep counted once."""
-    from omegaconf import OmegaConf
-
     from expgpu.gpus import memory_estimate
+    from expgpu.pool.job_config import resolved
 
-    tasks = [OmegaConf.to_container(job.cfg.task, resolve=True, enum_to_str=True) for job in jobs]
+    tasks = [resolved(job.cfg, "task") for job in jobs]
     estimates = memory_estimate.measure_many(tasks)
     return {job.num: memory_estimate.line(est, job.res.nodes * job.res.ranks_per_node)
             for job, est in zip(jobs, estimates)}

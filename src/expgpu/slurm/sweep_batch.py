@@ -32,7 +32,8 @@ def launch(params: Mapping[str, Any], config, hydra_context, task_function, job_
     if params.get("detach"):
         raise UserError("hydra.launcher.detach=true is not allowed here: this sweep was not started by its command "
                         "line, so each launch() waits for its jobs' results (false), to hand them to the sweeper")
-    sweep_job.planned(params, config, hydra_context, job_overrides)   # each job fits the allocation, or one line
+    # each job fits the allocation, or one line
+    sweep_job.planned(params, config, hydra_context, job_overrides, initial_job_idx)
     if not job_overrides:
         return []
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()

@@ -274,7 +274,7 @@ def started_by_command_line(config, argv: Sequence[str]) -> bool:
     return all(o in argv for o in given if o != "hydra.mode=MULTIRUN")
 
 
-def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Sequence[Sequence[str]]):
+def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Sequence[Sequence[str]], first: int = 0):
     """(the allocation params ask for, [(num, label, GPUs, nodes)] of each job): every job composed and checked
     against that allocation now, before anything is submitted (a job that can never fit is one line, not a
     failure after the queue); the sweep's own config stands for the jobs an optimizing sweeper will ask for."""
@@ -290,9 +290,9 @@ def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Seq
     if cpu_jobs(alloc, s):   # as gpu_pool will count it inside
         alloc = on_cpu_slots(alloc, s.cpu_slots)
     rows, tasks = [], []
-    for num, overrides in enumerate(job_overrides or [()]):
+    for num, overrides in enumerate(job_overrides or [()], first):
         cfg = (jobfiles.compose(hydra_context, config, overrides, num, lambda c: 0).config if job_overrides
-               else config)
+               else _numbered(config, num))
         n, key = job_nodes(cfg, s)
         need = need_in_allocation(cfg, s, alloc, n)
         label = f"job #{num} ({' '.join(overrides)})" if job_overrides else "the sweep's jobs"
@@ -304,20 +304,31 @@ def planned(params: Mapping[str, Any], config, hydra_context, job_overrides: Seq
     return alloc, rows
 
 
+def _numbered(config, num: int):
+    """The sweep's own config, standing for its jobs, with a job's number (its ${hydra:job.num} resolves)."""
+    import copy
+
+    from omegaconf import open_dict
+
+    cfg = copy.deepcopy(config)
+    with open_dict(cfg):
+        cfg.hydra.job.num = num
+    return cfg
+
+
 def _task_to_check(cfg, label: str) -> list[tuple[str, dict]]:
     """[(label, the job's task config)] for an expgpu job of a task function or the built-in loop
     (expgpu.task.precheck's to check before the queue); [] for another Hydra app's job, or a script task,
     checked here as its start will check it (in the allocation, which runs from this launch dir)."""
-    from omegaconf import OmegaConf
-
     from expgpu import config
+    from expgpu.pool.job_config import in_job, resolved
     from expgpu.script import spec
 
     if not config.is_expgpu(cfg):
         return []
-    task = OmegaConf.to_container(cfg.task, resolve=True, enum_to_str=True)
+    task = resolved(cfg, "task")
     if spec.is_script(task):
-        spec.checked(cfg, Path.cwd())
+        in_job(cfg, lambda c: spec.checked(c, Path.cwd()))
         return []
     return [(label, task)]
 

@@ -121,19 +121,12 @@ class SubmititRunner(Runner):
         self.launch.check_tasks([self.launch.compose(self.launcher, self.plan, a_trial(), 0)], "in every trial")
 
     def submit(self, overrides: list[str], num: int) -> Path:
-        import copy
-
-        from omegaconf import open_dict
-
-        from expgpu.pool.jobs import job_dir
+        from expgpu.pool.job_config import job_dir
 
         job = self.launch.compose(self.launcher, self.plan, overrides, num)
         self.launch.submit(self.launcher, self.plan, [job])
         self.jobs[num] = job
-        cfg = copy.deepcopy(job.cfg)   # submitit's job sets its number itself; here only to name its dir
-        with open_dict(cfg):
-            cfg.hydra.job.num = cfg.hydra.job.id = num
-        return job_dir(cfg)
+        return job_dir(job.cfg)
 
     def wait(self, timeout_s: float) -> list[tuple[int, object]]:
         deadline = time.monotonic() + timeout_s
