@@ -70,7 +70,7 @@ def _filled_in(cfg):
     hydra, filled = cfg.hydra, []
     try:
         with read_write(hydra), open_dict(hydra):
-            if OmegaConf.is_missing(hydra.job, "id"):
+            if OmegaConf.is_missing(hydra.job, "id") and not OmegaConf.is_missing(hydra.job, "num"):
                 hydra.job.id = f"job_id_for_{hydra.job.num}"
                 filled.append((hydra.job, "id"))
             if OmegaConf.is_missing(hydra.runtime, "output_dir"):
