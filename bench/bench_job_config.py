@@ -72,7 +72,8 @@ def main() -> None:
     plain, hydra = (statistics.median(times[k]) for k in ("plain", "hydra"))
     print(f"{args.jobs} jobs, {args.rounds} rounds; per job, composed and read as gpu_pool reads it before any start:")
     print(f"  task.seed=<N>                {plain:6.2f} ms")
-    print(f"  task.seed=${{hydra:job.num}}   {hydra:6.2f} ms   ratio {hydra / plain:.2f}x (+{hydra - plain:.2f} ms a job)")
+    print(f"  task.seed=${{hydra:job.num}}   {hydra:6.2f} ms   ratio {hydra / plain:.2f}x "
+          f"(+{hydra - plain:.2f} ms a job)")
 
 
 if __name__ == "__main__":
