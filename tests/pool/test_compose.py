@@ -191,9 +191,10 @@ def test_a_jobs_dir_is_the_one_run_job_computes(loader, subdir, want):
 
 
 def test_a_jobs_config_is_read_in_the_launcher_as_the_job_will_read_it(loader):
-    """in_job/resolved: ${hydra:job.num} and ${hydra:runtime.output_dir} resolve to the job's own values (a
-    copy made as run_job makes the job's config), hydra.job.id stands in where the launcher does not know it
-    (a SLURM job's), and neither the job's config nor the launcher's HydraConfig is changed."""
+    """in_job/resolved: ${hydra:job.num} and ${hydra:runtime.output_dir} resolve to the job's own values (its
+    config as HydraConfig, what run_job fills in filled in for the read), hydra.job.id stands in where the
+    launcher does not know it (a SLURM job's), and neither the job's config nor the launcher's HydraConfig is
+    changed after it."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
@@ -215,7 +216,7 @@ def test_a_jobs_config_is_read_in_the_launcher_as_the_job_will_read_it(loader):
 
 
 def test_a_read_that_fails_on_the_jobs_own_config_raises_its_error(loader):
-    """A bad value is the job's error, raised from the job's copy, not the launcher's missing HydraConfig."""
+    """A bad value is the job's error, raised with the job's HydraConfig, not the launcher's missing one."""
     from omegaconf import open_dict
     from omegaconf.errors import InterpolationResolutionError
 
