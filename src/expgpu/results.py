@@ -252,14 +252,15 @@ def finished_earlier(run_dir: Path, plain: dict) -> dict | None:
 
 
 def write_failure(run_dir: Path, rank: int, message: str, user_error: bool = False, step: int | None = None,
-                  lost_peer: bool = False, killed: bool = False) -> None:
+                  lost_peer: bool = False, killed: bool = False, of: int | None = None) -> None:
     """Rank `rank`'s failure record. `lost_peer`: its error was a collective's peer gone (expgpu.errors.lost_peer),
-    likely an echo; `killed`: its supervisor wrote it, the rank having been killed outright (a signal) first."""
+    likely an echo; `killed`: its supervisor wrote it, the rank having been killed outright (a signal) first;
+    `of`: the failure is that other rank's, which this one reports (`message`: "rank N failed: ...")."""
     path = failure_file(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps({"rank": rank, "message": message, "user_error": user_error,
                                          "step": step, "node": node_name(), "lost_peer": lost_peer,
-                                         "killed": killed}).encode())
+                                         "killed": killed, "of": of}).encode())
 
 
 def failure_record(run_dir: Path, rank: int) -> dict:
@@ -307,11 +308,27 @@ def failure_time(run_dir: Path, rank: int) -> float | None:
 def read_failure(run_dir: Path, rank: int, code: int) -> Failure:
     """Rank `rank`'s failure as it recorded it, else as its exit code tells it."""
     info = failure_record(run_dir, rank)
+    of = info.get("of")
+    if isinstance(of, int) and of != rank and "message" in info:   # a peer's failure, which this rank reported
+        return Failure(of, str(info["message"]).removeprefix(f"rank {of} failed: "), bool(info.get("user_error")),
+                       code, info.get("step"))
     if "message" in info and "user_error" in info:
         return Failure(rank, info["message"], info["user_error"], code, info.get("step"))
     if code < 0:
         return Failure(rank, killed_by(code), False, code)
     return Failure(rank, f"exited with code {code}", False, code)
+
+
+def ended_early(rank: int, waiting: int, step: int | None = None, timed_out: bool = False) -> Failure:
+    """Rank `rank`'s process (or script) ended with code 0 while rank `waiting` still trained, whose next
+    collective then lost it (or, `timed_out`, waited for it past the group's timeout): an early exit decided on
+    that rank alone. A rank ends with 0 at a run's end only once every rank has passed the last collective, so no
+    collective loses it there."""
+    at = f" (at step {step})" if step is not None else ""
+    how = "timed out waiting for it" if timed_out else "lost it"
+    return Failure(rank, f"its process ended (code 0) while rank {waiting} still trained{at}: its task ended on that "
+                         "rank alone (an early exit decided there: sys.exit(0) in a script, os._exit(0)), and rank "
+                         f"{waiting}'s next collective {how}", False, 1)
 
 
 def killed_by(code: int) -> str:

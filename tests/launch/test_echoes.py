@@ -74,7 +74,8 @@ def test_when_only_echoes_recorded_an_srun_rank_says_a_peer_was_killed_outright(
         assert line == (f"rank {rank}: stopping: its process group lost a peer (Connection closed by peer "
                         "[127.0.0.1]:35526), and no rank recorded an error of its own: a rank was killed outright "
                         "(kill -9, the OOM killer, its node lost); the launcher's lines name it (srun: 'task N: "
-                        "Killed')")
+                        "Killed'); where they name none, a rank ended early with code 0 (os._exit(0) decided on "
+                        "that rank alone)")
 
 
 def test_an_srun_rank_waits_a_moment_for_the_cause_to_record(tmp_path):

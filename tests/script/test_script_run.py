@@ -108,7 +108,7 @@ def test_a_rank_that_exits_0_early_is_named_not_the_rank_whose_collective_lost_i
     assert line == (
         "expgpu: rank 1 failed: its process ended (code 0) while rank 0 still trained: its task ended on that rank "
         "alone (an early exit decided there: sys.exit(0) in a script, os._exit(0)), and rank 0's next collective "
-        "lost it") or line.startswith(
+        f"lost it (all its output: {run.run_dir / 'logs' / 'rank1.script.log'})") or line.startswith(
         "expgpu: rank 1 failed: its script's process aborted as it exited, its Python code done with no traceback "
         "(SIGABRT, 'terminate called without an active exception': torch's gloo threads still running at the exit):"
         " where the other ranks still trained, their next collective lost it, so an early exit (sys.exit(0)) must be "

@@ -48,8 +48,8 @@ def lost_to(run_dir: Path, rank: int, before: list[int], wait_s: float = CAUSE_W
 def echo_of(run_dir: Path, rank: int, e: BaseException, wait_s: float = CAUSE_WAIT_S) -> str | None:
     """What a rank of srun's or torchrun's says instead of its traceback when its collective lost a peer
     (lost_peer): the rank that recorded an error of its own (RUN_DIR/.expgpu/failure.json, written before that
-    rank's process group went down; this waits up to wait_s for it), else that a peer was killed outright,
-    which nobody records there. None for an error of its own."""
+    rank's process group went down; this waits up to wait_s for it), else that a peer was killed outright
+    (or ended early, os._exit(0)), which nobody records there. None for an error of its own."""
     if not lost_peer(e):
         return None
     deadline = time.monotonic() + wait_s
@@ -60,7 +60,8 @@ def echo_of(run_dir: Path, rank: int, e: BaseException, wait_s: float = CAUSE_WA
         if time.monotonic() >= deadline:
             return (f"rank {rank}: stopping: its process group lost a peer ({short(first_line(e))}), and no rank "
                     "recorded an error of its own: a rank was killed outright (kill -9, the OOM killer, its node "
-                    "lost); the launcher's lines name it (srun: 'task N: Killed')")
+                    "lost); the launcher's lines name it (srun: 'task N: Killed'); where they name none, a rank "
+                    "ended early with code 0 (os._exit(0) decided on that rank alone)")
         time.sleep(0.05)
 
 
@@ -74,7 +75,8 @@ def record(run_dir: Path, rank: int, e: BaseException, step: int | None = None) 
             write_failure(run_dir, rank, str(e), user_error=True)
         elif isinstance(e, WorkerFailed):   # rank 0 of a script task also reports a peer's failure: says whose
             own = e.failure.rank == rank   # its script's own end: an echo when its stderr says a peer went away
-            write_failure(run_dir, rank, e.failure.message if own else str(e), lost_peer=own and lost_peer(e))
+            write_failure(run_dir, rank, e.failure.message if own else str(e), lost_peer=own and lost_peer(e),
+                          of=None if own else e.failure.rank)
         elif isinstance(e, KeyboardInterrupt):
             write_failure(run_dir, rank, "interrupted (second Ctrl-C)")
         elif no_room(e):

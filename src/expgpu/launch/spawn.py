@@ -27,7 +27,7 @@ from expgpu.errors import EXIT_PEER_FAILED, UserError
 from expgpu.launch.failures import CAUSE_WAIT_S
 from expgpu.procs import oom, stop_signals
 from expgpu.procs.handles import ProcHandle, RankStarter
-from expgpu.results import Failure, failure_record, failure_time, read_failure, write_failure
+from expgpu.results import Failure, ended_early, failure_record, failure_time, read_failure, write_failure
 from expgpu.rundir import failure_file, failure_files
 
 log = logging.getLogger("expgpu")
@@ -211,15 +211,10 @@ def _record_killed(run_dir: Path, bad: list[tuple[int, int]], oom_counts: list[o
 def _left_early(run_dir: Path, ended: dict[int, float], failure: Failure) -> Failure | None:
     """The rank that ended first, with code 0, when the failure is a collective that lost its peer: a rank's
     process that ended early (os._exit(0) in the task) left the others waiting for it, and the first of them to
-    notice would otherwise be blamed. A rank ends with 0 at the run's end only once every rank has passed the
-    run's last collective, so no lost peer follows it there. None otherwise."""
+    notice would otherwise be blamed. None otherwise."""
     if not ended or not failure_record(run_dir, failure.rank).get("lost_peer"):
         return None
-    first = min(ended, key=ended.get)
-    return Failure(first, f"its process ended (code 0) while rank {failure.rank} still trained"
-                          f"{f' (at step {failure.step})' if failure.step is not None else ''}: its task ended on "
-                          "that rank alone (an early exit decided there: sys.exit(0) in a script, os._exit(0)), and "
-                          f"rank {failure.rank}'s next collective lost it", False, 1)
+    return ended_early(min(ended, key=ended.get), failure.rank, failure.step)
 
 
 def _failed(run_dir: Path, workers: list[ProcHandle], bad: list[tuple[int, int]]) -> list[tuple[int, int]]:

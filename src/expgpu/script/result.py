@@ -32,7 +32,7 @@ from expgpu.gpus import NodePlan
 from expgpu.loggers.jsonl import ROW_KEYS, read_rows
 from expgpu.procs import oom, stop_signals
 from expgpu.ranks import RankInfo
-from expgpu.results import Failure, is_script, write_result
+from expgpu.results import Failure, ended_early, is_script, write_result
 from expgpu.rundir import atomic_write_bytes
 
 RECORD_WAIT_S = 10.0
@@ -110,6 +110,10 @@ def failure(record: dict, run_dir: Path, spec=None, args: list[str] | None = Non
                                        "trained, their next collective lost it, so an early exit (sys.exit(0)) must "
                                        "be decided on every rank together (all its output: "
                                        f"{rundir.script_log(run_dir, record['rank'])})", False, code)
+    early = ended_early_of(record, records) if records is not None else None
+    if early is not None:
+        return Failure(early.rank, f"{early.message} (all its output: {rundir.script_log(run_dir, early.rank)})",
+                       False, code)
     held = held_up(record, records) if records is not None else None
     if held is not None:
         return Failure(record["rank"], f"{held} (all its output: {rundir.script_log(run_dir, record['rank'])})",
@@ -133,6 +137,20 @@ def _last_error(record: dict) -> str:
     """The last line its script wrote to stderr, without torchrun's "[rank1]: " before it."""
     lines = _lines(record)
     return re.sub(r"^\[rank\d+\]:\s*", "", lines[-1]) if lines else ""
+
+
+def ended_early_of(record: dict, records: list[dict | None]) -> Failure | None:
+    """The rank whose script had exited 0 when this record's collective lost its peer (or timed out waiting):
+    an early exit decided on that rank alone, the cause; this rank only noticed it. Under expgpu's spawn its
+    supervisor sees the same (expgpu.launch.spawn); under srun and torchrun only these records tell it."""
+    error = RuntimeError(_last_error(record))
+    if not lost_peer(error) and not timed_out(error):
+        return None
+    gone = [r for r in records if r is not None and r["rank"] != record["rank"] and r["exit_code"] == 0
+            and not r["stopped_by"] and r["ended"] <= record["ended"]]
+    if not gone:
+        return None
+    return ended_early(min(gone, key=lambda r: r["ended"])["rank"], record["rank"], timed_out=timed_out(error))
 
 
 def held_up(record: dict, records: list[dict | None]) -> str | None:
