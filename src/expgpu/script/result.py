@@ -139,13 +139,19 @@ def _last_error(record: dict) -> str:
     return re.sub(r"^\[rank\d+\]:\s*", "", lines[-1]) if lines else ""
 
 
+# torch.distributed's words in an error of a collective (or of its store): its backends' file paths and names,
+# its exception classes
+_COLLECTIVE = re.compile(r"gloo|nccl|c10d|ProcessGroup|Dist\w*Error", re.IGNORECASE)
+
+
 def ended_early_of(record: dict, records: list[dict | None]) -> Failure | None:
     """The rank whose script had exited 0 when this record's collective lost its peer (or timed out waiting):
     an early exit decided on that rank alone, the cause; this rank only noticed it. Under expgpu's spawn its
     supervisor sees the same (expgpu.launch.spawn); under srun and torchrun only these records tell it."""
-    error = RuntimeError(_last_error(record))
-    if not lost_peer(error) and not timed_out(error):
-        return None
+    line = _last_error(record)
+    error = RuntimeError(line)
+    if not _COLLECTIVE.search(line) or not (lost_peer(error) or timed_out(error)):
+        return None   # a connection of its own (an upload on rank 0 after the others' end) is no collective's
     gone = [r for r in records if r is not None and r["rank"] != record["rank"] and r["exit_code"] == 0
             and not r["stopped_by"] and r["ended"] <= record["ended"]]
     if not gone:
