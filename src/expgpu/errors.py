@@ -70,6 +70,20 @@ def timed_out(e: BaseException) -> bool:
     return any(w in str(e).lower() for w in _TIMED_OUT)
 
 
+# torch.distributed's words in an error of a collective or of its store: its backends' file paths and names (gloo's
+# pair.cc, NCCL's ProcessGroupNCCL.cpp), its exception classes
+_COLLECTIVE = re.compile(r"gloo|nccl|c10d|ProcessGroup|Dist\w*Error", re.IGNORECASE)
+
+
+def collective_error(line: str) -> bool:
+    """A line in which torch.distributed says a collective (or its store) lost its peer or timed out, as a
+    script's stderr shows it (gloo's RuntimeError, NCCL's watchdog line before its abort): not an error of the
+    script's own connections in the same words (an upload's 'Connection reset by peer')."""
+    low = line.lower()
+    said = "distnetworkerror" in low or any(w in low for w in _LOST_PEER + _TIMED_OUT)
+    return said and bool(_COLLECTIVE.search(line))
+
+
 def no_room_line(e: OSError) -> str:
     """What a no_room error says, wherever it ends the run (this process, or a rank's supervisor)."""
     return (f"could not write {e.filename or 'a file of the run'}: {e.strerror}; what was written before it (the last "

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from expgpu import procs
+from expgpu.errors import collective_error
 from expgpu.procs import stop_signals
 
 TICK_S = 0.1        # how often a stop, the grace deadline and the on_tick callback are looked at
@@ -48,6 +49,7 @@ class Outcome:
     killed: bool = False              # SIGKILLed after the grace period
     hung: bool = False                # stopped because its watch found it hung
     tail: list[str] = field(default_factory=list)   # the last lines of its stderr
+    collective: str | None = None     # the first stderr line in which torch.distributed said a collective failed
     started: float = 0.0
     ended: float = 0.0
 
@@ -139,7 +141,7 @@ def _supervise(proc, tee: _Tee, outcome: Outcome, stopper, grace_s: float, on_ti
             if tee.closed or time.monotonic() - exited_at > DRAIN_S:
                 tee.pump(0)
                 tee.flush()
-                outcome.tail = tee.tail()
+                outcome.tail, outcome.collective = tee.tail(), tee.collective
                 return
 
 
@@ -152,6 +154,9 @@ class _Tee:
         self.sel = selectors.DefaultSelector()
         self.partial = b""
         self.lines: collections.deque[bytes] = collections.deque(maxlen=TAIL_LINES)
+        # NCCL's watchdog says a collective timed out, then aborts the process with pages of C++ frames, which
+        # push its words out of the tail: its first such line, kept (expgpu.script.result)
+        self.collective: str | None = None
         self.output_at = time.monotonic()   # when the script last wrote to either pipe (or started)
         # The console gets whole lines: the script writes unbuffered (script.environ: print()'s text and its
         # newline apart), and the ranks share the console, so a line relayed in pieces would be cut by another
@@ -187,6 +192,8 @@ class _Tee:
             if is_err:
                 *done, self.partial = (self.partial + data).split(b"\n")
                 self.lines.extend(done)
+                if self.collective is None:
+                    self.collective = next((text for text in map(_decoded, done) if collective_error(text)), None)
         self.flush(PARTIAL_S)
 
     def flush(self, held_s: float = 0.0) -> None:
@@ -208,7 +215,11 @@ class _Tee:
 
     def tail(self) -> list[str]:
         lines = [*self.lines, self.partial] if self.partial else list(self.lines)
-        return [line.decode(errors="replace") for line in lines]
+        return [_decoded(line) for line in lines]
+
+
+def _decoded(line: bytes) -> str:
+    return line.decode(errors="replace")
 
 
 def _echo(console, data: bytes) -> None:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from expgpu import rundir
-from expgpu.errors import lost_peer, short, timed_out
+from expgpu.errors import collective_error, lost_peer, short, timed_out
 from expgpu.gpus import NodePlan
 from expgpu.loggers.jsonl import ROW_KEYS, read_rows
 from expgpu.procs import oom, stop_signals
@@ -56,7 +56,8 @@ def write_record(run_dir: Path, info: RankInfo, launch: str, outcome, gpus: list
               "names": names, "exit_code": outcome.exit_code, "stopped_by": outcome.stopped_by,
               "signal": signal.Signals(-outcome.returncode).name if (outcome.returncode or 0) < 0 else None,
               "killed_after_grace": outcome.killed, "hung": outcome.hung, "stderr_tail": outcome.tail[-10:],
-              "ended": outcome.ended, "killed_by": oom.killed_by(outcome.returncode, oom_count) if died else None}
+              "ended": outcome.ended, "killed_by": oom.killed_by(outcome.returncode, oom_count) if died else None,
+              "collective_error": outcome.collective}
     path = rundir.script_record(run_dir, info.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps(record).encode())
@@ -88,7 +89,7 @@ def first_failure(records: list[dict | None]) -> dict | None:
     bad = [r for r in records if r is not None and failed(r)]
     # an error of its own before the echo of one (a collective that lost its peer), whatever the clocks say:
     # a peer killed outright is seen a tick after the collective it tore down
-    return min(bad, key=lambda r: (lost_peer(RuntimeError(_last_error(r))), r["ended"])) if bad else None
+    return min(bad, key=lambda r: (lost_peer(RuntimeError(_error_line(r))), r["ended"])) if bad else None
 
 
 def failure(record: dict, run_dir: Path, spec=None, args: list[str] | None = None,
@@ -122,6 +123,9 @@ def failure(record: dict, run_dir: Path, spec=None, args: list[str] | None = Non
         f"exited with code {code}"
     tail = " | ".join(line.strip() for line in record["stderr_tail"][-5:] if line.strip())
     told = f"; the last lines of its stderr: {tail[-600:]}" if tail else "; it wrote nothing to stderr"
+    said = _error_line(record)
+    if said != _last_error(record):   # the words before an abort's C++ frames
+        told = f"; before it: {short(said)}"
     where = rundir.script_log(run_dir, record["rank"])
     fix = missing_input(record["stderr_tail"], run_dir, spec) if spec is not None else None
     return Failure(record["rank"], f"its script {how}{told} (all its output: {where})" + (f". {fix}" if fix else ""),
@@ -136,33 +140,40 @@ def _lines(record: dict) -> list[str]:
 def _last_error(record: dict) -> str:
     """The last line its script wrote to stderr, without torchrun's "[rank1]: " before it."""
     lines = _lines(record)
-    return re.sub(r"^\[rank\d+\]:\s*", "", lines[-1]) if lines else ""
+    return _unprefixed(lines[-1]) if lines else ""
 
 
-# torch.distributed's words in an error of a collective (or of its store): its backends' file paths and names,
-# its exception classes
-_COLLECTIVE = re.compile(r"gloo|nccl|c10d|ProcessGroup|Dist\w*Error", re.IGNORECASE)
+def _unprefixed(line: str) -> str:
+    return re.sub(r"^\[rank\d+\]:\s*", "", line.strip())
+
+
+def _error_line(record: dict) -> str:
+    """The line that says how its script failed: the last it wrote to stderr, or where it aborted (SIGABRT: NCCL's
+    watchdog takes the process down on a timeout, with pages of C++ frames after its words) the first line in
+    which torch.distributed said a collective failed (expgpu.script.process keeps it)."""
+    said = record.get("collective_error")
+    return _unprefixed(said) if said and record.get("signal") == "SIGABRT" else _last_error(record)
 
 
 def ended_early_of(record: dict, records: list[dict | None]) -> Failure | None:
     """The rank whose script had exited 0 when this record's collective lost its peer (or timed out waiting):
     an early exit decided on that rank alone, the cause; this rank only noticed it. Under expgpu's spawn its
     supervisor sees the same (expgpu.launch.spawn); under srun and torchrun only these records tell it."""
-    line = _last_error(record)
-    error = RuntimeError(line)
-    if not _COLLECTIVE.search(line) or not (lost_peer(error) or timed_out(error)):
+    line = _error_line(record)
+    if not collective_error(line):
         return None   # a connection of its own (an upload on rank 0 after the others' end) is no collective's
     gone = [r for r in records if r is not None and r["rank"] != record["rank"] and r["exit_code"] == 0
             and not r["stopped_by"] and r["ended"] <= record["ended"]]
     if not gone:
         return None
-    return ended_early(min(gone, key=lambda r: r["ended"])["rank"], record["rank"], timed_out=timed_out(error))
+    return ended_early(min(gone, key=lambda r: r["ended"])["rank"], record["rank"],
+                       timed_out=timed_out(RuntimeError(line)))
 
 
 def held_up(record: dict, records: list[dict | None]) -> str | None:
     """A script whose collective timed out while other ranks' scripts ran on, in words (their records: ended
     later, or not there yet): they worked alone past the process group's timeout, and it waited for them."""
-    error = _last_error(record)
+    error = _error_line(record)
     if not timed_out(RuntimeError(error)):
         return None
     later = {r["rank"]: r["ended"] - record["ended"] for r in records
