@@ -45,7 +45,8 @@ def test_the_rank_whose_script_exited_0_first_is_the_cause_of_a_lost_peer_or_a_t
     line = failure(waiting, tmp_path, records=records)
     where = tmp_path / "logs" / "rank1.script.log"
     assert (line.rank, line.message) == (1, f"{ENDED}lost it (all its output: {where})")
-    # NCCL's way: the waiting rank's collective times out instead (no ranks ran on past it: not held_up's case)
+    # the waiting rank's collective timed out instead (NCCL's way; gloo's words here): no rank ran on past it, so
+    # not held_up's case
     waiting = rec(0, 620.0, last=TIMEOUT)
     assert ended_early_of(waiting, [waiting, rec(1, 12.0, code=0)]).message == ENDED + "timed out waiting for it"
 
