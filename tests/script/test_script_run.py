@@ -292,8 +292,11 @@ def test_arguments_the_scripts_parser_refuses_are_one_line_exit_2_and_never_rest
                            "argument --lr: invalid float value: 'fast' (its arguments, from task.args: --steps 3 "
                            "--lr fast); its usage: "), line
     assert "restarting" not in run.stderr and not (run.run_dir / ".expgpu" / "attempts.json").exists()
-    assert run.result["status"] == "failed" and run.result["exit_codes"] == [2, 2]
-    assert "usage: probe_script.py" in (run.run_dir / "logs" / "rank0.script.log").read_text()
+    # both ranks refuse, but the first refusal may stop the other rank before its script starts (exit code
+    # null: not known; CI saw [None, 2] on a loaded machine)
+    codes = run.result["exit_codes"]
+    assert run.result["status"] == "failed" and 2 in codes and set(codes) <= {2, None}, codes
+    assert "usage: probe_script.py" in (run.run_dir / "logs" / f"rank{codes.index(2)}.script.log").read_text()
     # exit code 2 alone is no refusal: a script that fails with it, after no usage line, crashed
     crash = expgpu([*CONF, "task=script_probe", "task.args.fail-rank=0", "task.args.fail-code=2"], tmp_path / "crash")
     assert crash.returncode == 1, crash.stderr
