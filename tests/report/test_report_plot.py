@@ -99,3 +99,17 @@ def test_a_job_has_the_same_colour_in_every_panel(tmp_path, monkeypatch):
             colours.setdefault(job, set()).add(matplotlib.colors.to_hex(line.get_color()))
     assert set(colours) == {"0", "1"} and all(len(c) == 1 for c in colours.values()), colours
     assert colours["0"] != colours["1"]
+
+
+def test_matplotlibs_own_info_lines_stay_out_of_the_sweeps_log(tmp_path):
+    # Hydra logs at INFO to the console; matplotlib's first use on a machine (no font cache yet) says
+    # "generated new fontManager" at INFO, which read as a line of the sweep's own
+    code = ("import logging; logging.basicConfig(level=logging.INFO); {}")
+    env = {**clean_env(), "MPLCONFIGDIR": str(tmp_path / "plain")}   # a first use: the cache is built
+    plain = subprocess.run([sys.executable, "-c", code.format("import matplotlib.pyplot")], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and "generated new fontManager" in plain.stderr, plain.stderr
+    env["MPLCONFIGDIR"] = str(tmp_path / "ours")
+    ours = subprocess.run([sys.executable, "-c", code.format("from expgpu.report.plot import pyplot; pyplot()")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert ours.returncode == 0 and "matplotlib" not in ours.stderr and not ours.stderr.strip(), ours.stderr

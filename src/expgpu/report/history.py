@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from expgpu.report.plot import _grid, save
+from expgpu.report.plot import _grid, pyplot, save
 from expgpu.rundir import STUDY
 
 PNG = "optimization.png"
@@ -28,11 +28,7 @@ def plot(doc: dict, path: Path, title: str) -> bool:
     trials = [t for t in doc["trials"] if t.get("values") or t.get("last_value") is not None]
     if not trials:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     params = list(dict.fromkeys(k for t in doc["trials"] for k in (t.get("params") or {})))[:11]
     cols, nrows, width, height = _grid(1 + len(params))
     fig, axes = plt.subplots(nrows, cols, figsize=(width * cols, height * nrows + 0.5), dpi=110, squeeze=False)

@@ -12,6 +12,7 @@ cover the plot and say nothing.
 from __future__ import annotations
 
 import io
+import logging
 import math
 from pathlib import Path
 
@@ -23,6 +24,19 @@ LEGEND_BEST = 10
 # 4 rows of 3: past that a panel is too small to read on a screen, and a sweep's own metrics
 # come first anyway.
 MAX_PANELS = 12
+
+
+def pyplot():
+    """matplotlib.pyplot on its Agg backend (no display: a file, from a terminal, a cluster node or CI).
+    matplotlib's INFO lines ("generated new fontManager", at its first use on a machine) would read as the
+    sweep's own among Hydra's: only its warnings are let through."""
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def panels(rows: list[Row], ranking: Ranking) -> list[str]:
@@ -62,11 +76,7 @@ def plot(rows: list[Row], ranking: Ranking, path: Path, title: str) -> list[str]
     if not names:
         return None
     names, left_out = names[:MAX_PANELS], names[MAX_PANELS:]
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display: a file, from a terminal, a cluster node or CI
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     drawn = [r for r in ranking.rows if any(r.series.get(n) for n in names)]
     crowded = len(drawn) > LEGEND_ALL
     named = set(id(r) for r in (ranking.rows[:min(LEGEND_BEST, ranking.n_ranked)] if crowded else drawn))
