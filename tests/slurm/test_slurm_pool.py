@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +38,9 @@ def test_a_sweep_is_one_slurm_job_followed_to_its_end(slurm_cluster_2n, tmp_path
                 sweep)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     job = _job(sweep)
-    assert f"slurm_pool: the sweep is SLURM job {job['job_id']} (2 node(s) x 4 GPU(s))" in done.stdout
-    assert "asks for whole nodes" not in done.stderr
+    assert (f"slurm_pool: the sweep is SLURM job {job['job_id']} (2 whole node(s), each with all its GPUs (at least "
+            "4))") in done.stdout
+    assert "asks for whole nodes" not in done.stderr   # they have 4 GPUs each: no more than it asked for
     assert "gpu_pool: done 16/16" in done.stdout   # the pool's board, followed from the allocation's output
     pool = json.loads((sweep / "pool.json").read_text())
     assert pool["allocation"]["job_id"] == job["job_id"]   # one SLURM job ran every trial
@@ -162,6 +164,11 @@ def test_a_job_past_the_pools_time_limit_is_stopped_saves_and_fails_while_the_al
     out = done.stdout + done.stderr
     assert done.returncode == 1, out[-4000:]
     assert "failed: ran past hydra.launcher.timeout_min=0.5 (30 s)" in done.stdout, out[-4000:]
+    # 2 GPUs asked for on a whole node (no cpus_per_node: --exclusive): SLURM gives all 4, and the sweep uses them
+    assert ("slurm_pool: gpus_per_node=2 asks for whole nodes (--exclusive) of partition debug, whose nodes have up "
+            "to 4 GPU(s): SLURM gives them all to the allocation, and the sweep runs its jobs on every one"
+            ) in done.stderr, out[-4000:]
+    assert re.search(r"gpu_pool: 2 jobs on SLURM job \d+: 1 node\(s\) \(\S+\) x 4 GPU\(s\)", done.stdout), out[-4000:]
     pool = {j["num"]: j for j in json.loads((sweep / "pool.json").read_text())["jobs"]}
     assert (pool[0]["state"], pool[1]["state"]) == ("finished", "failed"), pool
     assert 30 <= pool[1]["wall_s"] < 30 + 15, pool[1]   # it saved and ended on the SIGTERM, not at the SIGKILL
@@ -279,7 +286,7 @@ def test_its_dry_run_prints_the_allocations_script_and_where_the_first_jobs_go(t
                  "hydra.launcher.max_requeues=3 "
                  "hydra.sweep.dir=" + str(sweep)):
         assert line in out, out
-    assert "the first 4 job(s) on 2 node(s) x 4 GPU(s)" in out
+    assert "the first 4 job(s) on 2 node(s) x 4 GPU(s) (SLURM names the nodes; whole nodes bring all their GPUs" in out
     first = "task=a task.max_steps=20 logger=none gpu_map.gpus_per_rank=1 launch.nodes"
     assert f"#0 {first}=1 dry_run=True -> node1: GPU 0\n" in out
     assert f"#1 {first}=2 dry_run=True -> node1: GPU 1; node2: GPU 0\n" in out
@@ -295,7 +302,7 @@ def test_without_gpus_its_dry_run_asks_for_none_and_places_the_jobs_on_cpu_slots
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "#SBATCH --nodes=2" in out and "--gres" not in out and "hydra.launcher.cpu_slots=3" in out, out
-    assert "the first 4 job(s) on 2 node(s) x 3 CPU slot(s)" in out, out
+    assert "the first 4 job(s) on 2 node(s) x 3 CPU slot(s) (SLURM names the nodes):" in out, out
     assert "task.seed=0 launch.nodes=1 dry_run=True -> node1: CPU slot 0\n" in out, out
     assert "task.seed=3 launch.nodes=1 dry_run=True -> node2: CPU slot 0\n" in out, out
 

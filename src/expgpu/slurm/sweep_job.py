@@ -157,9 +157,18 @@ POOL_KEYS = frozenset({"gpus_per_job", "max_parallel", "wait_timeout_s", "grace_
                        "warm_starts", "timeout_min", "cpu_slots", "jobs_per_gpu"})
 
 
+def whole_nodes(params: Mapping[str, Any]) -> bool:
+    """GPUs asked for on whole nodes (no cpus_per_node: --exclusive), to which SLURM gives every GPU they have
+    (sbatch(1): an exclusive job "is allocated all CPUs and GRES on all nodes"); the sweep uses them all."""
+    return bool(params["gpus_per_node"]) and not params.get("cpus_per_node")
+
+
 def shape(params: Mapping[str, Any]) -> str:
-    """'2 node(s) x 4 GPU(s)' (or 'x 3 CPU slot(s)' where gpus_per_node=0): the allocation asked for."""
+    """'2 node(s) x 4 GPU(s)' (or 'x 3 CPU slot(s)' where gpus_per_node=0): the allocation asked for; on whole
+    nodes, gpus_per_node is the least each brings."""
     gpus = params["gpus_per_node"]
+    if whole_nodes(params):
+        return f"{params['nodes']} whole node(s), each with all its GPUs (at least {gpus})"
     each = f"{gpus} GPU(s)" if gpus else f"{(params.get('pool') or {}).get('cpu_slots', 1)} CPU slot(s)"
     return f"{params['nodes']} node(s) x {each}"
 
@@ -176,7 +185,7 @@ def submit_command(params: Mapping[str, Any], command: Sequence[str], sweep_dir:
     check(params)
     cluster.check_tools("hydra/launcher=slurm_pool", "hydra/launcher=gpu_pool")
     partition = cluster.check(params.get("partition"), float(params.get("ping_timeout_s") or 15.0))
-    _warn_idle_gpus(params, partition)
+    _say_whole_nodes_gpus(params, partition)
     state.mkdir(parents=True, exist_ok=True)
     script = state / "allocation.sbatch"
     atomic_write_bytes(script, sbatch_script({**params, "partition": partition}, command, Path.cwd(),
@@ -196,15 +205,23 @@ def submit_command(params: Mapping[str, Any], command: Sequence[str], sweep_dir:
     return record
 
 
-def _warn_idle_gpus(params: Mapping[str, Any], partition: str) -> None:
-    """Whole nodes without GPUs asked for (--exclusive) where the nodes have GPUs: SLURM gives them all."""
-    if params["gpus_per_node"] or params.get("cpus_per_node"):
+def _say_whole_nodes_gpus(params: Mapping[str, Any], partition: str) -> None:
+    """Whole nodes (--exclusive) whose nodes have more GPUs than gpus_per_node: SLURM gives the allocation every
+    one of them (held, and counted against the user's share), idle where it asked for none."""
+    if params.get("cpus_per_node"):
         return
+    asked = params["gpus_per_node"]
     gpus = cluster.most_gpus_per_node(partition, float(params.get("ping_timeout_s") or 15.0))
-    if gpus:
-        print(f"slurm_pool: warning: gpus_per_node=0 asks for whole nodes (--exclusive) of partition {partition}, "
-              f"whose nodes have up to {gpus} GPU(s): SLURM gives them to the allocation, idle; give "
-              "hydra.launcher.cpus_per_node to ask for CPUs only", file=sys.stderr, flush=True)
+    if not gpus or gpus <= asked:
+        return
+    whole = f"gpus_per_node={asked} asks for whole nodes (--exclusive) of partition {partition}, whose nodes have up " \
+            f"to {gpus} GPU(s): SLURM gives them all to the allocation"
+    if asked:
+        print(f"slurm_pool: {whole}, and the sweep runs its jobs on every one; give hydra.launcher.cpus_per_node to "
+              f"hold only {asked} GPU(s) and that many CPUs a node", file=sys.stderr, flush=True)
+    else:
+        print(f"slurm_pool: warning: {whole}, idle; give hydra.launcher.cpus_per_node to ask for CPUs only",
+              file=sys.stderr, flush=True)
 
 
 def take_over(params: Mapping[str, Any], config, hydra_context, job_overrides: Sequence[Sequence[str]]) -> None:
@@ -224,7 +241,8 @@ def take_over(params: Mapping[str, Any], config, hydra_context, job_overrides: S
         print(f"--- sbatch script of the sweep's allocation (dry run: nothing submitted) ---\n"
               f"{sbatch_script(params, command, Path.cwd(), state).rstrip()}\n---", flush=True)
         if job_overrides:
-            print(first_jobs(alloc, rows, (params.get("pool") or {}).get("jobs_per_gpu") or 1), flush=True)
+            print(first_jobs(alloc, rows, (params.get("pool") or {}).get("jobs_per_gpu") or 1, whole_nodes(params)),
+                  flush=True)
         raise SystemExit(0)
     record = submit(params, sys.orig_argv[1:], sweep_dir)
     print(f"slurm_pool: the sweep is SLURM job {record['job_id']} ({shape(params)}); sweep dir {sweep_dir}; "
@@ -333,8 +351,9 @@ def _task_to_check(cfg, label: str) -> list[tuple[str, dict]]:
     return [(label, task)]
 
 
-def first_jobs(alloc, rows: list[tuple], jobs_per_gpu: int = 1, shown: int = 8) -> str:
-    """Where the first jobs would run on the allocation (node names are SLURM's to choose)."""
+def first_jobs(alloc, rows: list[tuple], jobs_per_gpu: int = 1, whole: bool = False, shown: int = 8) -> str:
+    """Where the first jobs would run on the allocation (node names are SLURM's to choose); `whole`: on whole
+    nodes, which may bring more GPUs than it was asked for."""
     from expgpu.pool import sharing
     from expgpu.pool.allocation import fit
     from expgpu.pool.scheduler import Scheduler
@@ -346,8 +365,9 @@ def first_jobs(alloc, rows: list[tuple], jobs_per_gpu: int = 1, shown: int = 8) 
         [], float("inf"), lambda free, num, need: fit(free, need, nodes[num]))}
     unit = "CPU slot" if alloc.cpu else "GPU"
     each = f", {jobs_per_gpu} jobs on each" if jobs_per_gpu > 1 and not alloc.cpu else ""
+    more = "; whole nodes bring all their GPUs: where a node has more, more jobs start at once" if whole else ""
     out = [f"the first {len(rows)} job(s) on {len(alloc.nodes)} node(s) x {alloc.gpus_per_node} {unit}(s){each} "
-           "(SLURM names the nodes):"]
+           f"(SLURM names the nodes{more}):"]
     for num, label, _, _ in rows:
         where = placed.get(num)
         text = "; ".join(f"{node}: {unit} {','.join(str(g.index) for g in on)}{sharing.which(on)}"
