@@ -241,6 +241,13 @@ def test_the_log_never_shows_more_jobs_running_than_slots(tmp_path):
     assert len(shown) >= 12, done.stdout   # a line per start and per end
     assert max(shown) == 2, [line for line in done.stdout.splitlines() if "running 3" in line]
     assert "done 6/6, running 0, queued 0" in done.stdout
+    # in the order it happened: on each slot a job's end, then the start of the next one in its place (the
+    # round starts it before it reads how the ended job went)
+    by_slot: dict[str, list[str]] = {}
+    for what, slot in re.findall(r"#\d+ (started|finished) (?:in \S+ )?on cpu slot (\d)", done.stdout):
+        by_slot.setdefault(slot, []).append(what)
+    assert sorted(by_slot) == ["0", "1"] and all(
+        seq == ["started", "finished"] * (len(seq) // 2) for seq in by_slot.values()), by_slot
 
 
 @pytest.mark.parametrize("override, message", [

@@ -22,6 +22,8 @@ class Board:
         self.live = None
         self.was_live = False
         self._shown = 0.0
+        self._held: list[str] | None = None   # event lines waiting for release() (hold)
+        self._firsts = 0                       # how many of them go first
         if sys.stderr.isatty():
             from rich.console import Console
             from rich.live import Live
@@ -69,10 +71,28 @@ class Board:
             parts.append(Text(self.note, style="italic"))
         return Group(*parts)
 
-    def event(self, text: str) -> None:
+    def event(self, text: str, first: bool = False) -> None:
+        """A log line (without a live table); while held, it waits, before the other held ones if `first`."""
         if self.live is None:
-            log.info("%s  [%s]", text, self.counts())
+            line = f"{text}  [{self.counts()}]"
+            if self._held is None:
+                log.info("%s", line)
+            elif first:
+                self._held.insert(self._firsts, line)
+                self._firsts += 1
+            else:
+                self._held.append(line)
         self.tick(force=True)
+
+    def hold(self) -> None:
+        """Event lines wait for release(): a round starts the next jobs before it reads how the ended ones went
+        (not on the starts' path), and its lines say the ends first (first=True), as they happened."""
+        self._held, self._firsts = [], 0
+
+    def release(self) -> None:
+        held, self._held = self._held or [], None
+        for line in held:
+            log.info("%s", line)
 
     def waiting(self, text: str) -> None:
         if text != self.note:

@@ -124,17 +124,21 @@ class Pool(StepStarter, Starter):
         """One look at the jobs: reap, start what fits, read what the ended ones sent back, keep
         spares warm; the jobs that ended in it (their `ret` set)."""
         ended = self._reap()
-        if self.s.timeout_min is not None:
-            self._time_limits()
-        if self.stop_signal is not None:
-            self._stopping()
-        elif any(j.state == "queued" for j in self.jobs) and self.alloc is not None:
-            self._start_steps()
-        elif any(j.state == "queued" for j in self.jobs):
-            self._start_ready()
-            self._check_waiting()
-            self._dirty |= self.board.note != self._recorded_note   # why they wait, for expgpu status
-        self._settle(ended)
+        self.board.hold()   # the ended jobs' lines before those of the jobs started in their place
+        try:
+            if self.s.timeout_min is not None:
+                self._time_limits()
+            if self.stop_signal is not None:
+                self._stopping()
+            elif any(j.state == "queued" for j in self.jobs) and self.alloc is not None:
+                self._start_steps()
+            elif any(j.state == "queued" for j in self.jobs):
+                self._start_ready()
+                self._check_waiting()
+                self._dirty |= self.board.note != self._recorded_note   # why they wait, for expgpu status
+            self._settle(ended)
+        finally:
+            self.board.release()
         if self.server is not None:
             self._keep_spares()
         if self._dirty and time.monotonic() - self._recorded_at >= RECORD_EVERY_S:   # after the starts
@@ -245,9 +249,9 @@ class Pool(StepStarter, Starter):
             job.ret = self._job_return(job, job.returncode)
             took = job.ended - job.started
             if job.state == "finished":
-                self.board.event(f"#{job.num} finished in {took:.1f}s on {job.where}")
+                self.board.event(f"#{job.num} finished in {took:.1f}s on {job.where}", first=True)
             else:
-                self.board.event(f"#{job.num} {job.state} after {took:.1f}s on {job.where}: {job.error}")
+                self.board.event(f"#{job.num} {job.state} after {took:.1f}s on {job.where}: {job.error}", first=True)
             self._dirty = True
 
     def _job_return(self, job: Job, code: int | None):
