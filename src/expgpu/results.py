@@ -13,7 +13,8 @@ and script tasks alike). Its keys, by kind of task:
                  task added with run.result_extra; timing.data_wait and each plan row's data_wait: the share
                  of train_s that run.steps waited for batches (rank 0's, each rank's; null without a loader);
                  on GPUs, each plan row has gpu_peak_reserved_mb and gpu_peak_allocated_mb (the most torch's
-                 allocator held, and what tensors used of it)
+                 allocator held, and what tensors used of it); nonfinite, where a loss or a score that rank 0
+                 logged became nan or inf: its name -> the step of its first such value (expgpu.loggers.nonfinite)
     a script     command (the argv each rank ran), exit_codes (by rank), resumed, attempt (how many times its
                  script started in this run dir before, from 0: restarts, reruns and requeues alike)
 

@@ -37,6 +37,16 @@ def test_single_rank_trains_and_writes_result(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_run_whose_loss_diverges_says_so_and_its_result_keeps_the_step(tmp_path):
+    run = expgpu(["task=a", "task.max_steps=30", "task.optimizer.lr=1e8"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    assert run.result["status"] == "finished" and run.result["nonfinite"] == {"loss": 10}, run.result
+    assert run.output.count("loss is nan at step 10, the first logged value of it") == 1, run.output
+    fine = expgpu(["task=a", "task.max_steps=30"], tmp_path / "fine")
+    assert fine.returncode == 0 and "nonfinite" not in fine.result and "not a finite number" not in fine.output
+
+
+@pytest.mark.slow
 def test_without_a_terminal_progress_is_a_line_every_few_seconds_and_the_last_row(tmp_path):
     # A row every step in metrics.jsonl, but not a log line per row: the first, then one every
     # PROGRESS_EVERY_S, and the last.

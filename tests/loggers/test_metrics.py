@@ -268,3 +268,24 @@ def test_after_a_crash_the_last_rows_wait_a_moment_for_their_gpu_values(tmp_path
     m.log(3, {"x": torch.full((), 3.0, device="cuda")})   # the crash step's
     m.close(epoch=0, crashed=True)
     assert [(r["step"], r["x"]) for r in rows(tmp_path / "metrics.jsonl")] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+
+
+def test_a_loss_or_score_that_becomes_nan_or_inf_is_said_once_at_its_first_row(tmp_path, caplog):
+    # what an fp16 loss scaler makes routine (an inf grad_norm) and names of no known kind are left alone
+    m = MetricsLog(tmp_path)
+    m.open(0, 12)
+    with caplog.at_level("WARNING", logger="expgpu"):
+        for step in range(1, 13):
+            m.log(step, {"loss": torch.tensor(float("nan") if step >= 6 else 1.0 / step),
+                         "grad_norm": float("inf") if step == 4 else 1.0, "lr": float("nan")})
+            if step == 8:
+                m.log(step, {"val/acc": float("-inf")})
+            if step % 4 == 0:
+                m.flush(epoch=0)
+        m.close(epoch=0)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert m.nonfinite.first == {"loss": 8, "val/acc": 8}, said
+    assert len(said) == 2 and said[0].startswith("loss is nan at step 8, the first logged value of it that is not "
+                                                 "a finite number; the run goes on to its end"), said
+    assert said[1].startswith("val/acc is -inf at step 8"), said
+

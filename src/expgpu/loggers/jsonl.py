@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from expgpu.errors import UserError
+from expgpu.loggers.nonfinite import NonFinite
 from expgpu.loggers.progress import FIELDS, Display, Pace
 from expgpu.rundir import METRICS, atomic_write_bytes
 
@@ -183,6 +184,7 @@ class MetricsLog:
         self._sinks_ended = False
         # the seconds the loop has waited for its batches so far, once it takes them from a loader (expgpu.train.run)
         self.waited: Callable[[], float] | None = None
+        self.nonfinite = NonFinite()   # a loss or a score that became nan or inf: said once, its step kept
 
     def open(self, resumed_step: int, total_steps: int | None, resumed: bool = False) -> None:
         """Before the first row: trim what a resume redoes, open for appending, start the sinks."""
@@ -261,6 +263,8 @@ class MetricsLog:
             self.written_at = time.monotonic()
         if not made:
             return
+        for rows, _ in made:
+            self.nonfinite.check(rows, ROW_KEYS)
         self.last_row = made[-1][0][-1]
         sent = [row for rows, to_sinks in made if to_sinks for row in rows]
         if sent and self.sinks:

@@ -102,6 +102,8 @@ class RunEnd:
     def result(self, t_start: float, step_means: str) -> dict:
         """This rank's part of result.json, once closed (expgpu.results has the whole schema)."""
         extra = dict(self.result_extra)
+        if self._metrics is not None and self._metrics.nonfinite.first:   # rank 0: a loss that became nan
+            extra.setdefault("nonfinite", dict(self._metrics.nonfinite.first))
         whole, weights = self.checksums()
         return {"weights_checksum": weights,   # for the ranks' comparison (expgpu.launch.worker), not result.json
                 "steps": self.step, "max_steps": self.max_steps, "epochs": self._epochs,
