@@ -126,6 +126,19 @@ def test_the_report_line_names_the_metric_it_chose_and_why(tmp_path):
     assert "chosen: a held-out loss" in (sweep / "report.html").read_text()
 
 
+def test_a_finished_job_whose_loss_diverged_is_said_under_the_table(tmp_path):
+    sweep = tmp_path / "sweep"
+    for n, loss in enumerate([0.3, float("nan")]):
+        write_job(sweep / str(n), [f"task.optimizer.lr={10 ** (4 * n - 3)}"], {"final_loss": loss})
+    result = json.loads((sweep / "1" / "result.json").read_text())
+    (sweep / "1" / "result.json").write_text(json.dumps({**result, "nonfinite": {"loss": 10}}))
+    done = report(sweep, "--no-plot")
+    assert done.returncode == 0, done.stderr
+    said = "job 1: diverged: loss nan or inf from step 10 (it trained on to its end)"
+    assert f"  {said}" in done.stdout.splitlines() and "job 0:" not in done.stdout, done.stdout
+    assert said.split(": ", 1)[1] in (sweep / "report.html").read_text()
+
+
 @pytest.mark.slow
 def test_one_row_per_job_best_first_csv_html_and_curves(basic_sweep, tmp_path):
     sweep = tmp_path / "sweep"

@@ -41,7 +41,13 @@ class Row:
     flags: list[str] = field(default_factory=list)            # Hydra flags (--config-dir), its hydra.job.num
     wall_s: float | None = None
     error: str = ""
+    note: str = ""   # what a finished job's result says went wrong (a loss that became nan)
     series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)   # metrics.jsonl, by name
+
+    @property
+    def said(self) -> str:
+        """The line under the table: why a job failed, or a finished one's note."""
+        return self.note if self.status in ("finished", "pruned") else self.error
 
     @property
     def shown_status(self) -> str:
@@ -217,6 +223,14 @@ def _is_simulated(job_dir: Path) -> bool:
         return False
 
 
+def _diverged(nonfinite) -> str:
+    """result.json's `nonfinite` (expgpu.loggers.nonfinite) in words."""
+    if not isinstance(nonfinite, dict) or not nonfinite:
+        return ""
+    return "diverged: " + ", ".join(f"{name} nan or inf from step {step}" for name, step in nonfinite.items()) \
+        + " (it trained on to its end)"
+
+
 def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
     """Everything the report knows about one job, from its dir (and pool.json's entry)."""
     row = Row(job=name, dir=job_dir)
@@ -239,6 +253,7 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
                        if isinstance(v, (int, float)) and not isinstance(v, bool)} if isinstance(metrics, dict) else {}
         row.steps = result.get("steps")
         row.devices = devices(result, _is_simulated(job_dir))
+        row.note = _diverged(result.get("nonfinite"))
         timing = result.get("timing") or {}
         if isinstance(timing.get("train_s"), (int, float)):
             row.wall_s = round(float(timing.get("startup_s") or 0) + float(timing["train_s"]), 3)

@@ -97,9 +97,9 @@ def page(rows: list[Row], ranking: Ranking, title: str, pngs: list[str], base: P
                  f"<td>{escape(r.devices or '-')}</td>",
                  f"<td><code>{escape(' '.join(ranking.differs.get(r.job) or []) or '-')}</code></td>"]
         out.append(f"<tr class='{escape(cls)}'>" + "".join(cells) + "</tr>")
-        if r.error and r.status not in ("finished", "pruned"):
+        if r.said:
             out.append(f"<tr class='{escape(cls)}'><td></td><td class='why' colspan='{len(head) - 1}'>"
-                       f"{escape(r.error)}</td></tr>")
+                       f"{escape(r.said)}</td></tr>")
     out.append("</table>")
     if rerun(rows, ranking):
         out.append(f"<p><code>{escape(rerun(rows, ranking))}</code></p>")

@@ -51,8 +51,8 @@ def table(rows: list[Row], ranking: Ranking) -> str:
         text.append(f"every job: {' '.join(ranking.common)}")
     text += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     for r in ranking.rows:
-        if r.error and r.status not in ("finished", "pruned"):
-            text.append(f"  job {r.job}: {r.error}")
+        if r.said:
+            text.append(f"  job {r.job}: {r.said}")
     if rerun(rows, ranking):
         text.append(rerun(rows, ranking))
     return "\n".join(text)
