@@ -193,8 +193,8 @@ def _skip_mode_composition(args: list[str]) -> None:
     """Hydra composes a run's whole config twice: once (Hydra.get_mode) only to read hydra.mode, then for the
     run. Only an override or a config of the user's can set hydra.mode (expgpu's own never do:
     tests/config/test_hydra_mode.py); where the command line brings neither, get_mode answers None, as that
-    composition would, without it: 0.12-0.17 s of every launch (each srun rank's too). Hydra then takes the mode
-    from -m, as it did."""
+    composition would, without it: 0.11-0.19 s of every launch on a 2-core machine (each srun rank's too).
+    Hydra then takes the mode from -m, as it did."""
     for a in args:
         key = a.split("=", 1)[0].lstrip("+~")
         if a.startswith(_USER_CONFIG) or key in ("hydra.mode", "hydra.searchpath", "experiment"):

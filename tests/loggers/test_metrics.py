@@ -288,4 +288,3 @@ def test_a_loss_or_score_that_becomes_nan_or_inf_is_said_once_at_its_first_row(t
     assert len(said) == 2 and said[0].startswith("loss is nan at step 8, the first logged value of it that is not "
                                                  "a finite number; the run goes on to its end"), said
     assert said[1].startswith("val/acc is -inf at step 8"), said
-

@@ -104,7 +104,7 @@ def test_a_job_has_the_same_colour_in_every_panel(tmp_path, monkeypatch):
 def test_matplotlibs_own_info_lines_stay_out_of_the_sweeps_log(tmp_path):
     # Hydra logs at INFO to the console; matplotlib's first use on a machine (no font cache yet) says
     # "generated new fontManager" at INFO, which read as a line of the sweep's own
-    code = ("import logging; logging.basicConfig(level=logging.INFO); {}")
+    code = "import logging; logging.basicConfig(level=logging.INFO); {}"
     env = {**clean_env(), "MPLCONFIGDIR": str(tmp_path / "plain")}   # a first use: the cache is built
     plain = subprocess.run([sys.executable, "-c", code.format("import matplotlib.pyplot")], env=env,
                            capture_output=True, text=True, timeout=120)
