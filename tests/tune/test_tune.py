@@ -236,6 +236,28 @@ def test_a_search_whose_every_trial_is_pruned_exits_1_with_one_line(tmp_path):
     assert not (sweep / "optimization_results.yaml").exists()
 
 
+@pytest.mark.timeout(150)
+def test_a_trial_whose_objective_turns_nan_is_pruned_and_the_search_goes_on(tmp_path):
+    """digits at lr 1e36 diverges: its eval_loss is nan from the first evaluation. Optuna's pruners prune a
+    trial that reports nan; expgpu once left nan out of the reports, so the trial trained to its end and its nan
+    objective failed it, and at max_failure_rate 0 the search stopped there (exit 1)."""
+    sweep = tmp_path / "sweep"
+    done = _sweep(["hydra/sweeper=expgpu_optuna", *POOL, "task=digits", "task.optimizer.lr=choice(1e-3,1e36)",
+                   "task.eval_every=50", "objective=eval_loss", "hydra.sweeper.n_trials=4",
+                   "hydra/sweeper/pruner=threshold", "hydra.sweeper.pruner.upper=1e9", "hydra.sweeper.sampler.seed=1"],
+                  sweep)
+    assert done.returncode == 0, done.stderr[-3000:]
+    study = _study(sweep)
+    states = {t["params"]["task.optimizer.lr"]: set() for t in study.values()}
+    for t in study.values():
+        states[t["params"]["task.optimizer.lr"]].add(t["state"])
+    assert states == {1e-3: {"COMPLETE"}, 1e36: {"PRUNED"}}, study   # the seed's 4 random draws hold both
+    for n, t in study.items():
+        if t["state"] == "PRUNED":   # at its first evaluation, not at its end
+            result = json.loads((sweep / str(n) / "result.json").read_text())
+            assert result["status"] == "pruned" and result["steps"] < 400, result
+
+
 @pytest.mark.parametrize("args,says", [
     (["hydra.sweeper.pruner={_target_:optuna.pruners.MedianPruner,warmup:3}"],
      "hydra.sweeper.pruner._target_=optuna.pruners.MedianPruner: does not take (warmup=3)"),

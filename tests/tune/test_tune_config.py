@@ -277,6 +277,35 @@ def test_a_trial_is_not_pruned_at_its_last_step(tmp_path, monkeypatch, max_steps
     assert study.trials[0].intermediate_values == {10: 0.9}   # reported either way
 
 
+@pytest.mark.parametrize("pruner", [{"_target_": "optuna.pruners.ThresholdPruner", "upper": 1e9},
+                                    {"_target_": "optuna.pruners.SuccessiveHalvingPruner", "min_resource": 10},
+                                    {"_target_": "optuna.pruners.MedianPruner", "n_startup_trials": 0}])
+def test_a_trial_whose_objective_becomes_nan_is_pruned_as_optuna_prunes_it(tmp_path, monkeypatch, pruner):
+    """A diverged trial's nan is reported as an Optuna objective reports it, and Optuna's pruners prune on it: left
+    out, the trial trained to its end, and its nan objective then failed it (at max_failure_rate 0, the search)."""
+    import math
+
+    import optuna
+
+    from expgpu.tune.bridge import TrialReporter
+
+    journal = str(tmp_path / "optuna.journal")
+    study = optuna.create_study(study_name="s", storage=storage.open_storage(journal))
+    finished = study.ask()   # the median pruner judges none before a trial has completed
+    finished.report(1.0, 10)
+    study.tell(finished, 1.0)
+    trial = study.ask()
+    spec = {"storage": journal, "study": "s", "trial_id": trial._trial_id, "number": trial.number,
+            "objective": "loss", "pruner": pruner, "params": {}}
+    (tmp_path / "trial.json").write_text(json.dumps(spec))
+    signals = stop_signals.StopSignals()
+    monkeypatch.setattr(stop_signals, "_current", signals)
+    reporter = TrialReporter.attach(str(tmp_path / "trial.json"))
+    reporter.write([{"step": 10, "loss": float("nan"), "max_steps": 100}])
+    assert signals.received == stop_signals.PRUNED
+    assert math.isnan(study.trials[1].intermediate_values[10])
+
+
 def test_a_script_writes_the_rows_its_trials_pruner_judges_at_once(tmp_path):
     # expgpu.log in a script (rank 0): rows are written at most once a second, but those holding the objective its
     # supervisor named (EXPGPU_SCRIPT_PROMPT, a trial's) at once, where the supervisor reports them to the pruner

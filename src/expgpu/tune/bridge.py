@@ -1,7 +1,9 @@
 """In a trial's job, on rank 0: each row run.log writes to metrics.jsonl that holds the objective is
 reported to the trial at its step, and when the study's pruner says so, a PRUNED stop is requested.
 The ranks agree on it at their next stop poll (expgpu.train.agreement), so all of them stop at the same step,
-save, and the job ends with result.json's status `pruned`: its slot is free for the next trial.
+and the job ends with result.json's status `pruned` (final: nothing is saved to resume it): its slot is free for
+the next trial. Every value is reported as an Optuna objective would report it, nan and inf included: Optuna's
+median, percentile, successive-halving and threshold pruners prune a trial whose value is nan.
 
 The worker hands a TrialReporter to rank 0's MetricsLog as one of its sinks (expgpu.loggers.base.Sink)
 when the job was started as a trial (TRIAL_ENV names its file), or to a script task's rank 0 supervisor,
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import warnings
 from pathlib import Path
@@ -53,7 +54,9 @@ class TrialReporter(Sink):
             with warnings.catch_warnings():   # a step reported before a resume: Optuna keeps the first
                 warnings.simplefilter("ignore")
                 for step, value in values:
-                    if isinstance(value, (int, float)) and math.isfinite(value):
+                    # nan and inf too, as an Optuna objective reports them: its pruners prune a trial whose
+                    # value is nan (a diverged run), which a value left out would let train to its end
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
                         trial.report(float(value), int(step))
             prune = not _at_end(rows[-1]) and trial.should_prune()
         except Exception as e:
