@@ -76,6 +76,8 @@ def test_pruned_trials_stop_on_every_rank_at_one_step_and_free_their_slot(tmp_pa
                                   "logger=[csv,mlflow,tensorboard]"], sweep)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _states_in_journal(sweep) == {0: "COMPLETE", 1: "PRUNED", 2: "COMPLETE", 3: "PRUNED"}
+    # the pool's first line counts the study's trials, not the one it was handed first
+    assert "gpu_pool: 4 jobs, each as the sweeper asks for it, on 2 CPU slots" in done.stdout + done.stderr
     # a logger's run of a pruned trial is over, as a finished one's (not KILLED: nothing resumes it), tagged
     from mlflow.tracking import MlflowClient
 

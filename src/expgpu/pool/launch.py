@@ -91,7 +91,7 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
     procs.atexit_grace_s()   # a bad EXPGPU_ATEXIT_GRACE_S: one line now, before any job starts
     alloc = allocation.detect(os.environ)
     if alloc is not None:
-        return _open_in_allocation(alloc, s, hydra_context, task_function, config, first)
+        return _open_in_allocation(alloc, s, hydra_context, task_function, config, first, planned)
     _say_what_only_an_allocation_reads(s)
     simulate = _simulated(config)
     gpus = pool_gpus(s, simulate)
@@ -128,7 +128,7 @@ def open_pool(params: Mapping[str, Any], hydra_context, task_function, config, f
             + (f", {s.jobs_per_gpu} jobs on each" if s.jobs_per_gpu > 1 else "")
     else:
         desc = f"{s.cpu_slots} CPU slot{'s' if s.cpu_slots > 1 else ''}"
-    log.info("gpu_pool: %s on %s, %s; sweep dir %s", plural(len(jobs), "job"), desc, threads_text, sweep_dir)
+    log.info("gpu_pool: %s on %s, %s; sweep dir %s", _how_many(len(jobs), planned), desc, threads_text, sweep_dir)
     for job in jobs:
         log.info("\t#%d : %s", job.num, job.label)
     pool = _pool(jobs, slots, s, sweep_dir, lease_dir, desc, spares, (hydra_context, task_function),
@@ -156,8 +156,14 @@ def _say_what_only_an_allocation_reads(s: Settings) -> None:
         log.warning(text)
 
 
+def _how_many(now: int, planned: int) -> str:
+    """The jobs in the pool's first line: an optimizing sweeper hands it one trial at a time (expgpu.pool.session),
+    and "1 job" there read as the whole sweep."""
+    return plural(now, "job") if planned <= now else f"{planned} jobs, each as the sweeper asks for it,"
+
+
 def _open_in_allocation(alloc: Allocation, s: Settings, hydra_context, task_function, config,
-                        first: list[tuple[list[str], int]]):
+                        first: list[tuple[list[str], int]], planned: int = 0):
     """The pool inside a SLURM allocation: its GPUs on every node (or, without GPUs, hydra.launcher.cpu_slots
     on every node), each job an srun step (expgpu.pool.steps); no spares, no fork server, no machine-wide
     leases (the allocation's GPUs are its own, and SLURM never gives one to two steps)."""
@@ -179,7 +185,7 @@ def _open_in_allocation(alloc: Allocation, s: Settings, hydra_context, task_func
                else "threads per job: the step's CPUs (its share of the node's)")
     desc = alloc.describe() + (f", {s.jobs_per_gpu} jobs on each GPU" if s.jobs_per_gpu > 1 else "")
     how = "each forked by its nodes' warm processes" if s.warm_starts else "each an srun step"
-    log.info("gpu_pool: %s on %s, %s; %s; sweep dir %s", plural(len(jobs), "job"), desc, how, threads, sweep_dir)
+    log.info("gpu_pool: %s on %s, %s; %s; sweep dir %s", _how_many(len(jobs), planned), desc, how, threads, sweep_dir)
     for job in jobs:
         log.info("\t#%d : %s", job.num, job.label)
     record = Record(sweep_dir, alloc.slots(), 0, threads, False, allocation={
