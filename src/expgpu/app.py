@@ -26,7 +26,7 @@ from expgpu.errors import Hung, PeerLost, RunDirBusy, Stopped, UserError, Worker
 from expgpu.gpus import memory_estimate, placement
 from expgpu.launch import failures, requeue, restarts, run_leases, spawn, worker
 from expgpu.procs import stop_signals
-from expgpu.results import finished_earlier, is_script, write_job_failure
+from expgpu.results import CUT_SHORT, finished_earlier, is_script, nonfinite_words, write_job_failure
 from expgpu.rundir import atomic_write_bytes
 from expgpu.status.busy import claim, refuse_busy
 from expgpu.task import precheck
@@ -257,13 +257,17 @@ def _finished(result: dict | None, info: ranks.RankInfo, run_dir: Path) -> dict 
     stopper = stop_signals.install()
     if result is not None and result["status"] == "stopped":
         stopper.agreed = result["stop_signal"]  # a supervisor learns it from its workers
-    if stopper.agreed == stop_signals.PRUNED or (result or {}).get("status") == "pruned":
-        # the trial's pruner ended it: the job is done (no requeue), and the sweeper reads why. The
-        # request is spent: a launcher that runs the next trial in this process (basic) starts afresh.
+    if stopper.agreed in stop_signals.FINAL or (result or {}).get("status") in CUT_SHORT:
+        # the trial's pruner, or a diverged loss, ended it: the job is done (no requeue), and a sweeper reads
+        # why. The request is spent: a launcher that runs the next job in this process (basic) starts afresh.
         stopper.received = stopper.agreed = None
         if result is not None:
-            log.info("pruned at step %d by the study's pruner: %s", result["steps"],
-                     Path(result["run_dir"]) / rundir.RESULT)
+            where = Path(result["run_dir"]) / rundir.RESULT
+            if result["status"] == "pruned":
+                log.info("pruned at step %d by the study's pruner: %s", result["steps"], where)
+            else:
+                log.info("diverged: stopped at step %d (task.on_nonfinite=stop; %s): %s", result["steps"],
+                         nonfinite_words(result.get("nonfinite")), where)
         return result
     if stopper.agreed:  # stopped on a signal, checkpoint saved by all ranks
         next_step = requeue.after_stop(stopper, info.rank, run_dir)

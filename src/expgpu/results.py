@@ -3,7 +3,7 @@
 result.json is written once, by rank 0, when the run ends (write_result: the one writer, for function
 and script tasks alike). Its keys, by kind of task:
 
-    every run    status (finished | stopped | pruned | failed), task, function (the target; null for a
+    every run    status (finished | stopped | pruned | diverged | failed), task, function (the target; null for a
                  script), task_config, source (who started the ranks), world_size, backend (null: no
                  process group of expgpu's), strategy, plan (a row per rank: host, device, GPUs),
                  metrics (what the task returned, or a script's last logged values), steps, max_steps,
@@ -71,6 +71,18 @@ EVERY_RUN = ("status", "task", "function", "task_config", "source", "world_size"
              "metrics", "steps", "max_steps", "length_keys", "stop_signal", "timing", "run_dir")
 FUNCTION_KEYS = ("epochs", "step_means", "resumed_from_step", "param_checksum", "rank_checksums")
 SCRIPT_KEYS = ("command", "exit_codes", "resumed", "attempt")
+# The statuses of a run that is over for good, with nothing to resume: it trained to its end, or it stopped on a
+# request of its own (CUT_SHORT: an optimizing sweeper's pruner; a loss that became nan under task.on_nonfinite=stop).
+# Stopped (a signal: resumable), failed and hung are the others.
+CUT_SHORT = ("pruned", "diverged")
+FINAL = ("finished", *CUT_SHORT)
+
+
+def nonfinite_words(nonfinite) -> str:
+    """result.json's `nonfinite` in words: `loss nan or inf from step 10`; "" for none."""
+    if not isinstance(nonfinite, dict):
+        return ""
+    return ", ".join(f"{name} nan or inf from step {step}" for name, step in nonfinite.items())
 
 
 def is_script(result: dict) -> bool:

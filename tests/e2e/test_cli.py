@@ -47,6 +47,25 @@ def test_a_run_whose_loss_diverges_says_so_and_its_result_keeps_the_step(tmp_pat
 
 
 @pytest.mark.slow
+def test_under_on_nonfinite_stop_a_diverged_run_ends_on_every_rank_at_once_as_diverged(tmp_path):
+    # Keras's TerminateOnNaN, Lightning's check_finite: both ranks stop at one step soon after the nan row, save
+    # nothing (the parameters are nan), and the run exits 0 as `diverged`, final (no requeue, no resume)
+    run = expgpu(["task=a", "task.max_steps=20000", "task.optimizer.lr=1e8", "task.on_nonfinite=stop",
+                  "launch.nproc_per_node=2"], tmp_path / "run")
+    assert run.returncode == 0, run.stderr
+    res = run.result
+    assert (res["status"], res["stop_signal"], res["nonfinite"]) == ("diverged", "DIVERGED", {"loss": 10}), res
+    assert 10 <= res["steps"] < 20000 and len(set(res["rank_checksums"])) == 1, res
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+    assert run.output.count("stopping every rank (task.on_nonfinite=stop): the run ends as diverged") == 1, run.output
+    assert f"diverged: stopped at step {res['steps']} (task.on_nonfinite=stop; loss nan or inf from step 10)" \
+        in run.output
+    bad = expgpu(["task=a", "task.on_nonfinite=halt"], tmp_path / "bad")
+    assert bad.returncode == 2 and "expgpu: error: task.on_nonfinite='halt' is not allowed: continue or stop" \
+        in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+@pytest.mark.slow
 def test_without_a_terminal_progress_is_a_line_every_few_seconds_and_the_last_row(tmp_path):
     # A row every step in metrics.jsonl, but not a log line per row: the first, then one every
     # PROGRESS_EVERY_S, and the last.
@@ -195,7 +214,7 @@ def test_a_dry_run_checks_a_task_functions_keys_as_its_ranks_would(tmp_path):
     said = [line for line in bad.stderr.splitlines() if line.startswith("expgpu")]
     assert bad.returncode == 2 and said == [
         "expgpu: error: task.lrr: my_tasks.train takes no parameter 'lrr' (did you mean task.lr?); it takes lr (and "
-        "the run's keys name, seed, seed_per_rank, log_every, log_reduce, precision)"], bad.stderr
+        "the run's keys name, seed, seed_per_rank, log_every, log_reduce, precision, on_nonfinite)"], bad.stderr
     assert not (tmp_path / "bad" / "plan.json").exists()
 
 

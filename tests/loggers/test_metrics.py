@@ -14,6 +14,7 @@ import torch
 from expgpu.errors import UserError
 from expgpu.loggers.base import Sink
 from expgpu.loggers.jsonl import MetricsLog, WindowMeanLog, trim
+from expgpu.loggers.nonfinite import NonFinite
 from expgpu.loggers.progress import FIELDS
 
 
@@ -286,5 +287,24 @@ def test_a_loss_or_score_that_becomes_nan_or_inf_is_said_once_at_its_first_row(t
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert m.nonfinite.first == {"loss": 8, "val/acc": 8}, said
     assert len(said) == 2 and said[0].startswith("loss is nan at step 8, the first logged value of it that is not "
-                                                 "a finite number; the run goes on to its end"), said
+                                                 "a finite number; the run goes on to its end (task.on_nonfinite=stop "
+                                                 "ends it there"), said
     assert said[1].startswith("val/acc is -inf at step 8"), said
+
+
+def test_under_on_nonfinite_stop_the_first_nan_loss_asks_once_for_the_stop(tmp_path, caplog):
+    asked = []
+    m = MetricsLog(tmp_path, nonfinite=NonFinite(stop=lambda: asked.append(True)))
+    m.open(0, 12)
+    with caplog.at_level("WARNING", logger="expgpu"):
+        for step in range(1, 13):
+            m.log(step, {"loss": float("nan") if step >= 6 else 1.0, "grad_norm": float("inf")})
+            if step == 10:
+                m.log(step, {"eval_loss": float("nan")})
+            if step % 2 == 0:
+                m.flush(epoch=0)
+        m.close(epoch=0)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert asked == [True] and m.nonfinite.first == {"loss": 6, "eval_loss": 10}, (asked, said)
+    assert len(said) == 1 and said[0].startswith("loss is nan at step 6, the first logged value of it that is not a "
+                                                 "finite number; stopping every rank (task.on_nonfinite=stop)"), said

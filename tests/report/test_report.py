@@ -137,6 +137,15 @@ def test_a_finished_job_whose_loss_diverged_is_said_under_the_table(tmp_path):
     said = "job 1: diverged: loss nan or inf from step 10 (it trained on to its end)"
     assert f"  {said}" in done.stdout.splitlines() and "job 0:" not in done.stdout, done.stdout
     assert said.split(": ", 1)[1] in (sweep / "report.html").read_text()
+    # task.on_nonfinite=stop: the job's status is diverged, shown with its step, unranked, and said so
+    (sweep / "1" / "result.json").write_text(json.dumps({**result, "nonfinite": {"loss": 10}, "status": "diverged",
+                                                         "steps": 12, "metrics": {}}))
+    done = report(sweep, "--no-plot")
+    assert done.returncode == 0, done.stderr
+    row = next(line.split() for line in done.stdout.splitlines() if line.split()[1:2] == ["1"])
+    assert row[:3] == ["-", "1", "diverged@12"], done.stdout
+    assert "  job 1: diverged: loss nan or inf from step 10 (stopped there: task.on_nonfinite=stop)" \
+        in done.stdout.splitlines(), done.stdout
 
 
 @pytest.mark.slow

@@ -135,6 +135,8 @@ BAD = [
     ({"script": "train.py", "lr": 0.1}, r"task\.lr: a script task has no key 'lr' \(did you mean task\.args\.lr\?\)"),
     ({"script": "train.py", "resume_arg": {}}, r"task\.resume_arg: .*did you mean task\.resume_args\?"),
     ({"script": "train.py", "seed": 3}, r"task\.seed=3 does not apply to a script task .* task\.args\.seed=3"),
+    ({"script": "train.py", "on_nonfinite": "stop"}, r"task\.on_nonfinite='stop' does not apply to a script task \(it "
+                                                    r"stops a task function's run\.steps\)"),
     ({"script": "train.py", "inputs": ["datum"]}, r"task\.inputs\[0\]='datum': .*datum does not exist"),
     ({"script": "train.py", "inputs": ["../x"]}, r"task\.inputs\[0\]='\.\./x': give it relative to the launch dir"),
     ({"script": "train.py", "inputs": "data"}, r"task\.inputs='data' is not allowed: a list of paths"),
@@ -432,3 +434,17 @@ def test_a_scripts_own_error_is_the_cause_before_a_peers_echo_and_a_timeout_name
     assert failure(records[0], tmp_path, records=[records[0], rec(1, 10.3, echo)]).message.startswith(
         "its script exited with code 1")
     assert failure(records[0], tmp_path).message.startswith("its script exited with code 1")
+
+
+def test_a_scripts_nan_loss_is_said_without_a_stop_it_cannot_have(tmp_path, caplog):
+    # task.on_nonfinite=stop is refused for a script task (its loop is its own): the line must not offer it
+    from expgpu.script.log import _ScriptLog
+
+    sink = _ScriptLog(tmp_path, False)
+    with caplog.at_level("WARNING", logger="expgpu"):
+        for step in (1, 2, 3):
+            sink.log(step, {"loss": float("nan") if step >= 2 else 1.0})
+        sink.close()
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and said[0].startswith("loss is nan at step 2, the first logged value of it that is not a "
+                                                 "finite number; the script goes on (a learning rate"), said

@@ -211,6 +211,24 @@ def test_a_pruned_run_saves_no_checkpoint_and_writes_what_it_logged(tmp_path, ba
     assert [(r["step"], r["loss"]) for r in rows(tmp_path / "run")] == [(5, 5.0), (7, 7.0)]
 
 
+def diverges(run: Run, max_steps: int = 200, at: int = 5):
+    """A loss that becomes nan at step `at`, 20 ms a step: rows are written about once a second."""
+    model = run.wrap(torch.nn.Linear(1, 1))
+    run.track(model=model)
+    for step, _ in run.steps(None, max_steps):
+        time.sleep(0.02)
+        run.log(loss=float("nan") if step + 1 >= at else 1.0)
+
+
+def test_under_on_nonfinite_stop_a_diverged_run_stops_within_a_second_and_saves_nothing(tmp_path, base_cfg):
+    status, _, run = run_task(tmp_path / "run", base_cfg, "diverges", log_every=1, on_nonfinite="stop")
+    assert (status, run.stop_signal, run.final_stop) == ("stopped", "DIVERGED", True)   # the worker: "diverged"
+    assert 5 <= run.step < 120, run.step   # at the next write of its rows (~1 s: step ~50), not at its end
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()   # final: its parameters are nan
+    written = rows(tmp_path / "run")
+    assert written[-1]["step"] == run.step and run._metrics.nonfinite.first == {"loss": 5}, written[-3:]
+
+
 def test_rows_keep_the_last_value_of_each_log_every_window(tmp_path, base_cfg):
     run_task(tmp_path / "run", base_cfg, "regress", max_steps=25, log_every=10)
     assert [r["step"] for r in rows(tmp_path / "run")] == [10, 20, 25]

@@ -260,6 +260,29 @@ def test_a_trial_whose_objective_turns_nan_is_pruned_and_the_search_goes_on(tmp_
             assert result["status"] == "pruned" and result["steps"] < 400, result
 
 
+@pytest.mark.timeout(150)
+def test_under_on_nonfinite_stop_a_diverged_trial_ends_at_once_as_pruned_without_a_pruner(tmp_path):
+    """task.on_nonfinite=stop: a trial whose loss turns nan stops there and counts as PRUNED (the sampler learns the
+    region is bad), not as a failure; a search of nothing but such trials ends in one line that says why."""
+    search = ["hydra/sweeper=expgpu_optuna", *POOL, "task=digits", "task.on_nonfinite=stop", "objective=accuracy",
+              "hydra.sweeper.direction=maximize", "hydra.sweeper.sampler.seed=1"]
+    sweep = tmp_path / "sweep"
+    done = _sweep([*search, "task.optimizer.lr=choice(1e-3,1e36)", "hydra.sweeper.n_trials=4"], sweep)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for n, t in _study(sweep).items():
+        diverged = t["params"]["task.optimizer.lr"] == 1e36
+        assert t["state"] == ("PRUNED" if diverged else "COMPLETE"), t
+        result = json.loads((sweep / str(n) / "result.json").read_text())
+        assert result["status"] == ("diverged" if diverged else "finished"), result
+        if diverged:
+            assert t["reason"] == "diverged: loss nan or inf from step 10" and result["steps"] < 400, (t, result)
+    assert "diverged at step" in done.stdout + done.stderr   # gpu_pool's line for the job
+    every = _sweep([*search, "task.optimizer.lr=choice(1e36,1e37)", "hydra.sweeper.n_trials=2"], tmp_path / "every")
+    assert every.returncode == 1, every.stderr[-3000:]
+    assert every.stderr.strip().splitlines()[-1].startswith(
+        "expgpu: no trial completed: 2 diverged, every trial's loss became nan or inf"), every.stderr[-2000:]
+
+
 @pytest.mark.parametrize("args,says", [
     (["hydra.sweeper.pruner={_target_:optuna.pruners.MedianPruner,warmup:3}"],
      "hydra.sweeper.pruner._target_=optuna.pruners.MedianPruner: does not take (warmup=3)"),

@@ -43,7 +43,7 @@ from expgpu import envvars, rundir
 from expgpu.errors import EXIT_HUNG, EXIT_USER_ERROR, Hung, UserError, WorkerFailed
 from expgpu.launch import bad_nodes
 from expgpu.procs import stop_signals
-from expgpu.results import Failure, current_attempt, now, read_job_failure, read_result, record_attempt
+from expgpu.results import CUT_SHORT, Failure, current_attempt, now, read_job_failure, read_result, record_attempt
 
 log = logging.getLogger("expgpu")
 
@@ -252,7 +252,7 @@ def after_step(run_dir: Path, attempt: int, code: int, started: float,
     if job is not None and job.get("user_error"):
         return code
     result = read_result(run_dir) if fresh(Path(run_dir) / rundir.RESULT) else None
-    if result is not None and result.get("status") in ("stopped", "pruned"):
+    if result is not None and result.get("status") in ("stopped", *CUT_SHORT):
         return code
     verdict = hang_verdict(run_dir) if fresh(rundir.hang_verdict(run_dir)) else None
     if verdict is None and job is None and code in STOP_CODES:

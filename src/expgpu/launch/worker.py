@@ -162,8 +162,8 @@ def _outcome(run, spec, dog, on_error, t_start: float) -> tuple[str, dict]:
     finally:
         if dog is not None:
             dog.done()
-    if status == "stopped" and run.pruned:
-        status = "pruned"   # final: not to resume
+    if status == "stopped" and run.final_stop:   # final: not to resume
+        status = "pruned" if run.pruned else "diverged"
     # The run's speed beside what it returned: the loggers' runs compare it across a sweep.
     speed = run.timings(t_start)["steps_per_s"]
     run.finish_loggers(status, {**metrics, **({"steps_per_s": speed} if speed is not None else {})})

@@ -29,8 +29,8 @@ class Sink:
         raise NotImplementedError
 
     def finish(self, status: str, metrics: dict, step: int, last_row: dict | None) -> None:
-        """status: finished, pruned (an optimizing sweeper's pruner ended it: final), stopped (resumable) or failed;
-        metrics: what the task returned."""
+        """status: finished, pruned (an optimizing sweeper's pruner ended it: final), diverged (its loss became nan
+        under task.on_nonfinite=stop: final), stopped (resumable) or failed; metrics: what the task returned."""
 
 
 _NOT_METRICS = frozenset({"step", "time", *FIELDS})

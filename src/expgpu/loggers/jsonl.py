@@ -162,8 +162,11 @@ class MetricsLog:
     """rank 0's metrics.jsonl and progress display; its sinks (expgpu.loggers.base.Sink: the chosen
     loggers, an optimizing sweeper's trial) are fed the same rows."""
 
-    def __init__(self, run_dir: Path, total_steps: int | None = None, sinks=(), show: bool = True):
-        """`show`: the progress on the console (a script's rows are shown by its supervisor instead)."""
+    def __init__(self, run_dir: Path, total_steps: int | None = None, sinks=(), show: bool = True,
+                 nonfinite: NonFinite | None = None):
+        """`show`: the progress on the console (a script's rows are shown by its supervisor instead);
+        `nonfinite`: what a loss or a score written as nan or inf does (said; under task.on_nonfinite=stop, the
+        run stopped: expgpu.train.run hands it that NonFinite)."""
         self.path = Path(run_dir) / METRICS
         self.pending: dict[str, tuple[int, Any]] = {}
         self.file = None
@@ -184,7 +187,8 @@ class MetricsLog:
         self._sinks_ended = False
         # the seconds the loop has waited for its batches so far, once it takes them from a loader (expgpu.train.run)
         self.waited: Callable[[], float] | None = None
-        self.nonfinite = NonFinite()   # a loss or a score that became nan or inf: said once, its step kept
+        # a loss or a score that became nan or inf: said once, its step kept (and the run stopped, if so asked)
+        self.nonfinite = nonfinite or NonFinite()
 
     def open(self, resumed_step: int, total_steps: int | None, resumed: bool = False) -> None:
         """Before the first row: trim what a resume redoes, open for appending, start the sinks."""

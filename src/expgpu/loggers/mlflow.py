@@ -23,6 +23,7 @@ from pathlib import Path
 
 from expgpu.loggers import base
 from expgpu.loggers.state import LoggerState
+from expgpu.results import CUT_SHORT, FINAL
 
 SEND_EVERY_S = 2.0
 _MAX_BATCH = 1000          # MLflow's limit of metrics per log_batch
@@ -151,7 +152,7 @@ class MlflowLogger:
         try:
             self._send()
         finally:
-            if status == "pruned":   # final as a finished run (nothing resumes it), told apart by its tag
-                self.client.set_tag(self.run_id, "expgpu.status", "pruned")
-            self.client.set_terminated(self.run_id, {"finished": "FINISHED", "pruned": "FINISHED",
-                                                     "stopped": "KILLED"}.get(status, "FAILED"))
+            if status in CUT_SHORT:   # final as a finished run (nothing resumes it), told apart by its tag
+                self.client.set_tag(self.run_id, "expgpu.status", status)
+            self.client.set_terminated(self.run_id, "FINISHED" if status in FINAL else
+                                       "KILLED" if status == "stopped" else "FAILED")

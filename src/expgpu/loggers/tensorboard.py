@@ -19,6 +19,7 @@ from pathlib import Path
 
 from expgpu.loggers import base
 from expgpu.loggers.state import LoggerState
+from expgpu.results import FINAL
 
 
 class TensorBoardLogger:
@@ -64,10 +65,10 @@ class TensorBoardLogger:
             final = base.final_metrics(metrics, last_row)
             for name, value in final.items():
                 self.writer.add_scalar(name, value, step)
-            if status in ("finished", "pruned"):   # final: a stopped run adds its row when it is resumed
+            if status in FINAL:   # final: a stopped run adds its row when it is resumed
                 # The HPARAMS tab: every hyperparameter against the metrics the task returned, read
-                # from the scalars of those names (their last values). A pruned trial returns none:
-                # against what its last row holds (what its pruner judged), beside the finished ones.
+                # from the scalars of those names (their last values). A pruned or diverged run returns
+                # none: against what its last row holds (what its pruner judged), beside the finished ones.
                 shown = metrics if status == "finished" else base.values(last_row or {})
                 names = {k: v for k, v in shown.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
                 # bool is an int to torch's hparams(), which would show true as 1.0: spell it out.

@@ -19,6 +19,7 @@ import uuid
 
 from expgpu.loggers import base
 from expgpu.loggers.state import LoggerState
+from expgpu.results import FINAL
 
 
 class WandbLogger:
@@ -60,5 +61,5 @@ class WandbLogger:
         self.run.summary.update({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         if status == "stopped":
             self.run.mark_preempting()
-        self.run.finish(exit_code=0 if status in ("finished", "pruned") else 1)   # pruned: final, not resumed
+        self.run.finish(exit_code=0 if status in FINAL else 1)   # pruned, diverged: final, not resumed
         self.run = None

@@ -20,6 +20,7 @@ from expgpu.pool.settings import Settings
 from expgpu.pool.spares import SPARES_LOG, Spare
 from expgpu.pool.starts import Starter
 from expgpu.pool.steps import StepStarter
+from expgpu.results import CUT_SHORT
 
 # A second signal this soon after the first, the same one, is the same request (the batch shell hands on
 # what SLURM may have sent this process too), not a second Ctrl-C that kills at once.
@@ -249,7 +250,8 @@ class Pool(StepStarter, Starter):
             job.ret = self._job_return(job, job.returncode)
             took = job.ended - job.started
             if job.state == "finished":
-                self.board.event(f"#{job.num} finished in {took:.1f}s on {job.where}", first=True)
+                self.board.event(f"#{job.num} {_cut_short(job.ret) or 'finished'} in {took:.1f}s on {job.where}",
+                                 first=True)
             else:
                 self.board.event(f"#{job.num} {job.state} after {took:.1f}s on {job.where}: {job.error}", first=True)
             self._dirty = True
@@ -279,3 +281,12 @@ class Pool(StepStarter, Starter):
             log.error("%s", j.failure())
             if isinstance(getattr(j.ret, "_return_value", None), jobfiles.JobFailed):
                 j.ret._return_value.reported = True
+
+
+def _cut_short(ret) -> str:
+    """`pruned at step 120`, `diverged at step 10`: an expgpu job that ended for good before its end (its result.json,
+    returned: an objective's value is returned only for a finished run); "" for any other job."""
+    value = getattr(ret, "_return_value", None)
+    if isinstance(value, dict) and value.get("status") in CUT_SHORT:
+        return f"{value['status']} at step {value.get('steps')}"
+    return ""

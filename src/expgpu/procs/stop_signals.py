@@ -13,9 +13,11 @@ process and with it the chance to requeue). The handlers that were there before 
 under submitit they are its requeue logic, which expgpu.launch.requeue calls once the checkpoint is
 on disk.
 
-Besides the signals, one request comes from inside the run: PRUNED, made on rank 0 when an optimizing
-sweeper's pruner ends the trial (expgpu.tune.bridge). It is agreed like a signal, so every rank stops
-at the same step and saves; it is the weakest: a signal that comes with it wins.
+Besides the signals, two requests come from inside the run, made on rank 0: PRUNED, when an optimizing
+sweeper's pruner ends the trial (expgpu.tune.bridge), and DIVERGED, when a logged loss or score becomes nan
+or inf under task.on_nonfinite=stop (expgpu.loggers.nonfinite). They are agreed like a signal, so every
+rank stops at the same step; both end the run for good (FINAL: nothing is saved to resume it), and they
+are the weakest: a signal that comes with one wins, and its stop saves.
 
 No torch here: every launcher installs it.
 """
@@ -35,9 +37,12 @@ from expgpu import envvars
 # ending the job and decides what comes next, so it wins over SIGUSR2, which asks expgpu
 # to requeue; SIGINT is a person at a terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGUSR2, signal.SIGTERM)
-# A stop a trial's pruner asks for (StopSignals.request): no signal, the weakest request.
+# The stops a run asks for itself (StopSignals.request), no signal: a trial's pruner's, a diverged loss's. The
+# weakest requests, and final ones: the run ends for good (its status pruned or diverged; its exit code 0).
 PRUNED = "PRUNED"
-REQUESTS = (PRUNED, *(s.name for s in STOP_SIGNALS))   # by precedence, weakest first
+DIVERGED = "DIVERGED"
+FINAL = (PRUNED, DIVERGED)
+REQUESTS = (*FINAL, *(s.name for s in STOP_SIGNALS))   # by precedence, weakest first
 # The signals a worker started by expgpu.launch.spawn stops on: its supervisor's (see StopSignals.install).
 ENV_SIGNALS = envvars.STOP_SIGNALS
 # A Ctrl-C reaches a worker twice when both its launcher (which passes signals on) and the
@@ -97,7 +102,7 @@ class StopSignals:
         self.request(signal.Signals(signum).name)
 
     def request(self, name: str) -> None:
-        """A stop request (a signal's name, or PRUNED), agreed by the ranks at the next poll."""
+        """A stop request (a signal's name, PRUNED or DIVERGED), agreed by the ranks at the next poll."""
         if self.received is None or strength(name) > strength(self.received):
             self.received = name
 
@@ -105,7 +110,7 @@ class StopSignals:
     def exit_code(self) -> int:
         """128 + the signal, as a shell reports a process ended by it (130 Ctrl-C, 143 SIGTERM)."""
         name = self.agreed or self.received or "SIGTERM"
-        return 0 if name == PRUNED else 128 + int(signal.Signals[name])
+        return 0 if name in FINAL else 128 + int(signal.Signals[name])
 
 
 def block_in_child() -> None:

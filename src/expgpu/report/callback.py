@@ -24,6 +24,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from expgpu.errors import plural
+from expgpu.results import CUT_SHORT, FINAL
 
 log = logging.getLogger("expgpu")
 
@@ -84,11 +85,11 @@ class SweepReport(Callback):
         except Exception as e:   # e.g. no job dir at all (every job failed to compose): nothing to report
             log.debug("no sweep report for %s: %s", sweep, e)
             return
-        failed = sum(r.status not in ("finished", "pruned") for r in rows)
-        pruned = sum(r.status == "pruned" for r in rows)
+        failed = sum(r.status not in FINAL for r in rows)
+        cut = "".join(f", {n} {status}" for status in CUT_SHORT if (n := sum(r.status == status for r in rows)))
         line = f"sweep report: {sweep / HTML_FILE}"
         if finished:
-            line += (f" ({plural(len(rows), 'job')}{f', {pruned} pruned' if pruned else ''}"
+            line += (f" ({plural(len(rows), 'job')}{cut}"
                      f"{f', {failed} unfinished' if failed else ''}); {headline(ranking)}")
             log.info("%s", line)
             if rerun(rows, ranking):

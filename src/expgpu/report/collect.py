@@ -20,6 +20,7 @@ from pathlib import Path
 
 from expgpu.errors import UserError
 from expgpu.loggers.progress import FIELDS
+from expgpu.results import CUT_SHORT, FINAL, nonfinite_words
 from expgpu.rundir import METRICS, POOL_RECORD, RESULT, STUDY, failure_files, hang_dir, job_failure_file
 
 # Every metrics.jsonl row's own bookkeeping, not a metric the task logged: no panel of its own.
@@ -47,12 +48,12 @@ class Row:
     @property
     def said(self) -> str:
         """The line under the table: why a job failed, or a finished one's note."""
-        return self.note if self.status in ("finished", "pruned") else self.error
+        return self.note if self.status in FINAL else self.error
 
     @property
     def shown_status(self) -> str:
-        """The status as the table shows it: a pruned trial with the step it stopped at (pruned@120)."""
-        return f"pruned@{self.steps}" if self.status == "pruned" and self.steps is not None else self.status
+        """The status as the table shows it: a pruned or diverged job with the step it stopped at (pruned@120)."""
+        return f"{self.status}@{self.steps}" if self.status in CUT_SHORT and self.steps is not None else self.status
 
     def command(self) -> str:
         """The command that reruns this job alone: Hydra's flags the sweep was given (--config-dir), its
@@ -223,12 +224,13 @@ def _is_simulated(job_dir: Path) -> bool:
         return False
 
 
-def _diverged(nonfinite) -> str:
-    """result.json's `nonfinite` (expgpu.loggers.nonfinite) in words."""
-    if not isinstance(nonfinite, dict) or not nonfinite:
+def _diverged(nonfinite, status: str) -> str:
+    """result.json's `nonfinite` (expgpu.loggers.nonfinite) in words; `status` diverged: the run stopped there."""
+    words = nonfinite_words(nonfinite)
+    if not words:
         return ""
-    return "diverged: " + ", ".join(f"{name} nan or inf from step {step}" for name, step in nonfinite.items()) \
-        + " (it trained on to its end)"
+    return f"diverged: {words}" \
+        + (" (stopped there: task.on_nonfinite=stop)" if status == "diverged" else " (it trained on to its end)")
 
 
 def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
@@ -253,7 +255,7 @@ def read_job(job_dir: Path, name: str, pool: dict | None = None) -> Row:
                        if isinstance(v, (int, float)) and not isinstance(v, bool)} if isinstance(metrics, dict) else {}
         row.steps = result.get("steps")
         row.devices = devices(result, _is_simulated(job_dir))
-        row.note = _diverged(result.get("nonfinite"))
+        row.note = _diverged(result.get("nonfinite"), row.status)
         timing = result.get("timing") or {}
         if isinstance(timing.get("train_s"), (int, float)):
             row.wall_s = round(float(timing.get("startup_s") or 0) + float(timing["train_s"]), 3)

@@ -36,6 +36,7 @@ from pathlib import Path
 from expgpu import envvars
 from expgpu.loggers.base import Sink
 from expgpu.loggers.jsonl import LOG_FORMS, ROW_KEYS, MetricsLog, positional_values, read_rows, trim
+from expgpu.loggers.nonfinite import NonFinite
 from expgpu.procs.stop_signals import NEVER
 from expgpu.rundir import METRICS, atomic_write_bytes, script_held_rows, script_log_marker
 from expgpu.script.heartbeat import Beat
@@ -96,7 +97,8 @@ class _ScriptLog:
     def __init__(self, run_dir: Path, resumed: bool, prompt: Sink | None = None):
         self.run_dir, self.resumed = run_dir, resumed
         # rank 0's supervisor shows the progress (script.loggers), and reports a trial's objective to its pruner
-        self.metrics = MetricsLog(run_dir, show=False, sinks=[prompt] if prompt else ())
+        self.metrics = MetricsLog(run_dir, show=False, sinks=[prompt] if prompt else (),
+                                  nonfinite=NonFinite(script=True))
         self.next_step: int | None = None
         self.held: list[dict] = []   # an earlier attempt's rows at this attempt's first step, held back
         self.epoch = 0

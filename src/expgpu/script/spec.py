@@ -200,6 +200,10 @@ def _check_keys(task: Mapping) -> None:
             continue
         if key in RUN_KEYS:
             if value != RUN_KEYS[key] and str(value) != str(RUN_KEYS[key]):
+                if key == "on_nonfinite":   # the script's loop is its own: expgpu cannot end it at a step
+                    raise UserError(f"task.on_nonfinite={value!r} does not apply to a script task (it stops a task "
+                                    "function's run.steps); a script's nan loss is said from its expgpu.log rows, and "
+                                    "the script itself stops on it (math.isfinite(loss) in its loop)")
                 raise UserError(f"task.{key}={value!r} does not apply to a script task (it is for task functions); "
                                 f"give the script its own setting in task.args (e.g. task.args.{key}={value})")
             continue

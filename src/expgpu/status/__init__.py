@@ -5,7 +5,7 @@
     expgpu status --watch 5             the same, refreshed every 5 s until Ctrl-C
     expgpu status --json                a list of rows, for scripts
 
-One row a run: its status (running, finished, failed, stopped, pruned, hung, lost: its process died without a
+One row a run: its status (running, finished, failed, stopped, pruned, diverged, hung, lost: its process died without a
 result; queued: a SLURM job not started), step of total, the last logged values, GPUs, elapsed, ETA, its dir; a
 sweep as one row with its jobs' counts. It reads only the run dirs (and asks squeue, once, about SLURM jobs whose
 files cannot say), never imports torch, and answers in well under a second for a thousand run dirs.

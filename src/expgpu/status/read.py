@@ -36,7 +36,7 @@ class RunRow:
     kind: str                         # run, sweep, job (a SLURM job of a sweep without a run dir yet), or
     #                                   allocation (a slurm_pool sweep's, while SLURM queues it)
     dir: str
-    status: str = "unknown"           # running, finished, failed, stopped, pruned, hung, lost, queued, ...
+    status: str = "unknown"           # running, finished, failed, stopped, pruned, diverged, hung, lost, queued, ...
     step: int | None = None
     max_steps: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)   # the last logged values (result.json's at the end)

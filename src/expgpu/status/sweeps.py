@@ -27,8 +27,9 @@ from expgpu.status.table import number
 
 DEPTH = 4
 # Which status a sweep row shows, from its jobs': the first that any job has (a search whose trials finished
-# or were pruned is finished; one whose every trial was pruned, pruned)
-_SWEEP_ORDER = ("running", "queued", "waiting", "lost", "failed", "hung", "broken", "stopped", "finished", "pruned")
+# or were pruned or diverged is finished; one whose every trial was pruned, pruned)
+_SWEEP_ORDER = ("running", "queued", "waiting", "lost", "failed", "hung", "broken", "stopped", "finished", "diverged",
+                "pruned")
 
 
 def find(top: Path) -> tuple[list[Path], list[Path]]:

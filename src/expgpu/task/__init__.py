@@ -10,7 +10,7 @@ A task file without `_target_` (model + dataset + optimizer + loss + ...) gives 
 the built-in supervised function, `expgpu.tasks.supervised.train`: one loop, not two.
 
 A few keys belong to the run and are read by expgpu whatever the function (RUN_KEYS: the seed,
-the logging cadence and what a row keeps, the precision of run.autocast); they reach the
+the logging cadence and what a row keeps, the precision of run.autocast, what a nan loss does); they reach the
 function too when it names them. Every other key must be a parameter of the function: a
 misspelt one is an error naming it, not a setting silently ignored. Values are checked against
 the function's annotations (int, float, bool, str, Literal, Enum, and lists, tuples and dicts of
@@ -51,13 +51,16 @@ TRIAL_IMPORTS = ["optuna", "expgpu.tune.bridge", "expgpu.tune.settings", "expgpu
 # The run's own keys and their defaults. seed_per_rank None: true for a task function (each rank
 # draws its own dropout masks and noise), false for the built-in loop (as before it existed).
 RUN_KEYS: dict[str, Any] = {"name": None, "seed": 0, "seed_per_rank": None, "log_every": 10, "log_reduce": "last",
-                            "precision": 32}
+                            "precision": 32, "on_nonfinite": "continue"}
 PRECISIONS = ("32", "16", "bf16")
 # What a metrics.jsonl row holds for a name logged several times since the last row (expgpu.loggers.jsonl).
 LOG_REDUCES = ("last", "mean")
+# A logged loss or score that becomes nan or inf (expgpu.loggers.nonfinite): the run trains on, as a plain loop
+# would, or every rank stops there (the run ends as `diverged`, final, nothing saved).
+ON_NONFINITE = ("continue", "stop")
 # Settings a resume may change: the rest must match the checkpoint's (its fingerprint).
 MAY_CHANGE = ("max_steps", "log_every", "log_reduce", "name", "eval_every", "eval_dataset", "eval_batch_size",
-              "compile")
+              "compile", "on_nonfinite")
 
 
 class ImportRaised(UserError):
@@ -78,6 +81,7 @@ class TaskSpec:
     log_every: int
     log_reduce: str        # "last" | "mean"
     precision: str         # "32" | "16" | "bf16"
+    on_nonfinite: str      # "continue" | "stop"
     identity: dict         # the settings a checkpoint must share with its resume
     fingerprint: str
     # (parameter name, its dataclass or dict) when the function takes the whole task config as one
@@ -206,8 +210,11 @@ def _run_settings(keys: dict, classic: bool) -> dict:
         raise UserError(f"task.precision={precision!r} is not allowed: 32, 16 or bf16")
     if keys["name"] is not None and not isinstance(keys["name"], str):
         raise UserError(f"task.name={keys['name']!r} is not allowed: a string")
+    if keys["on_nonfinite"] not in ON_NONFINITE:
+        raise UserError(f"task.on_nonfinite={keys['on_nonfinite']!r} is not allowed: continue or stop (a logged loss "
+                        "or score that becomes nan or inf: train on to the end, or stop every rank there)")
     return {"seed": seed, "log_every": every, "log_reduce": keys["log_reduce"], "precision": str(precision),
-            "seed_per_rank": (not classic) if per_rank is None else per_rank}
+            "seed_per_rank": (not classic) if per_rank is None else per_rank, "on_nonfinite": keys["on_nonfinite"]}
 
 
 def check_targets(spec: TaskSpec) -> None:

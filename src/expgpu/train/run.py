@@ -27,6 +27,7 @@ ranks' copies equal) and, for every rank, its RNG states and its position in the
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import time
@@ -42,8 +43,9 @@ from expgpu.distributed import group, rng
 from expgpu.distributed.wrap import ddp_options, wrap
 from expgpu.errors import UserError
 from expgpu.loggers.jsonl import LOG_FORMS, ROW_KEYS, MetricsLog, WindowMeanLog, positional_values
+from expgpu.loggers.nonfinite import NonFinite
 from expgpu.procs.hang_rules import DATA_OUT, MAX_DONE
-from expgpu.procs.stop_signals import NEVER
+from expgpu.procs.stop_signals import DIVERGED, NEVER
 from expgpu.train.batches import END_OF_EPOCH, Feed
 from expgpu.train.loaders import RankLoaders, check_loader_args
 from expgpu.train.run_args import check_steps, epochs_range
@@ -102,8 +104,10 @@ class Run(RunCheckpoint, RunEnd, RunCollectives, RunChecks):
         self._steps_over = ""   # its last loop is over: why (hang_rules.DATA_OUT or MAX_DONE); no step follows
         # task.log_reduce chooses the class once: run.log, called every step, tests nothing for it
         log_class = WindowMeanLog if spec.log_reduce == "mean" else MetricsLog
-        # rank 0's rows also go to `sinks` (expgpu.loggers.base.Sink: the chosen loggers, a sweeper's trial)
-        self._metrics = log_class(self.run_dir, sinks=sinks) if self.is_main else None
+        # rank 0's rows also go to `sinks` (expgpu.loggers.base.Sink: the chosen loggers, a sweeper's trial); under
+        # task.on_nonfinite=stop a loss that becomes nan there asks every rank to stop, agreed as a signal is
+        diverged = functools.partial(agreement.signals.request, DIVERGED) if spec.on_nonfinite == "stop" else None
+        self._metrics = log_class(self.run_dir, sinks=sinks, nonfinite=NonFinite(diverged)) if self.is_main else None
         self._gpu_speed = gpu_speed
         self._start_step = 0
         self._timing: dict[str, float | None] = {"first_step_at": None, "t10": None, "end": None}

@@ -81,7 +81,7 @@ class RunCheckpoint:
         self._agreement.settle()
         self.stop_signal = self._agreement.agreed
         self._timing["end"] = time.time()
-        if self._pending is None and not self.pruned:   # _pending: nothing new since the checkpoint was read
+        if self._pending is None and not self.final_stop:   # _pending: nothing new since the checkpoint was read
             self._save("stop requested")
         self._stopped = True
         raise StopTraining(self.stop_signal)

@@ -10,7 +10,7 @@ import time
 from expgpu.distributed import group
 from expgpu.loggers.progress import DATA_WARN
 from expgpu.procs.hang_rules import ENDED, ENDED_IN_STEP, SETUP
-from expgpu.procs.stop_signals import PRUNED
+from expgpu.procs.stop_signals import FINAL, PRUNED
 
 # A rank that waited for its batches DATA_WARN of its training time or more, in a training of at least
 # DATA_WARN_S (a short one's first batch, its loader's workers starting, is most of it), is said at the end.
@@ -20,10 +20,16 @@ DATA_WARN_S = 20.0
 class RunEnd:
     @property
     def pruned(self) -> bool:
-        """An optimizing sweeper's pruner ended the run (expgpu.tune): it is final, and nothing is kept to resume
-        it (no checkpoint: a large model's save would hold the GPU and the pool's slot for nothing). A signal
-        that lands beside a prune wins the ranks' agreement: that stop is resumable, and saves."""
+        """An optimizing sweeper's pruner ended the run (expgpu.tune)."""
         return self.stop_signal == PRUNED
+
+    @property
+    def final_stop(self) -> bool:
+        """The run stopped on a request of its own that ends it for good: a prune, or a loss that became nan under
+        task.on_nonfinite=stop. Nothing is kept to resume it (no checkpoint: a large model's save would hold the
+        GPU and the pool's slot for nothing). A signal that lands beside one wins the ranks' agreement: that stop
+        is resumable, and saves."""
+        return self.stop_signal in FINAL
 
     def progress(self) -> tuple[int, str]:
         """(steps done, what the rank does now: setup until its run.steps / run.epochs begins; "first
@@ -68,8 +74,8 @@ class RunEnd:
                 self._state.settle()   # an async_save still being written: in place before the run ends
             if self._metrics is not None:
                 # after a stop, what was logged since the last row is in the checkpoint (written on resume);
-                # a pruned run has none: its last row is written now, as at an end
-                in_checkpoint = self._stopped and not self.pruned
+                # a pruned or diverged run has none: its last row is written now, as at an end
+                in_checkpoint = self._stopped and not self.final_stop
                 self._metrics.close(self.epoch, flush=not in_checkpoint, crashed=not finished and not self._stopped)
 
     def finish_loggers(self, status: str, metrics: dict) -> None:

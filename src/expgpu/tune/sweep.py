@@ -26,6 +26,7 @@ import traceback
 from pathlib import Path
 
 from expgpu.errors import Stopped, UserError, one_line
+from expgpu.results import nonfinite_words
 from expgpu.tune import TRIAL_ENV
 from expgpu.tune import study as studies
 from expgpu.tune.runners import Runner
@@ -152,7 +153,8 @@ class Sweep:
             raise UserError(f"trial {num}: {reason}")
         studies.tell(self.study, trial, state, values, reason)
         shown = {"COMPLETE": lambda: f"{', '.join(f'{v:.6g}' for v in values)}",
-                 "PRUNED": lambda: "pruned", "FAIL": lambda: f"failed: {reason}"}[state]()
+                 "PRUNED": lambda: f"pruned ({reason})" if reason else "pruned",
+                 "FAIL": lambda: f"failed: {reason}"}[state]()
         log.info("trial %d: %s (%s)", num, shown, " ".join(f"{k}={v}" for k, v in trial.params.items()))
         if state == "COMPLETE" and self.s.pruner and not self.warned_unlogged:
             self._check_logged(num)
@@ -216,11 +218,17 @@ class Sweep:
 
         trials = self.study.get_trials(deepcopy=False)
         failed = sum(t.state == TrialState.FAIL for t in trials)
-        pruned = sum(t.state == TrialState.PRUNED for t in trials)
-        counts = ", ".join(f"{n} {what}" for n, what in ((failed, "failed"), (pruned, "pruned")) if n)
+        diverged = sum(t.state == TrialState.PRUNED and str(t.user_attrs.get(studies.REASON)).startswith("diverged")
+                       for t in trials)
+        pruned = sum(t.state == TrialState.PRUNED for t in trials) - diverged
+        counts = ", ".join(f"{n} {what}" for n, what in ((failed, "failed"), (diverged, "diverged"),
+                                                         (pruned, "pruned")) if n)
         if failed:
             why = (f"which max_failure_rate={self.s.max_failure_rate:g} let the search go past (each trial's "
                    "reason: the lines above")
+        elif not pruned:
+            why = ("every trial's loss became nan or inf, and task.on_nonfinite=stop ended it there: narrow the "
+                   "search to steadier settings, a smaller learning rate above all (each trial's step")
         else:
             why = (f"the pruner ({type(self.study.pruner).__name__}) stopped every trial before its last step: "
                    "loosen it (n_warmup_steps, min_resource) or check hydra.sweeper.direction against the "
@@ -248,6 +256,8 @@ def outcome(ret, n_objectives: int, names: tuple[str, ...] | None = None) -> tup
     if isinstance(value, dict):
         if value.get("status") == "pruned":
             return "PRUNED", None, ""
+        if value.get("status") == "diverged":   # task.on_nonfinite=stop: a bad region, as a prune tells the sampler
+            return "PRUNED", None, f"diverged: {nonfinite_words(value.get('nonfinite'))}"
         if "status" in value and value["status"] != "finished":   # an expgpu result: it ended otherwise
             return "FAIL", None, f"the job returned no objective (status {value.get('status')})"
         if not names:
