@@ -257,7 +257,7 @@ def _finished(result: dict | None, info: ranks.RankInfo, run_dir: Path) -> dict 
     stopper = stop_signals.install()
     if result is not None and result["status"] == "stopped":
         stopper.agreed = result["stop_signal"]  # a supervisor learns it from its workers
-    if stopper.agreed in stop_signals.FINAL or (result or {}).get("status") in CUT_SHORT:
+    if stopper.agreed in stop_signals.FINAL_REQUESTS or (result or {}).get("status") in CUT_SHORT:
         # the trial's pruner, or a diverged loss, ended it: the job is done (no requeue), and a sweeper reads
         # why. The request is spent: a launcher that runs the next job in this process (basic) starts afresh.
         stopper.received = stopper.agreed = None

@@ -16,8 +16,8 @@ on disk.
 Besides the signals, two requests come from inside the run, made on rank 0: PRUNED, when an optimizing
 sweeper's pruner ends the trial (expgpu.tune.bridge), and DIVERGED, when a logged loss or score becomes nan
 or inf under task.on_nonfinite=stop (expgpu.loggers.nonfinite). They are agreed like a signal, so every
-rank stops at the same step; both end the run for good (FINAL: nothing is saved to resume it), and they
-are the weakest: a signal that comes with one wins, and its stop saves.
+rank stops at the same step; both end the run for good (FINAL_REQUESTS: nothing is saved to resume it),
+and they are the weakest: a signal that comes with one wins, and its stop saves.
 
 No torch here: every launcher installs it.
 """
@@ -41,8 +41,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGUSR2, signal.SIGTERM)
 # weakest requests, and final ones: the run ends for good (its status pruned or diverged; its exit code 0).
 PRUNED = "PRUNED"
 DIVERGED = "DIVERGED"
-FINAL = (PRUNED, DIVERGED)
-REQUESTS = (*FINAL, *(s.name for s in STOP_SIGNALS))   # by precedence, weakest first
+FINAL_REQUESTS = (PRUNED, DIVERGED)
+REQUESTS = (*FINAL_REQUESTS, *(s.name for s in STOP_SIGNALS))   # by precedence, weakest first
 # The signals a worker started by expgpu.launch.spawn stops on: its supervisor's (see StopSignals.install).
 ENV_SIGNALS = envvars.STOP_SIGNALS
 # A Ctrl-C reaches a worker twice when both its launcher (which passes signals on) and the
@@ -110,7 +110,7 @@ class StopSignals:
     def exit_code(self) -> int:
         """128 + the signal, as a shell reports a process ended by it (130 Ctrl-C, 143 SIGTERM)."""
         name = self.agreed or self.received or "SIGTERM"
-        return 0 if name in FINAL else 128 + int(signal.Signals[name])
+        return 0 if name in FINAL_REQUESTS else 128 + int(signal.Signals[name])
 
 
 def block_in_child() -> None:

@@ -10,7 +10,7 @@ import time
 from expgpu.distributed import group
 from expgpu.loggers.progress import DATA_WARN
 from expgpu.procs.hang_rules import ENDED, ENDED_IN_STEP, SETUP
-from expgpu.procs.stop_signals import FINAL, PRUNED
+from expgpu.procs.stop_signals import FINAL_REQUESTS, PRUNED
 
 # A rank that waited for its batches DATA_WARN of its training time or more, in a training of at least
 # DATA_WARN_S (a short one's first batch, its loader's workers starting, is most of it), is said at the end.
@@ -29,7 +29,7 @@ class RunEnd:
         task.on_nonfinite=stop. Nothing is kept to resume it (no checkpoint: a large model's save would hold the
         GPU and the pool's slot for nothing). A signal that lands beside one wins the ranks' agreement: that stop
         is resumable, and saves."""
-        return self.stop_signal in FINAL
+        return self.stop_signal in FINAL_REQUESTS
 
     def progress(self) -> tuple[int, str]:
         """(steps done, what the rank does now: setup until its run.steps / run.epochs begins; "first
