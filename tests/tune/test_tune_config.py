@@ -253,25 +253,33 @@ def test_importing_the_plugin_does_not_import_optuna():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("max_steps,pruned", [(10, False), (20, True)])
-def test_a_trial_is_not_pruned_at_its_last_step(tmp_path, monkeypatch, max_steps, pruned):
-    """At its last step a trial has paid for its training: pruning it there would only lose its objective."""
-    import json
-
+def _reporter(tmp_path, monkeypatch, pruner: dict, completed: int = 0):
+    """A trial of a study in a journal (after `completed` trials that completed), with a TrialReporter on its file as
+    rank 0 of its job has one, and the StopSignals it would request a prune of: (study, reporter, signals)."""
     import optuna
 
     from expgpu.tune.bridge import TrialReporter
 
     journal = str(tmp_path / "optuna.journal")
     study = optuna.create_study(study_name="s", storage=storage.open_storage(journal))
+    for _ in range(completed):
+        done = study.ask()
+        done.report(1.0, 10)
+        study.tell(done, 1.0)
     trial = study.ask()
-    pruner = {"_target_": "optuna.pruners.ThresholdPruner", "upper": 0.5}
     spec = {"storage": journal, "study": "s", "trial_id": trial._trial_id, "number": trial.number,
             "objective": "loss", "pruner": pruner, "params": {}}
     (tmp_path / "trial.json").write_text(json.dumps(spec))
     signals = stop_signals.StopSignals()
     monkeypatch.setattr(stop_signals, "_current", signals)
-    reporter = TrialReporter.attach(str(tmp_path / "trial.json"))
+    return study, TrialReporter.attach(str(tmp_path / "trial.json")), signals
+
+
+@pytest.mark.parametrize("max_steps,pruned", [(10, False), (20, True)])
+def test_a_trial_is_not_pruned_at_its_last_step(tmp_path, monkeypatch, max_steps, pruned):
+    """At its last step a trial has paid for its training: pruning it there would only lose its objective."""
+    study, reporter, signals = _reporter(tmp_path, monkeypatch, {"_target_": "optuna.pruners.ThresholdPruner",
+                                                                 "upper": 0.5})
     reporter.write([{"step": 10, "loss": 0.9, "max_steps": max_steps}])   # above the threshold
     assert (signals.received == stop_signals.PRUNED) is pruned
     assert study.trials[0].intermediate_values == {10: 0.9}   # reported either way
@@ -285,22 +293,8 @@ def test_a_trial_whose_objective_becomes_nan_is_pruned_as_optuna_prunes_it(tmp_p
     out, the trial trained to its end, and its nan objective then failed it (at max_failure_rate 0, the search)."""
     import math
 
-    import optuna
-
-    from expgpu.tune.bridge import TrialReporter
-
-    journal = str(tmp_path / "optuna.journal")
-    study = optuna.create_study(study_name="s", storage=storage.open_storage(journal))
-    finished = study.ask()   # the median pruner judges none before a trial has completed
-    finished.report(1.0, 10)
-    study.tell(finished, 1.0)
-    trial = study.ask()
-    spec = {"storage": journal, "study": "s", "trial_id": trial._trial_id, "number": trial.number,
-            "objective": "loss", "pruner": pruner, "params": {}}
-    (tmp_path / "trial.json").write_text(json.dumps(spec))
-    signals = stop_signals.StopSignals()
-    monkeypatch.setattr(stop_signals, "_current", signals)
-    reporter = TrialReporter.attach(str(tmp_path / "trial.json"))
+    # one completed trial first: the median pruner judges none before one has completed
+    study, reporter, signals = _reporter(tmp_path, monkeypatch, pruner, completed=1)
     reporter.write([{"step": 10, "loss": float("nan"), "max_steps": 100}])
     assert signals.received == stop_signals.PRUNED
     assert math.isnan(study.trials[1].intermediate_values[10])
