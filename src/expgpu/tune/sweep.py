@@ -33,6 +33,8 @@ from expgpu.tune.runners import Runner
 from expgpu.tune.settings import Settings
 from expgpu.tune.space import Space
 
+# the reason a trial that task.on_nonfinite=stop ended is told to the study with, as PRUNED
+DIVERGED = "diverged: "
 log = logging.getLogger("expgpu")
 
 WAIT_S = 1.0   # a wait for any job to end returns at least this often (stop requests are checked)
@@ -218,7 +220,7 @@ class Sweep:
 
         trials = self.study.get_trials(deepcopy=False)
         failed = sum(t.state == TrialState.FAIL for t in trials)
-        diverged = sum(t.state == TrialState.PRUNED and str(t.user_attrs.get(studies.REASON)).startswith("diverged")
+        diverged = sum(t.state == TrialState.PRUNED and str(t.user_attrs.get(studies.REASON)).startswith(DIVERGED)
                        for t in trials)
         pruned = sum(t.state == TrialState.PRUNED for t in trials) - diverged
         counts = ", ".join(f"{n} {what}" for n, what in ((failed, "failed"), (diverged, "diverged"),
@@ -257,7 +259,7 @@ def outcome(ret, n_objectives: int, names: tuple[str, ...] | None = None) -> tup
         if value.get("status") == "pruned":
             return "PRUNED", None, ""
         if value.get("status") == "diverged":   # task.on_nonfinite=stop: a bad region, as a prune tells the sampler
-            return "PRUNED", None, f"diverged: {nonfinite_words(value.get('nonfinite'))}"
+            return "PRUNED", None, f"{DIVERGED}{nonfinite_words(value.get('nonfinite'))}"
         if "status" in value and value["status"] != "finished":   # an expgpu result: it ended otherwise
             return "FAIL", None, f"the job returned no objective (status {value.get('status')})"
         if not names:
