@@ -35,6 +35,7 @@ from expgpu.tune.space import Space
 
 # the reason a trial that task.on_nonfinite=stop ended is told to the study with, as PRUNED
 DIVERGED = "diverged: "
+
 log = logging.getLogger("expgpu")
 
 WAIT_S = 1.0   # a wait for any job to end returns at least this often (stop requests are checked)
